@@ -1,0 +1,45 @@
+// kvshare's one error type and result alias, shared by every module.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <string>
+#include <tl/expected.hpp>
+#include <utility>
+
+namespace kvshare {
+
+// What went wrong, with context: the object (path, fd, peer pid, JSON field, byte offset)
+// and, when the operating system was involved, its errno value. `message` never carries
+// the errno text; `what()` appends it.
+class Error {
+ public:
+  Error() = default;
+  Error(int errno_value, std::string message) : errno_value_(errno_value), message_(std::move(message)) {}
+
+  int errno_value() const { return errno_value_; }
+  const std::string& message() const { return message_; }
+  // "message: strerror(errno)" when errno_value is non-zero, else the message.
+  std::string what() const;
+
+  // Returns a copy whose message is "context: message" — for adding the outer object
+  // (the file being read, the request being served) as an error travels up.
+  Error with_context(std::string_view context) const;
+
+ private:
+  int errno_value_ = 0;
+  std::string message_;
+};
+
+template <class T>
+using Result = tl::expected<T, Error>;
+
+// `return fail(EINVAL, "state file {}: bad magic {:#x}", path, magic);`
+template <class... Args>
+tl::unexpected<Error> fail(int errno_value, fmt::format_string<Args...> format, Args&&... args) {
+  return tl::unexpected<Error>(Error(errno_value, fmt::format(format, std::forward<Args>(args)...)));
+}
+
+inline tl::unexpected<Error> fail(Error error) { return tl::unexpected<Error>(std::move(error)); }
+
+}  // namespace kvshare

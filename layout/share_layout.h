@@ -1,0 +1,50 @@
+// The fork's share_layout (1bit-MONSTER/llama.cpp src/llama-kv-share.cpp): where every
+// cache tensor sits inside the exported region, chunked at 1 GiB, one fd per chunk, each
+// chunk with its FNV-1a layout hash over type and shape. Same model and params must give
+// byte-identical offsets, sizes and hashes to the fork's decoder.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "layout/memory_shape.h"
+
+namespace kvshare::layout {
+
+// 4096, not the runtime page size: the decoder's layout fixes it, whatever the host.
+inline constexpr uint64_t kShareAlign = 4096;
+inline constexpr uint64_t kShareChunkMax = uint64_t{1} << 30;
+inline constexpr uint64_t kLayoutHashSeed = 0xcbf29ce484222325ull;
+inline constexpr uint64_t kLayoutHashPrime = 1099511628211ull;
+
+struct SharedTensor {
+  CacheTensor tensor;
+  uint32_t cache_index = 0;   // which cache object: index into kv_caches, or kv_caches.size() for recurrent
+  uint32_t chunk = 0;         // global chunk index = position in the fd list
+  uint64_t offset = 0;        // byte offset inside the chunk, 4096-aligned
+  uint64_t padded_bytes = 0;  // pad4096(nbytes)
+};
+
+struct ShareChunk {
+  uint32_t cache_index = 0;
+  uint64_t size_bytes = 0;    // >= 4096, a multiple of 4096
+  uint64_t layout_hash = 0;
+};
+
+struct ShareLayout {
+  std::vector<ShareChunk> chunks;      // fd order: per cache object, per chunk
+  std::vector<SharedTensor> tensors;   // creation order
+  uint64_t total_bytes() const;
+  const SharedTensor* find(std::string_view name) const;
+  // The K or V (or R/S) tensor of layer il in the given cache object; nullptr if none.
+  const SharedTensor* find(uint32_t cache_index, uint32_t il, TensorKind kind) const;
+};
+
+// Chunks and places every tensor of every cache object of `memory`.
+ShareLayout share_layout(const MemoryShape& memory);
+
+// The per-chunk hash step: h = (h ^ v) * prime for v = type, ne[0..3] as 64-bit words.
+uint64_t layout_hash_step(uint64_t hash, const CacheTensor& tensor);
+
+}  // namespace kvshare::layout

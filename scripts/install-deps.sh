@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs every Debian package kvshare builds, tests, fuzzes and benchmarks with.
+# The one place the dependency list lives: .ci/run and the README call this script.
+set -euo pipefail
+packages=(
+  build-essential cmake ninja-build pkg-config git python3 curl
+  clang libclang-rt-14-dev            # libFuzzer targets and the ASan+UBSan build
+  libfmt-dev nlohmann-json3-dev libcli11-dev libexpected-dev libcpp-httplib-dev
+  liburing-dev libdrm-dev libopenblas-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+)
+sudo_cmd=()
+if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "install-deps: installing ${missing[*]}"
+  "${sudo_cmd[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+# XRT is optional: the NPU import builds against it when Debian has it, and is skipped otherwise.
+if [ "${KVSHARE_WITH_XRT:-0}" = "1" ]; then
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends libxrt-dev || \
+    echo "install-deps: libxrt-dev unavailable; building without XRT"
+fi
+echo "install-deps: all packages present"

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The whole test suite, as the README's second command and .ci/run run it:
+#   1. a RelWithDebInfo build (gcc) and every CTest (unit, integration, fuzz replays, bench smoke);
+#   2. an ASan+UBSan build (clang) of the same tests, plus each libFuzzer target for a
+#      bounded time (KVSHARE_FUZZ_SECONDS, default 20 per target).
+# KVSHARE_SKIP_SANITIZE=1 runs step 1 only (quick local iterations).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+jobs=$(nproc)
+
+echo "== build (RelWithDebInfo)"
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build build -j "$jobs"
+echo "== tests"
+(cd build && ctest --output-on-failure -j "$jobs" --timeout 900)
+
+echo "== install + consumer project"
+rm -rf build/install build/consumer
+cmake --install build --prefix "$root/build/install" >/dev/null
+cmake -S tests/consumer -B build/consumer -G Ninja -DCMAKE_PREFIX_PATH="$root/build/install" >/dev/null
+cmake --build build/consumer
+build/consumer/kvshare-consumer
+
+if [ "${KVSHARE_SKIP_SANITIZE:-0}" = "1" ]; then
+  echo "== sanitizer build skipped (KVSHARE_SKIP_SANITIZE=1)"
+  exit 0
+fi
+
+echo "== build (clang, ASan+UBSan, libFuzzer targets)"
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
+  -DKVSHARE_SANITIZE=ON -DKVSHARE_FUZZ=ON >/dev/null
+cmake --build build-asan -j "$jobs"
+echo "== tests under ASan+UBSan"
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=0
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+# The benchmark smoke run is skipped here: it measures nothing under sanitizers.
+(cd build-asan && ctest --output-on-failure -j "$jobs" --timeout 1800 -E '^bench_smoke$')
+
+echo "== fuzzing (${KVSHARE_FUZZ_SECONDS:-20}s per target)"
+for fuzzer in build-asan/fuzz/fuzz-*; do
+  case "$fuzzer" in *-replay) continue ;; esac
+  [ -x "$fuzzer" ] || continue
+  name=$(basename "$fuzzer"); name=${name#fuzz-}
+  corpus_dir="build-asan/fuzz-corpus/$name"
+  mkdir -p "$corpus_dir"
+  seeds=()
+  [ -d "tests/fuzz/corpus/$name" ] && seeds+=("tests/fuzz/corpus/$name")
+  echo "-- $name"
+  "$fuzzer" -max_total_time="${KVSHARE_FUZZ_SECONDS:-20}" -rss_limit_mb=2048 -max_len=65536 \
+    -print_final_stats=0 "$corpus_dir" "${seeds[@]}" 2>&1 | tail -n 3
+done
+echo "== all tests passed"

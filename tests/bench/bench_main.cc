@@ -1,0 +1,157 @@
+// kvshare-bench GROUP [--json] [--smoke] [--tokens N,N] [-- group flags] [--benchmark_* flags]
+// Runs one group's Google Benchmark cases and prints its side-by-side report.
+#include <benchmark/benchmark.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "bench_registry.h"
+
+namespace kvshare::bench {
+namespace {
+
+std::map<std::string, Group>& groups() {
+  static std::map<std::string, Group> g;
+  return g;
+}
+
+// Collects every run; forwards to the console reporter unless JSON output is asked for.
+class CollectingReporter : public benchmark::ConsoleReporter {
+ public:
+  explicit CollectingReporter(bool quiet) : quiet_(quiet) {}
+  bool ReportContext(const Context& context) override {
+    return quiet_ ? true : ConsoleReporter::ReportContext(context);
+  }
+  void ReportRuns(const std::vector<Run>& reports) override {
+    for (const Run& run : reports) {
+      if (run.run_type != Run::RT_Iteration || run.error_occurred) continue;
+      RunResult result;
+      result.name = run.run_name.str();
+      result.iterations = run.iterations;
+      result.seconds_per_iteration =
+          run.iterations > 0 ? run.real_accumulated_time / static_cast<double>(run.iterations) : 0;
+      for (const auto& [key, counter] : run.counters) result.counters[key] = counter.value;
+      results.push_back(std::move(result));
+    }
+    if (!quiet_) ConsoleReporter::ReportRuns(reports);
+  }
+  std::vector<RunResult> results;
+
+ private:
+  bool quiet_;
+};
+
+void print_usage() {
+  std::fprintf(stderr,
+               "usage: kvshare-bench GROUP [--json] [--smoke] [--tokens N[,N...]] [--benchmark_* flags]\n"
+               "       kvshare-bench all --smoke   (every group, tiny sizes: a check that they run)\n\n"
+               "groups:\n");
+  for (const auto& [name, group] : groups()) std::fprintf(stderr, "  %-10s %s\n", name.c_str(), group.help.c_str());
+}
+
+int run_group(const Group& group, const BenchArgs& args, std::vector<char*> gbench_argv) {
+  benchmark::ClearRegisteredBenchmarks();
+  group.register_benchmarks(args);
+  int gbench_argc = static_cast<int>(gbench_argv.size());
+  benchmark::Initialize(&gbench_argc, gbench_argv.data());
+  CollectingReporter reporter(args.json);
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  return group.report(reporter.results, args);
+}
+
+}  // namespace
+
+bool add_group(Group group) {
+  std::string name = group.name;
+  return groups().emplace(std::move(name), std::move(group)).second;
+}
+
+std::vector<const RunResult*> runs_with_prefix(const std::vector<RunResult>& runs, const std::string& prefix) {
+  std::vector<const RunResult*> out;
+  for (const auto& run : runs)
+    if (run.name.rfind(prefix, 0) == 0) out.push_back(&run);
+  return out;
+}
+
+double median_seconds(const std::vector<RunResult>& runs, const std::string& name) {
+  std::vector<double> values;
+  for (const auto& run : runs)
+    if (run.name == name) values.push_back(run.seconds_per_iteration);
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+}  // namespace kvshare::bench
+
+int main(int argc, char** argv) {
+  using namespace kvshare::bench;
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    print_usage();
+    return argc < 2 ? 2 : 0;
+  }
+  std::string group_name = argv[1];
+  BenchArgs args;
+  std::vector<char*> gbench_argv{argv[0]};
+  static std::string min_time_flag = "--benchmark_min_time=0";
+  bool after_dashdash = false;
+  for (int i = 2; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (after_dashdash) {
+      args.rest.push_back(arg);
+    } else if (arg == "--") {
+      after_dashdash = true;
+    } else if (arg == "--json") {
+      args.json = true;
+    } else if (arg == "--smoke") {
+      args.smoke = true;
+    } else if (arg == "--tokens" && i + 1 < argc) {
+      std::string list = argv[++i];
+      size_t start = 0;
+      while (start <= list.size()) {
+        size_t comma = list.find(',', start);
+        std::string item = list.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+        try {
+          int n = std::stoi(item);
+          if (n <= 0) throw std::out_of_range("not positive");
+          args.tokens.push_back(n);
+        } catch (const std::exception&) {
+          std::fprintf(stderr, "kvshare-bench: --tokens: \"%s\" is not a positive token count\n", item.c_str());
+          return 2;
+        }
+        if (comma == std::string::npos) break;
+        start = comma + 1;
+      }
+    } else if (arg.rfind("--benchmark_", 0) == 0) {
+      gbench_argv.push_back(argv[i]);
+    } else {
+      std::fprintf(stderr, "kvshare-bench: unknown argument \"%s\"\n", arg.c_str());
+      print_usage();
+      return 2;
+    }
+  }
+  if (args.smoke) gbench_argv.push_back(min_time_flag.data());
+  gbench_argv.push_back(nullptr);
+  gbench_argv.pop_back();
+
+  if (group_name == "all") {
+    int rc = 0;
+    for (const auto& [name, group] : groups()) {
+      std::fprintf(stderr, "== kvshare-bench %s\n", name.c_str());
+      rc |= run_group(group, args, gbench_argv);
+    }
+    return rc;
+  }
+  auto it = groups().find(group_name);
+  if (it == groups().end()) {
+    std::fprintf(stderr, "kvshare-bench: unknown group \"%s\"\n", group_name.c_str());
+    print_usage();
+    return 2;
+  }
+  return run_group(it->second, args, gbench_argv);
+}

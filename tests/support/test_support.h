@@ -1,0 +1,58 @@
+// Shared test helpers: the fd-leak fixture, temporary directories, paths of tools and data.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace kvshare::testing {
+
+// Descriptors open in this process now (from /proc/self/fd), excluding the one the
+// listing itself uses.
+std::set<int> open_fds();
+
+// Fixture for tests that touch descriptors: fails the test if any fd opened during it
+// is still open at the end, naming the fd and what it points to.
+class FdLeakCheck : public ::testing::Test {
+ protected:
+  void SetUp() override;
+  void TearDown() override;
+
+ private:
+  std::set<int> before_;
+};
+
+// A fresh private directory under $TMPDIR, removed with everything in it on destruction.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+  std::filesystem::path operator/(const std::string& name) const { return path_ / name; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// build/bin/<name> (the tools), tests/data/<name> (vectors).
+std::filesystem::path tool_path(const std::string& name);
+std::filesystem::path data_path(const std::string& name);
+
+// Reads or writes a whole file as bytes (test-side I/O only).
+std::vector<std::byte> read_file_bytes(const std::filesystem::path& path);
+void write_file_bytes(const std::filesystem::path& path, const std::vector<std::byte>& bytes);
+
+// Runs a command through /bin/sh, capturing stdout and stderr separately.
+struct CommandResult {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+CommandResult run_command(const std::string& command_line);
+
+}  // namespace kvshare::testing
