@@ -1,0 +1,812 @@
+#include "layout/state_format.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <optional>
+
+namespace kvshare::layout {
+namespace {
+
+constexpr uint64_t kKvCellBytes = 12;       // pos, n_seq_id, one seq id
+constexpr uint64_t kMropeCellBytes = 20;    // + llama_kv_cell_ext {x, y}
+constexpr uint64_t kRecurrentCellBytes = 8; // pos, n_seq_id = 0
+
+// llama_hparams::is_masked_swa for the window types a KvCacheShape can carry. n_swa 0 masks
+// nothing (a non-SWA cache).
+bool is_masked_swa(uint32_t n_swa, SwaType swa_type, int64_t p0, int64_t p1) {
+  if (n_swa == 0) return false;
+  switch (swa_type) {
+    case SwaType::none: return false;
+    case SwaType::standard: return p1 - p0 >= static_cast<int64_t>(n_swa);
+    case SwaType::chunked: return p0 < (p1 / n_swa) * static_cast<int64_t>(n_swa);
+  }
+  return false;
+}
+
+GgmlType tensor_type_or(const std::vector<CacheTensor>& tensors, TensorKind kind, uint32_t il, GgmlType fallback) {
+  for (const auto& tensor : tensors)
+    if (tensor.kind == kind && tensor.layer == il) return tensor.type;
+  return fallback;
+}
+
+Result<StateSection> plan_row_section(TensorKind kind, uint32_t il, GgmlType type, uint32_t n_embd, bool transposed,
+                                      uint32_t n_rows) {
+  if (!is_row_aligned(type, n_embd))
+    return fail(EINVAL, "layer {} {}: {} elements are not a whole number of {} blocks ({} elements each)", il,
+                tensor_kind_name(kind), n_embd, ggml_type_name(type), ggml_traits(type).block_size);
+  StateSection section;
+  section.kind = kind;
+  section.il = il;
+  section.type = type;
+  section.n_embd = n_embd;
+  section.is_transposed = transposed;
+  // Mirrors state_write_data: a transposed V row is n_embd elements of type_size bytes.
+  section.row_bytes = transposed ? static_cast<uint64_t>(ggml_traits(type).type_size) * n_embd
+                                 : ggml_row_size(type, n_embd);
+  section.n_rows = n_rows;
+  return section;
+}
+
+Result<StateBlock> plan_kv_block(const KvCacheShape& cache, uint32_t n_cells, bool mrope) {
+  StateBlock block;
+  block.kind = StateBlockKind::kv;
+  block.role = cache.role.empty() ? "kv" : cache.role;
+  if (cache.n_stream == 0) return fail(EINVAL, "{} KV cache: n_stream is 0", block.role);
+  block.n_stream = cache.n_stream;
+
+  // The window only ever drops the oldest positions, so the kept cells are a tail.
+  uint32_t first_kept = 0;
+  while (first_kept < n_cells && is_masked_swa(cache.n_swa, cache.swa_type, first_kept, int64_t{n_cells} - 1))
+    ++first_kept;
+  const uint32_t cell_count = n_cells - first_kept;
+  if (cell_count > cache.kv_size)
+    return fail(EINVAL, "{} KV cache: {} cells do not fit its kv_size of {} cells", block.role, cell_count,
+                cache.kv_size);
+  if (cache.v_trans && is_quantized(cache.type_v))
+    return fail(EINVAL, "{} KV cache: a quantized V cache ({}) needs flash attention (v_trans 0)", block.role,
+                ggml_type_name(cache.type_v));
+
+  // Sequence 0 lives in stream 0 (seq_to_stream[0] is 0, unified or not).
+  for (uint32_t s = 0; s < cache.n_stream; ++s) {
+    StateStream stream;
+    stream.index = s;
+    if (s == 0 && cell_count > 0) {
+      stream.cell_count = cell_count;
+      stream.cell_record_bytes = mrope ? kMropeCellBytes : kKvCellBytes;
+      stream.cells.reserve(cell_count);
+      for (uint32_t pos = first_kept; pos < n_cells; ++pos) {
+        const auto p = static_cast<int32_t>(pos);
+        stream.cells.push_back(StateCell{p, 1, mrope ? p : 0, mrope ? p : 0, 0});
+      }
+      stream.has_data = true;
+      stream.is_transposed = cache.v_trans;
+      stream.n_layer = static_cast<uint32_t>(cache.layers.size());
+      for (const auto& layer : cache.layers) {
+        auto section = plan_row_section(TensorKind::k, layer.il, cache.type_k, layer.n_embd_k_gqa, false, cell_count);
+        if (!section) return fail(section.error().with_context(block.role + " KV cache"));
+        stream.sections.push_back(*section);
+      }
+      for (const auto& layer : cache.layers) {
+        if (!layer.has_v) continue;  // MLA: no V tensor, no V section (not even a header)
+        auto section =
+            plan_row_section(TensorKind::v, layer.il, cache.type_v, layer.n_embd_v_gqa, cache.v_trans, cell_count);
+        if (!section) return fail(section.error().with_context(block.role + " KV cache"));
+        stream.sections.push_back(*section);
+      }
+    }
+    block.streams.push_back(std::move(stream));
+  }
+  return block;
+}
+
+Result<StateBlock> plan_recurrent_block(const RecurrentShape& recurrent, uint32_t n_cells) {
+  StateBlock block;
+  block.kind = StateBlockKind::recurrent;
+  block.role = "recurrent";
+  block.n_stream = 1;
+  StateStream stream;
+  stream.cell_record_bytes = kRecurrentCellBytes;
+  // One cell per sequence, at the position of its last token; n_seq_id 0 in a sequence file.
+  if (n_cells > 0) {
+    stream.cell_count = 1;
+    stream.cells.push_back(StateCell{static_cast<int32_t>(n_cells - 1), 0, 0, 0, 0});
+  }
+  stream.has_data = true;
+  stream.is_transposed = false;
+  stream.n_layer = recurrent.n_layer;
+  for (TensorKind kind : {TensorKind::r, TensorKind::s}) {
+    for (const auto& layer : recurrent.layers) {
+      const GgmlType type = tensor_type_or(recurrent.tensors, kind, layer.il, GgmlType::F32);
+      const uint32_t n_embd = kind == TensorKind::r ? layer.n_embd_r : layer.n_embd_s;
+      auto section = plan_row_section(kind, layer.il, type, n_embd, false, stream.cell_count);
+      if (!section) return fail(section.error().with_context("recurrent block"));
+      stream.sections.push_back(*section);
+    }
+  }
+  block.streams.push_back(std::move(stream));
+  return block;
+}
+
+// ---- encoding helpers -------------------------------------------------------------------
+
+template <class T>
+void put(std::vector<std::byte>& out, T value) {
+  const auto* bytes = reinterpret_cast<const std::byte*>(&value);
+  out.insert(out.end(), bytes, bytes + sizeof value);
+}
+
+void put_section_header(std::vector<std::byte>& out, const StateSection& section) {
+  put<int32_t>(out, static_cast<int32_t>(section.type));
+  if (section.is_transposed) {
+    put<uint32_t>(out, static_cast<uint32_t>(ggml_traits(section.type).type_size));
+    put<uint32_t>(out, section.n_embd);
+  } else {
+    put<uint64_t>(out, section.row_bytes);
+  }
+}
+
+// ---- decoding ---------------------------------------------------------------------------
+
+// A decoding failure plus how far the reading got, so inspect mode can report the error of
+// the reading that explained most of the file.
+struct ParseError {
+  Error error;
+  uint64_t offset = 0;
+};
+
+template <class T>
+using ParseResult = tl::expected<T, ParseError>;
+
+class Cursor {
+ public:
+  Cursor(std::span<const std::byte> file, std::string_view name) : file_(file), name_(name) {}
+
+  uint64_t pos() const { return pos_; }
+  uint64_t remaining() const { return file_.size() - pos_; }
+  std::string_view name() const { return name_; }
+
+  template <class... Args>
+  tl::unexpected<ParseError> error_at(uint64_t offset, fmt::format_string<Args...> format, Args&&... args) const {
+    return tl::unexpected<ParseError>(ParseError{
+        Error(EINVAL, fmt::format("state file {}: {} (offset {})", name_,
+                                  fmt::format(format, std::forward<Args>(args)...), offset)),
+        offset});
+  }
+
+  template <class T>
+  ParseResult<T> take(std::string_view field) {
+    if (remaining() < sizeof(T))
+      return error_at(pos_, "file ends at byte {} inside {} ({} bytes needed)", file_.size(), field, sizeof(T));
+    T value;
+    std::memcpy(&value, file_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return value;
+  }
+
+  // Skips `count` items of `item_bytes` each, checking the file holds them (overflow-safe).
+  ParseResult<void> skip(uint64_t count, uint64_t item_bytes, std::string_view field) {
+    if (item_bytes != 0 && count > remaining() / item_bytes)
+      return error_at(pos_, "file ends at byte {} inside {} ({} x {} bytes needed, {} left)", file_.size(), field,
+                      count, item_bytes, remaining());
+    pos_ += count * item_bytes;
+    return {};
+  }
+
+ private:
+  std::span<const std::byte> file_;
+  std::string_view name_;
+  uint64_t pos_ = 0;
+};
+
+#define KVS_TRY(var, expr)            \
+  auto var##_result = (expr);         \
+  if (!var##_result) return tl::unexpected(var##_result.error()); \
+  auto var = *var##_result
+
+#define KVS_CHECK(expr)                \
+  do {                                 \
+    auto check_result_ = (expr);       \
+    if (!check_result_) return tl::unexpected(check_result_.error()); \
+  } while (0)
+
+// Expectations for one section when a memory shape is given.
+struct SectionExpect {
+  TensorKind kind;
+  uint32_t il;
+  GgmlType type;
+  uint32_t n_embd;
+};
+
+std::string section_label(std::string_view role, TensorKind kind, uint32_t il) {
+  std::string kind_name(tensor_kind_name(kind));
+  std::transform(kind_name.begin(), kind_name.end(), kind_name.begin(), [](char c) { return char(std::toupper(c)); });
+  return fmt::format("{} layer {} {}", role, il, kind_name);
+}
+
+ParseResult<StateSection> parse_section(Cursor& in, std::string_view role, TensorKind kind, uint32_t ordinal,
+                                        bool transposed, uint32_t n_rows, const SectionExpect* expect) {
+  StateSection section;
+  section.kind = kind;
+  section.il = expect ? expect->il : ordinal;
+  section.is_transposed = transposed;
+  section.n_rows = n_rows;
+  section.header_offset = in.pos();
+  const std::string label = section_label(role, kind, section.il);
+
+  KVS_TRY(type_id, in.take<int32_t>(label + " type"));
+  const auto traits = ggml_type_traits(type_id);
+  if (!traits) return in.error_at(section.header_offset, "{} type is {}, not a ggml type", label, type_id);
+  section.type = static_cast<GgmlType>(type_id);
+  if (expect && section.type != expect->type)
+    return in.error_at(section.header_offset, "{} type is {} ({}), layout says {} ({})", label, type_id,
+                       traits->name, static_cast<int32_t>(expect->type), ggml_type_name(expect->type));
+
+  if (transposed) {
+    const uint64_t el_offset = in.pos();
+    KVS_TRY(el_size, in.take<uint32_t>(label + " element size"));
+    if (el_size != static_cast<uint64_t>(traits->type_size))
+      return in.error_at(el_offset, "{} element size is {} bytes, {} has {}", label, el_size, traits->name,
+                         traits->type_size);
+    const uint64_t n_embd_offset = in.pos();
+    KVS_TRY(n_embd, in.take<uint32_t>(label + " n_embd_v_gqa"));
+    if (expect && n_embd != expect->n_embd)
+      return in.error_at(n_embd_offset, "{} n_embd_v_gqa is {}, layout says {}", label, n_embd, expect->n_embd);
+    if (n_embd == 0) return in.error_at(n_embd_offset, "{} n_embd_v_gqa is 0", label);
+    section.n_embd = n_embd;
+    section.row_bytes = uint64_t{el_size} * n_embd;
+  } else {
+    const uint64_t row_offset = in.pos();
+    KVS_TRY(row_bytes, in.take<uint64_t>(label + " row size"));
+    if (expect) {
+      const uint64_t want = ggml_row_size(expect->type, expect->n_embd);
+      if (row_bytes != want)
+        return in.error_at(row_offset, "{} row size is {} bytes, layout says {}", label, row_bytes, want);
+      section.n_embd = expect->n_embd;
+    } else {
+      const auto type_size = static_cast<uint64_t>(traits->type_size);
+      const auto block_size = static_cast<uint64_t>(traits->block_size);
+      if (row_bytes == 0 || row_bytes % type_size != 0 ||
+          row_bytes / type_size > std::numeric_limits<uint32_t>::max() / block_size)
+        return in.error_at(row_offset, "{} row size {} bytes is not a whole number of {} blocks ({} bytes)", label,
+                           row_bytes, traits->name, type_size);
+      section.n_embd = static_cast<uint32_t>(row_bytes / type_size * block_size);
+    }
+    section.row_bytes = row_bytes;
+  }
+  section.data_offset = in.pos();
+  KVS_CHECK(in.skip(n_rows, section.row_bytes, label + " rows"));
+  return section;
+}
+
+ParseResult<std::vector<StateSection>> parse_sections(Cursor& in, std::string_view role, TensorKind kind,
+                                                      uint32_t count, bool transposed, uint32_t n_rows,
+                                                      const std::vector<SectionExpect>* expect) {
+  std::vector<StateSection> sections;
+  // Each section takes at least its 12-byte header: bound the reservation by the file.
+  sections.reserve(std::min<uint64_t>(count, in.remaining() / kStateSectionHeaderBytes));
+  for (uint32_t i = 0; i < count; ++i) {
+    KVS_TRY(section, parse_section(in, role, kind, i, transposed, n_rows, expect ? &(*expect)[i] : nullptr));
+    sections.push_back(section);
+  }
+  return sections;
+}
+
+ParseResult<StateBlock> parse_kv_block(Cursor& in, std::string role, bool mrope, const KvCacheShape* expect) {
+  StateBlock block;
+  block.kind = StateBlockKind::kv;
+  block.role = std::move(role);
+  block.offset = in.pos();
+  KVS_TRY(n_stream, in.take<uint32_t>(block.role + " KV block n_stream"));
+  if (expect && n_stream != expect->n_stream)
+    return in.error_at(block.offset, "{} KV block n_stream is {}, layout says {} (-kvu / -np differ)", block.role,
+                       n_stream, expect->n_stream);
+  if (n_stream == 0) return in.error_at(block.offset, "{} KV block n_stream is 0", block.role);
+  if (n_stream > in.remaining() / 4)
+    return in.error_at(block.offset, "{} KV block n_stream {} needs more bytes than the file has", block.role,
+                       n_stream);
+  block.n_stream = n_stream;
+  block.streams.reserve(n_stream);
+
+  std::vector<SectionExpect> k_expect, v_expect;
+  if (expect) {
+    for (const auto& layer : expect->layers) {
+      k_expect.push_back({TensorKind::k, layer.il, expect->type_k, layer.n_embd_k_gqa});
+      if (layer.has_v) v_expect.push_back({TensorKind::v, layer.il, expect->type_v, layer.n_embd_v_gqa});
+    }
+  }
+
+  for (uint32_t s = 0; s < n_stream; ++s) {
+    StateStream stream;
+    stream.index = s;
+    stream.offset = in.pos();
+    const std::string where = n_stream == 1 ? block.role : fmt::format("{} stream {}", block.role, s);
+    KVS_TRY(cell_count, in.take<uint32_t>(where + " cell_count"));
+    stream.cell_count = cell_count;
+    if (cell_count == 0) {
+      block.streams.push_back(std::move(stream));
+      continue;
+    }
+    if (expect && cell_count > expect->kv_size)
+      return in.error_at(stream.offset, "{} cell_count {} exceeds the cache's kv_size of {} cells", where,
+                         cell_count, expect->kv_size);
+
+    stream.cells_offset = in.pos();
+    stream.cell_record_bytes = static_cast<uint32_t>(mrope ? kMropeCellBytes : kKvCellBytes);
+    if (cell_count > in.remaining() / stream.cell_record_bytes)
+      return in.error_at(stream.offset, "file ends at byte {} inside the {} cells ({} x {} bytes needed)",
+                         stream.offset + 4 + in.remaining(), where, cell_count, stream.cell_record_bytes);
+    stream.cells.reserve(cell_count);
+    for (uint32_t i = 0; i < cell_count; ++i) {
+      StateCell cell;
+      const uint64_t cell_offset = in.pos();
+      KVS_TRY(pos, in.take<int32_t>("cell pos"));
+      KVS_TRY(n_seq_id, in.take<uint32_t>("cell n_seq_id"));
+      // llama_kv_cache::state_read_meta: a sequence file's cells belong to exactly one sequence.
+      if (n_seq_id != 1)
+        return in.error_at(cell_offset + 4, "{} cell {}: n_seq_id is {}, a sequence file has exactly 1", where, i,
+                           n_seq_id);
+      if (pos < 0) return in.error_at(cell_offset, "{} cell {}: pos is {}, negative", where, i, pos);
+      cell.pos = pos;
+      cell.n_seq_id = n_seq_id;
+      if (mrope) {
+        KVS_TRY(x, in.take<int32_t>("cell ext x"));
+        KVS_TRY(y, in.take<int32_t>("cell ext y"));
+        cell.ext_x = x;
+        cell.ext_y = y;
+      }
+      KVS_TRY(seq_id, in.take<int32_t>("cell seq_id"));
+      cell.seq_id = seq_id;
+      stream.cells.push_back(cell);
+    }
+
+    stream.has_data = true;
+    stream.data_header_offset = in.pos();
+    KVS_TRY(v_trans, in.take<uint32_t>(where + " v_trans"));
+    if (v_trans > 1) return in.error_at(stream.data_header_offset, "{} v_trans is {}, not 0 or 1", where, v_trans);
+    if (expect && (v_trans != 0) != expect->v_trans)
+      return in.error_at(stream.data_header_offset,
+                         "{} v_trans is {}, layout says {} (incompatible V transposition: -fa on writes 0, -fa off 1)",
+                         where, v_trans, expect->v_trans ? 1 : 0);
+    stream.is_transposed = v_trans != 0;
+    const uint64_t n_layer_offset = in.pos();
+    KVS_TRY(n_layer, in.take<uint32_t>(where + " n_layer"));
+    if (expect && n_layer != expect->layers.size())
+      return in.error_at(n_layer_offset, "{} n_layer is {}, layout says {}", where, n_layer, expect->layers.size());
+    if (n_layer > in.remaining() / kStateSectionHeaderBytes)
+      return in.error_at(n_layer_offset, "{} n_layer {} needs more bytes than the file has", where, n_layer);
+    stream.n_layer = n_layer;
+
+    KVS_TRY(k_sections, parse_sections(in, block.role, TensorKind::k, n_layer, false, cell_count,
+                                       expect ? &k_expect : nullptr));
+    stream.sections = std::move(k_sections);
+    if (expect) {
+      KVS_TRY(v_sections, parse_sections(in, block.role, TensorKind::v, static_cast<uint32_t>(v_expect.size()),
+                                         stream.is_transposed, cell_count, &v_expect));
+      stream.sections.insert(stream.sections.end(), v_sections.begin(), v_sections.end());
+    } else {
+      // Without a shape, V is one section per layer, or none at all (MLA caches).
+      Cursor attempt = in;
+      auto v_sections =
+          parse_sections(attempt, block.role, TensorKind::v, n_layer, stream.is_transposed, cell_count, nullptr);
+      if (v_sections) {
+        in = attempt;
+        stream.sections.insert(stream.sections.end(), v_sections->begin(), v_sections->end());
+      } else if (n_layer == 0) {
+        return tl::unexpected(v_sections.error());
+      }
+    }
+    block.streams.push_back(std::move(stream));
+  }
+  block.end_offset = in.pos();
+  return block;
+}
+
+ParseResult<StateBlock> parse_recurrent_block(Cursor& in, const RecurrentShape* expect) {
+  StateBlock block;
+  block.kind = StateBlockKind::recurrent;
+  block.role = "recurrent";
+  block.offset = in.pos();
+  block.n_stream = 1;
+  StateStream stream;
+  stream.offset = in.pos();
+  stream.cell_record_bytes = static_cast<uint32_t>(kRecurrentCellBytes);
+  KVS_TRY(cell_count, in.take<uint32_t>("recurrent cell_count"));
+  if (expect && cell_count > expect->rs_size)
+    return in.error_at(stream.offset, "recurrent cell_count {} exceeds the memory's {} cells", cell_count,
+                       expect->rs_size);
+  if (cell_count > in.remaining() / kRecurrentCellBytes)
+    return in.error_at(stream.offset, "file ends at byte {} inside the recurrent cells ({} x 8 bytes needed)",
+                       stream.offset + 4 + in.remaining(), cell_count);
+  stream.cell_count = cell_count;
+  stream.cells_offset = in.pos();
+  stream.cells.reserve(cell_count);
+  for (uint32_t i = 0; i < cell_count; ++i) {
+    const uint64_t cell_offset = in.pos();
+    KVS_TRY(pos, in.take<int32_t>("recurrent cell pos"));
+    KVS_TRY(n_seq_id, in.take<uint32_t>("recurrent cell n_seq_id"));
+    // llama_memory_recurrent::state_read_meta: seq ids appear only in whole-context saves.
+    if (n_seq_id != 0)
+      return in.error_at(cell_offset + 4, "recurrent cell {}: n_seq_id is {}, a sequence file has 0", i, n_seq_id);
+    if (pos < 0) return in.error_at(cell_offset, "recurrent cell {}: pos is {}, negative", i, pos);
+    stream.cells.push_back(StateCell{pos, 0, 0, 0, 0});
+  }
+  stream.has_data = true;
+  stream.data_header_offset = in.pos();
+  KVS_TRY(s_trans, in.take<uint32_t>("recurrent s_trans"));
+  if (s_trans != 0)
+    return in.error_at(stream.data_header_offset, "recurrent s_trans is {}, llama.cpp only writes 0", s_trans);
+  const uint64_t n_layer_offset = in.pos();
+  KVS_TRY(n_layer, in.take<uint32_t>("recurrent n_layer"));
+  if (expect && n_layer != expect->n_layer)
+    return in.error_at(n_layer_offset, "recurrent n_layer is {}, layout says {}", n_layer, expect->n_layer);
+  stream.n_layer = n_layer;
+
+  if (expect) {
+    std::vector<SectionExpect> r_expect, s_expect;
+    for (const auto& layer : expect->layers) {
+      r_expect.push_back({TensorKind::r, layer.il, tensor_type_or(expect->tensors, TensorKind::r, layer.il, GgmlType::F32),
+                          layer.n_embd_r});
+      s_expect.push_back({TensorKind::s, layer.il, tensor_type_or(expect->tensors, TensorKind::s, layer.il, GgmlType::F32),
+                          layer.n_embd_s});
+    }
+    const auto count = static_cast<uint32_t>(r_expect.size());
+    KVS_TRY(r_sections, parse_sections(in, "recurrent", TensorKind::r, count, false, cell_count, &r_expect));
+    KVS_TRY(s_sections, parse_sections(in, "recurrent", TensorKind::s, count, false, cell_count, &s_expect));
+    stream.sections = std::move(r_sections);
+    stream.sections.insert(stream.sections.end(), s_sections.begin(), s_sections.end());
+  } else {
+    // Layers without recurrent tensors write nothing, so the section count is not in the
+    // file: it is the reading with k R sections and k S sections, k <= n_layer, that ends
+    // the file (the recurrent block is always last). Prefer the largest such k.
+    std::optional<ParseError> last_error;
+    std::optional<std::pair<Cursor, std::vector<StateSection>>> fallback;
+    bool found = false;
+    for (uint32_t k = std::min<uint64_t>(n_layer, in.remaining() / (2 * kStateSectionHeaderBytes)) + 1; k-- > 0;) {
+      Cursor attempt = in;
+      auto r_sections = parse_sections(attempt, "recurrent", TensorKind::r, k, false, cell_count, nullptr);
+      if (!r_sections) {
+        last_error = r_sections.error();
+        continue;
+      }
+      auto s_sections = parse_sections(attempt, "recurrent", TensorKind::s, k, false, cell_count, nullptr);
+      if (!s_sections) {
+        last_error = s_sections.error();
+        continue;
+      }
+      r_sections->insert(r_sections->end(), s_sections->begin(), s_sections->end());
+      if (attempt.remaining() == 0) {
+        stream.sections = std::move(*r_sections);
+        in = attempt;
+        found = true;
+        break;
+      }
+      // Trailing bytes are legal (llama.cpp ignores them): keep the largest reading in case
+      // none ends the file.
+      if (!fallback) fallback.emplace(attempt, std::move(*r_sections));
+    }
+    if (!found && fallback) {
+      in = fallback->first;
+      stream.sections = std::move(fallback->second);
+    } else if (!found) {
+      if (last_error) return tl::unexpected(*last_error);
+      return in.error_at(in.pos(), "no R/S section list fits after the recurrent header");
+    }
+  }
+  block.streams.push_back(std::move(stream));
+  block.end_offset = in.pos();
+  return block;
+}
+
+struct BlockPlan {
+  std::vector<std::string> kv_roles;
+  bool has_recurrent = false;
+};
+
+BlockPlan blocks_of_kind(MemoryKind kind) {
+  switch (kind) {
+    case MemoryKind::none: return {{}, false};
+    case MemoryKind::kv: return {{"kv"}, false};
+    case MemoryKind::kv_iswa: return {{"base", "swa"}, false};
+    case MemoryKind::recurrent: return {{}, true};
+    case MemoryKind::hybrid: return {{"kv"}, true};
+    case MemoryKind::hybrid_iswa: return {{"base", "swa"}, true};
+  }
+  return {};
+}
+
+ParseResult<StateLayout> parse_memory(std::span<const std::byte> file, std::string_view name, uint64_t start,
+                                      const StateLayout& header, MemoryKind kind, bool mrope,
+                                      const MemoryShape* expect) {
+  Cursor in(file, name);
+  KVS_CHECK(in.skip(1, start, "header"));
+  StateLayout layout = header;
+  layout.memory_kind = kind;
+  layout.has_mrope_cells = mrope;
+  if (expect) {
+    for (const auto& cache : expect->kv_caches) {
+      KVS_TRY(block, parse_kv_block(in, cache.role.empty() ? "kv" : cache.role, mrope, &cache));
+      layout.blocks.push_back(std::move(block));
+    }
+    if (expect->recurrent) {
+      KVS_TRY(block, parse_recurrent_block(in, &*expect->recurrent));
+      layout.blocks.push_back(std::move(block));
+    }
+  } else {
+    const BlockPlan plan = blocks_of_kind(kind);
+    for (const auto& role : plan.kv_roles) {
+      KVS_TRY(block, parse_kv_block(in, role, mrope, nullptr));
+      layout.blocks.push_back(std::move(block));
+    }
+    if (plan.has_recurrent) {
+      KVS_TRY(block, parse_recurrent_block(in, nullptr));
+      layout.blocks.push_back(std::move(block));
+    }
+  }
+  layout.content_bytes = in.pos();
+  layout.trailing_bytes = in.remaining();
+  return layout;
+}
+
+}  // namespace
+
+const StateStream* StateBlock::filled_stream() const {
+  for (const auto& stream : streams)
+    if (stream.cell_count > 0) return &stream;
+  return nullptr;
+}
+
+void assign_state_offsets(StateLayout& layout) {
+  uint64_t off = kStateHeaderBytes + uint64_t{4} * layout.n_token;
+  layout.tokens_offset = kStateHeaderBytes;
+  for (auto& block : layout.blocks) {
+    block.offset = off;
+    if (block.kind == StateBlockKind::kv) off += 4;  // n_stream
+    for (auto& stream : block.streams) {
+      stream.offset = off;
+      off += 4;  // cell_count
+      stream.cells_offset = off;
+      stream.cell_count = static_cast<uint32_t>(stream.cells.size());
+      off += uint64_t{stream.cell_record_bytes} * stream.cells.size();
+      if (!stream.has_data) continue;
+      stream.data_header_offset = off;
+      off += 8;  // v_trans / s_trans, n_layer
+      for (auto& section : stream.sections) {
+        section.n_rows = stream.cell_count;
+        section.header_offset = off;
+        section.data_offset = off + kStateSectionHeaderBytes;
+        off = section.end_offset();
+      }
+    }
+    block.end_offset = off;
+  }
+  layout.content_bytes = off;
+}
+
+Result<StateLayout> plan_state_layout(const MemoryShape& shape, uint32_t n_token, uint32_t n_cells) {
+  if (n_cells > static_cast<uint32_t>(std::numeric_limits<int32_t>::max()))
+    return fail(EINVAL, "{} cells: positions must fit llama_pos (int32)", n_cells);
+  const BlockPlan plan = blocks_of_kind(shape.kind);
+  if (plan.kv_roles.size() != shape.kv_caches.size() || plan.has_recurrent != shape.recurrent.has_value())
+    return fail(EINVAL, "memory shape of kind {} has {} KV caches and {} recurrent memory; llama.cpp builds {} and {}",
+                memory_kind_name(shape.kind), shape.kv_caches.size(), shape.recurrent ? "a" : "no",
+                plan.kv_roles.size(), plan.has_recurrent ? "one" : "none");
+  StateLayout layout;
+  layout.n_token = n_token;
+  layout.memory_kind = shape.kind;
+  layout.has_mrope_cells = shape.n_pos_per_embd > 1;
+  for (const auto& cache : shape.kv_caches) {
+    auto block = plan_kv_block(cache, n_cells, layout.has_mrope_cells);
+    if (!block) return fail(block.error());
+    layout.blocks.push_back(std::move(*block));
+  }
+  if (shape.recurrent) {
+    auto block = plan_recurrent_block(*shape.recurrent, n_cells);
+    if (!block) return fail(block.error());
+    layout.blocks.push_back(std::move(*block));
+  }
+  assign_state_offsets(layout);
+  return layout;
+}
+
+std::vector<StatePiece> encode_state_metadata(const StateLayout& layout, std::span<const int32_t> tokens) {
+  std::vector<StatePiece> pieces;
+  StatePiece header{0, {}};
+  header.bytes.reserve(kStateHeaderBytes + 4 * tokens.size());
+  put<uint32_t>(header.bytes, kStateSeqMagic);
+  put<uint32_t>(header.bytes, kStateSeqVersion);
+  put<uint32_t>(header.bytes, layout.n_token);
+  for (int32_t token : tokens) put<int32_t>(header.bytes, token);
+  pieces.push_back(std::move(header));
+
+  for (const auto& block : layout.blocks) {
+    if (block.kind == StateBlockKind::kv) {
+      StatePiece n_stream{block.offset, {}};
+      put<uint32_t>(n_stream.bytes, block.n_stream);
+      pieces.push_back(std::move(n_stream));
+    }
+    for (const auto& stream : block.streams) {
+      StatePiece meta{stream.offset, {}};
+      meta.bytes.reserve(4 + uint64_t{stream.cell_record_bytes} * stream.cells.size() + 8);
+      put<uint32_t>(meta.bytes, stream.cell_count);
+      for (const auto& cell : stream.cells) {
+        put<int32_t>(meta.bytes, cell.pos);
+        put<uint32_t>(meta.bytes, cell.n_seq_id);
+        if (block.kind == StateBlockKind::kv && stream.cell_record_bytes == kMropeCellBytes) {
+          put<int32_t>(meta.bytes, cell.ext_x);
+          put<int32_t>(meta.bytes, cell.ext_y);
+        }
+        if (cell.n_seq_id == 1) put<int32_t>(meta.bytes, cell.seq_id);
+      }
+      if (stream.has_data) {
+        put<uint32_t>(meta.bytes, stream.is_transposed ? 1u : 0u);
+        put<uint32_t>(meta.bytes, stream.n_layer);
+      }
+      pieces.push_back(std::move(meta));
+      for (const auto& section : stream.sections) {
+        StatePiece piece{section.header_offset, {}};
+        put_section_header(piece.bytes, section);
+        pieces.push_back(std::move(piece));
+      }
+    }
+  }
+  return pieces;
+}
+
+std::vector<std::byte> encode_state_file(const StateLayout& layout, std::span<const int32_t> tokens,
+                                         const std::function<std::span<const std::byte>(const StateSection&)>& rows) {
+  std::vector<std::byte> file(layout.content_bytes);
+  for (const auto& piece : encode_state_metadata(layout, tokens))
+    std::memcpy(file.data() + piece.offset, piece.bytes.data(), piece.bytes.size());
+  for (const auto& block : layout.blocks)
+    for (const auto& stream : block.streams)
+      for (const auto& section : stream.sections) {
+        const auto data = rows(section);
+        std::memcpy(file.data() + section.data_offset, data.data(), std::min<uint64_t>(data.size(), section.data_bytes()));
+      }
+  return file;
+}
+
+Result<StateLayout> decode_state_layout(std::span<const std::byte> file, const MemoryShape* expect,
+                                        std::string_view name) {
+  Cursor in(file, name);
+  auto as_result = [](const ParseError& e) { return tl::unexpected<Error>(e.error); };
+  auto magic = in.take<uint32_t>("magic");
+  if (!magic) return as_result(magic.error());
+  if (*magic != kStateSeqMagic)
+    return fail(EINVAL,
+                "state file {}: magic is {:#010x}, a sequence state file has {:#010x} (\"ggsq\", written by "
+                "llama_state_seq_save_file) (offset 0)",
+                name, *magic, kStateSeqMagic);
+  auto version = in.take<uint32_t>("version");
+  if (!version) return as_result(version.error());
+  if (*version != kStateSeqVersion)
+    return fail(EINVAL, "state file {}: version is {}, this reader knows version {} (offset 4)", name, *version,
+                kStateSeqVersion);
+  auto n_token = in.take<uint32_t>("n_token");
+  if (!n_token) return as_result(n_token.error());
+  if (auto tokens = in.skip(*n_token, 4, fmt::format("the {} token ids", *n_token)); !tokens)
+    return as_result(tokens.error());
+
+  StateLayout header;
+  header.n_token = *n_token;
+  const uint64_t start = in.pos();
+
+  if (expect) {
+    auto layout = parse_memory(file, name, start, header, expect->kind, expect->n_pos_per_embd > 1, expect);
+    if (!layout) return as_result(layout.error());
+    return std::move(*layout);
+  }
+
+  // Inspect mode: try each reading; the first that accounts for every byte wins, else the
+  // one leaving the fewest trailing bytes, else the error of the reading that got furthest.
+  std::optional<StateLayout> best;
+  std::optional<ParseError> furthest;
+  for (MemoryKind kind : {MemoryKind::kv, MemoryKind::kv_iswa, MemoryKind::hybrid, MemoryKind::hybrid_iswa,
+                          MemoryKind::recurrent, MemoryKind::none}) {
+    for (bool mrope : {false, true}) {
+      const BlockPlan plan = blocks_of_kind(kind);
+      if (mrope && plan.kv_roles.empty()) continue;
+      auto layout = parse_memory(file, name, start, header, kind, mrope, nullptr);
+      if (!layout) {
+        if (!furthest || layout.error().offset > furthest->offset) furthest = layout.error();
+        continue;
+      }
+      if (layout->trailing_bytes == 0) return std::move(*layout);
+      if (!best || layout->trailing_bytes < best->trailing_bytes) best = std::move(*layout);
+    }
+  }
+  if (best && (best->memory_kind != MemoryKind::none || !furthest)) return std::move(*best);
+  if (furthest) return as_result(*furthest);
+  return std::move(*best);
+}
+
+std::vector<int32_t> decode_state_tokens(std::span<const std::byte> file, const StateLayout& layout) {
+  std::vector<int32_t> tokens(layout.n_token);
+  if (layout.tokens_offset + uint64_t{4} * layout.n_token <= file.size())
+    std::memcpy(tokens.data(), file.data() + layout.tokens_offset, tokens.size() * 4);
+  return tokens;
+}
+
+MemoryShape memory_shape_from_layout(const StateLayout& layout) {
+  MemoryShape shape;
+  shape.kind = layout.memory_kind;
+  shape.n_pos_per_embd = layout.has_mrope_cells ? 4 : 1;
+  for (const auto& block : layout.blocks) {
+    const StateStream* filled = block.filled_stream();
+    const StateStream& stream = filled ? *filled : block.streams.front();
+    if (block.kind == StateBlockKind::kv) {
+      KvCacheShape cache;
+      cache.role = block.role;
+      cache.n_stream = block.n_stream;
+      cache.kv_size = std::max<uint32_t>(1, stream.cell_count);
+      cache.v_trans = stream.is_transposed;
+      for (const auto& section : stream.sections) {
+        if (section.kind == TensorKind::k) {
+          cache.type_k = section.type;
+          cache.layers.push_back(KvCacheLayer{section.il, section.n_embd, 0, false});
+        }
+      }
+      for (const auto& section : stream.sections) {
+        if (section.kind != TensorKind::v) continue;
+        cache.type_v = section.type;
+        for (auto& layer : cache.layers)
+          if (layer.il == section.il) {
+            layer.n_embd_v_gqa = section.n_embd;
+            layer.has_v = true;
+            cache.v_width = std::max(cache.v_width, section.n_embd);
+          }
+      }
+      shape.kv_caches.push_back(std::move(cache));
+    } else {
+      RecurrentShape recurrent;
+      recurrent.rs_size = std::max<uint32_t>(1, stream.cell_count);
+      recurrent.n_layer = stream.n_layer;
+      for (const auto& section : stream.sections) {
+        if (section.kind == TensorKind::r) recurrent.layers.push_back(RecurrentLayer{section.il, section.n_embd, 0});
+        CacheTensor tensor;
+        tensor.name = fmt::format("cache_{}_l{}", tensor_kind_name(section.kind), section.il);
+        tensor.layer = section.il;
+        tensor.kind = section.kind;
+        tensor.type = section.type;
+        recurrent.tensors.push_back(std::move(tensor));
+      }
+      for (const auto& section : stream.sections)
+        if (section.kind == TensorKind::s)
+          for (auto& layer : recurrent.layers)
+            if (layer.il == section.il) layer.n_embd_s = section.n_embd;
+      shape.recurrent = std::move(recurrent);
+    }
+  }
+  return shape;
+}
+
+std::string describe_state_layout(const StateLayout& layout) {
+  std::string out = fmt::format("{}{}, {} tokens", memory_kind_name(layout.memory_kind),
+                                layout.has_mrope_cells ? " (M-RoPE cells)" : "", layout.n_token);
+  for (const auto& block : layout.blocks) {
+    const StateStream* stream = block.filled_stream();
+    if (!stream) {
+      out += fmt::format("; {}: no cells", block.role);
+      continue;
+    }
+    uint32_t n_k = 0, n_v = 0;
+    std::string types;
+    for (const auto& section : stream->sections) {
+      if (section.kind == TensorKind::k || section.kind == TensorKind::r) ++n_k;
+      else ++n_v;
+    }
+    if (!stream->sections.empty()) {
+      types = std::string(ggml_type_name(stream->sections.front().type));
+      if (n_v) types += "/" + std::string(ggml_type_name(stream->sections.back().type));
+    }
+    out += fmt::format("; {}: {} cells x {} layers ({}{})", block.role, stream->cell_count,
+                       block.kind == StateBlockKind::kv ? stream->n_layer : n_k, types,
+                       block.kind == StateBlockKind::kv ? fmt::format(", v_trans {}", stream->is_transposed ? 1 : 0)
+                                                        : std::string());
+  }
+  return out;
+}
+
+}  // namespace kvshare::layout

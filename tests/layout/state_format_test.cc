@@ -1,0 +1,443 @@
+#include "layout/state_format.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+
+#include "layout/state_test_shapes.h"
+
+namespace kvshare::layout {
+namespace {
+
+using testing::dense_shape;
+using testing::hybrid_shape;
+using testing::iswa_shape;
+using testing::mamba_shape;
+
+std::vector<int32_t> token_ids(uint32_t n) {
+  std::vector<int32_t> ids(n);
+  for (uint32_t i = 0; i < n; ++i) ids[i] = static_cast<int32_t>(i + 1);
+  return ids;
+}
+
+// Rows whose bytes say where they are: byte i of a section is (il * 31 + kind * 7 + i) & 0xff.
+std::vector<std::byte> pattern_file(const StateLayout& layout, std::span<const int32_t> tokens) {
+  std::map<const StateSection*, std::vector<std::byte>> storage;
+  return encode_state_file(layout, tokens, [&](const StateSection& section) {
+    auto& rows = storage[&section];
+    rows.resize(section.data_bytes());
+    for (size_t i = 0; i < rows.size(); ++i)
+      rows[i] = std::byte((section.il * 31 + static_cast<int>(section.kind) * 7 + i) & 0xff);
+    return std::span<const std::byte>(rows);
+  });
+}
+
+template <class T>
+T read_at(const std::vector<std::byte>& file, uint64_t offset) {
+  T value;
+  std::memcpy(&value, file.data() + offset, sizeof value);
+  return value;
+}
+
+template <class T>
+void append(std::vector<std::byte>& out, T value) {
+  const auto* p = reinterpret_cast<const std::byte*>(&value);
+  out.insert(out.end(), p, p + sizeof value);
+}
+
+TEST(StateFormat, PlansTheWorkedExampleAt5276Bytes) {
+  auto layout = plan_state_layout(dense_shape(), 5, 5);
+  ASSERT_TRUE(layout) << layout.error().what();
+  EXPECT_EQ(layout->content_bytes, 5276u);
+  const auto& stream = layout->blocks.at(0).streams.at(0);
+  ASSERT_EQ(stream.sections.size(), 4u);
+  EXPECT_EQ(stream.cells_offset, 40u);
+  EXPECT_EQ(stream.data_header_offset, 100u);
+  EXPECT_EQ(stream.sections[0].header_offset, 108u);
+  EXPECT_EQ(stream.sections[1].header_offset, 1400u);
+  EXPECT_EQ(stream.sections[2].header_offset, 2692u);
+  EXPECT_EQ(stream.sections[3].header_offset, 3984u);
+  EXPECT_EQ(stream.sections[3].row_bytes, 256u);
+}
+
+// The construction docs/state-file.md spells out, done by hand here so encoder and decoder
+// cannot share a mistake.
+TEST(StateFormat, EncodesTheWorkedExampleExactlyAsTheDocumentConstructsIt) {
+  const auto tokens = token_ids(5);
+  auto layout = plan_state_layout(dense_shape(), 5, 5);
+  ASSERT_TRUE(layout);
+  const auto encoded = pattern_file(*layout, tokens);
+
+  std::vector<std::byte> expected;
+  append<uint32_t>(expected, 0x67677371);
+  append<uint32_t>(expected, 2);
+  append<uint32_t>(expected, 5);
+  for (int32_t t : tokens) append<int32_t>(expected, t);
+  append<uint32_t>(expected, 1);  // n_stream
+  append<uint32_t>(expected, 5);  // cell_count
+  for (int32_t pos = 0; pos < 5; ++pos) {
+    append<int32_t>(expected, pos);
+    append<uint32_t>(expected, 1);
+    append<int32_t>(expected, 0);
+  }
+  append<uint32_t>(expected, 0);  // v_trans
+  append<uint32_t>(expected, 2);  // n_layer
+  for (int kind : {0, 1})
+    for (uint32_t il = 0; il < 2; ++il) {
+      append<int32_t>(expected, 1);
+      append<uint64_t>(expected, 256);
+      for (size_t i = 0; i < 1280; ++i) expected.push_back(std::byte((il * 31 + kind * 7 + i) & 0xff));
+    }
+  EXPECT_EQ(encoded, expected);
+}
+
+TEST(StateFormat, WritesTransposedVHeadersWithElementSizeAndWidth) {
+  auto layout = plan_state_layout(dense_shape(GgmlType::F16, GgmlType::F16, true), 5, 5);
+  ASSERT_TRUE(layout);
+  EXPECT_EQ(layout->content_bytes, 5276u);
+  const auto file = pattern_file(*layout, token_ids(5));
+  EXPECT_EQ(read_at<uint32_t>(file, 100), 1u);   // v_trans
+  EXPECT_EQ(read_at<int32_t>(file, 2692), 1);    // V type f16
+  EXPECT_EQ(read_at<uint32_t>(file, 2696), 2u);  // element size
+  EXPECT_EQ(read_at<uint32_t>(file, 2700), 128u);
+}
+
+TEST(StateFormat, SizesTheQ8_0VariantAt2876Bytes) {
+  auto layout = plan_state_layout(dense_shape(GgmlType::Q8_0, GgmlType::Q8_0), 5, 5);
+  ASSERT_TRUE(layout);
+  EXPECT_EQ(layout->content_bytes, 2876u);
+  EXPECT_EQ(layout->blocks[0].streams[0].sections[0].row_bytes, 136u);
+}
+
+TEST(StateFormat, KeepsOnlyTheWindowInTheSwaBlock) {
+  auto layout = plan_state_layout(iswa_shape(8), 19, 19);
+  ASSERT_TRUE(layout);
+  ASSERT_EQ(layout->blocks.size(), 2u);
+  EXPECT_EQ(layout->blocks[0].end_offset - layout->blocks[0].offset, 9996u);
+  EXPECT_EQ(layout->blocks[1].end_offset - layout->blocks[1].offset, 4232u);
+  EXPECT_EQ(layout->content_bytes, 14316u);
+  const auto& swa_cells = layout->blocks[1].streams[0].cells;
+  ASSERT_EQ(swa_cells.size(), 8u);
+  EXPECT_EQ(swa_cells.front().pos, 11);
+  EXPECT_EQ(swa_cells.back().pos, 18);
+}
+
+TEST(StateFormat, KeepsTheCurrentChunkInAChunkedSwaBlock) {
+  auto shape = iswa_shape(8);
+  shape.kv_caches[1].swa_type = SwaType::chunked;
+  auto layout = plan_state_layout(shape, 19, 19);
+  ASSERT_TRUE(layout);
+  const auto& cells = layout->blocks[1].streams[0].cells;
+  ASSERT_EQ(cells.size(), 3u);  // positions 16, 17, 18: the chunk of position 18
+  EXPECT_EQ(cells.front().pos, 16);
+}
+
+TEST(StateFormat, SizesTheMambaExampleAt19556BytesWithTheLastPosition) {
+  auto layout = plan_state_layout(mamba_shape(), 5, 5);
+  ASSERT_TRUE(layout);
+  EXPECT_EQ(layout->content_bytes, 19556u);
+  const auto& stream = layout->blocks[0].streams[0];
+  ASSERT_EQ(stream.cells.size(), 1u);
+  EXPECT_EQ(stream.cells[0].pos, 4);
+  EXPECT_EQ(stream.cells[0].n_seq_id, 0u);
+}
+
+TEST(StateFormat, WritesTheRecurrentHeaderEvenWithNoCells) {
+  auto layout = plan_state_layout(mamba_shape(), 0, 0);
+  ASSERT_TRUE(layout);
+  // header 12 + cell_count 4 + s_trans/n_layer 8 + 4 section headers of 12
+  EXPECT_EQ(layout->content_bytes, 12u + 4 + 8 + 4 * 12);
+}
+
+TEST(StateFormat, WritesNoMetaForAnEmptyKvStream) {
+  auto layout = plan_state_layout(dense_shape(), 0, 0);
+  ASSERT_TRUE(layout);
+  EXPECT_EQ(layout->content_bytes, 12u + 4 + 4);
+}
+
+TEST(StateFormat, GivesMropeCellsTwentyBytesWithXAndYEqualToPos) {
+  auto shape = dense_shape();
+  shape.n_pos_per_embd = 4;
+  auto layout = plan_state_layout(shape, 3, 3);
+  ASSERT_TRUE(layout);
+  EXPECT_EQ(layout->blocks[0].streams[0].cell_record_bytes, 20u);
+  const auto file = pattern_file(*layout, token_ids(3));
+  const uint64_t cell2 = layout->blocks[0].streams[0].cells_offset + 2 * 20;
+  EXPECT_EQ(read_at<int32_t>(file, cell2), 2);       // pos
+  EXPECT_EQ(read_at<uint32_t>(file, cell2 + 4), 1u); // n_seq_id
+  EXPECT_EQ(read_at<int32_t>(file, cell2 + 8), 2);   // x
+  EXPECT_EQ(read_at<int32_t>(file, cell2 + 12), 2);  // y
+  EXPECT_EQ(read_at<int32_t>(file, cell2 + 16), 0);  // seq id
+}
+
+TEST(StateFormat, WritesEmptyStreamsAsZeroCountsForANonUnifiedCache) {
+  auto shape = dense_shape();
+  shape.kv_caches[0].n_stream = 3;
+  auto layout = plan_state_layout(shape, 5, 5);
+  ASSERT_TRUE(layout);
+  EXPECT_EQ(layout->content_bytes, 5276u + 8);
+  const auto file = pattern_file(*layout, token_ids(5));
+  EXPECT_EQ(read_at<uint32_t>(file, 32), 3u);
+  EXPECT_EQ(read_at<uint32_t>(file, 5276), 0u);
+  EXPECT_EQ(read_at<uint32_t>(file, 5280), 0u);
+}
+
+TEST(StateFormat, RefusesMoreCellsThanTheCacheHolds) {
+  auto shape = dense_shape();
+  shape.kv_caches[0].kv_size = 4;
+  auto layout = plan_state_layout(shape, 5, 5);
+  ASSERT_FALSE(layout);
+  EXPECT_NE(layout.error().message().find("kv_size of 4"), std::string::npos) << layout.error().message();
+}
+
+TEST(StateFormat, RefusesQuantizedTransposedV) {
+  auto layout = plan_state_layout(dense_shape(GgmlType::F16, GgmlType::Q8_0, true), 5, 5);
+  ASSERT_FALSE(layout);
+  EXPECT_NE(layout.error().message().find("flash attention"), std::string::npos);
+}
+
+// ---- decoding ----------------------------------------------------------------------------
+
+struct Case {
+  const char* name;
+  MemoryShape shape;
+  uint32_t n_tokens;
+};
+
+std::vector<Case> round_trip_cases() {
+  auto mrope = dense_shape();
+  mrope.n_pos_per_embd = 4;
+  auto multi_stream = dense_shape();
+  multi_stream.kv_caches[0].n_stream = 2;
+  return {
+      {"dense f16", dense_shape(), 5},
+      {"dense one token", dense_shape(), 1},
+      {"dense v_trans", dense_shape(GgmlType::F16, GgmlType::F16, true), 7},
+      {"dense f32", dense_shape(GgmlType::F32, GgmlType::F32, false), 3},
+      {"dense bf16 v_trans", dense_shape(GgmlType::BF16, GgmlType::BF16, true), 3},
+      {"dense q8_0", dense_shape(GgmlType::Q8_0, GgmlType::Q8_0), 9},
+      {"dense q4_0 k f16 v", dense_shape(GgmlType::Q4_0, GgmlType::F16), 9},
+      {"mrope", mrope, 4},
+      {"two streams", multi_stream, 4},
+      {"iswa", iswa_shape(8), 19},
+      {"iswa short prompt", iswa_shape(8), 3},
+      {"mamba", mamba_shape(), 5},
+      {"hybrid", hybrid_shape(), 6},
+      {"hybrid v_trans", hybrid_shape(true), 6},
+  };
+}
+
+TEST(StateFormatDecode, RoundTripsEveryMemoryKindWithAndWithoutTheShape) {
+  for (const auto& c : round_trip_cases()) {
+    SCOPED_TRACE(c.name);
+    const auto tokens = token_ids(c.n_tokens);
+    auto planned = plan_state_layout(c.shape, c.n_tokens, c.n_tokens);
+    ASSERT_TRUE(planned) << planned.error().what();
+    const auto file = pattern_file(*planned, tokens);
+    ASSERT_EQ(file.size(), planned->content_bytes);
+
+    for (const MemoryShape* expect : {&c.shape, static_cast<const MemoryShape*>(nullptr)}) {
+      auto decoded = decode_state_layout(file, expect, "case.bin");
+      ASSERT_TRUE(decoded) << decoded.error().what();
+      EXPECT_EQ(decoded->memory_kind, c.shape.kind);
+      EXPECT_EQ(decoded->has_mrope_cells, c.shape.n_pos_per_embd > 1);
+      EXPECT_EQ(decoded->trailing_bytes, 0u);
+      EXPECT_EQ(decode_state_tokens(file, *decoded), tokens);
+      // Re-encoding what was decoded, rows taken from the file, gives the same bytes.
+      const auto again = encode_state_file(*decoded, tokens, [&](const StateSection& s) {
+        return std::span<const std::byte>(file).subspan(s.data_offset, s.data_bytes());
+      });
+      EXPECT_EQ(again, file);
+      ASSERT_EQ(decoded->blocks.size(), planned->blocks.size());
+      for (size_t b = 0; b < planned->blocks.size(); ++b) {
+        const auto& want = planned->blocks[b].streams;
+        const auto& got = decoded->blocks[b].streams;
+        ASSERT_EQ(got.size(), want.size());
+        for (size_t s = 0; s < want.size(); ++s) {
+          EXPECT_EQ(got[s].cells, want[s].cells);
+          ASSERT_EQ(got[s].sections.size(), want[s].sections.size());
+          for (size_t i = 0; i < want[s].sections.size(); ++i) {
+            EXPECT_EQ(got[s].sections[i].type, want[s].sections[i].type);
+            EXPECT_EQ(got[s].sections[i].n_embd, want[s].sections[i].n_embd);
+            EXPECT_EQ(got[s].sections[i].data_offset, want[s].sections[i].data_offset);
+            if (expect) {
+              EXPECT_EQ(got[s].sections[i].il, want[s].sections[i].il);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(StateFormatDecode, AcceptsAndCountsTrailingBytesAsLlamaCppIgnoresThem) {
+  auto planned = plan_state_layout(dense_shape(), 5, 5);
+  auto file = pattern_file(*planned, token_ids(5));
+  file.resize(file.size() + 7, std::byte{0x5a});
+  auto decoded = decode_state_layout(file, nullptr, "t.bin");
+  ASSERT_TRUE(decoded) << decoded.error().what();
+  EXPECT_EQ(decoded->trailing_bytes, 7u);
+  EXPECT_EQ(decoded->memory_kind, MemoryKind::kv);
+  const auto shape = dense_shape();
+  auto with_shape = decode_state_layout(file, &shape, "t.bin");
+  ASSERT_TRUE(with_shape);
+  EXPECT_EQ(with_shape->trailing_bytes, 7u);
+}
+
+TEST(StateFormatDecode, RejectsAWrongMagicNamingTheValueAndOffset) {
+  auto planned = plan_state_layout(dense_shape(), 5, 5);
+  auto file = pattern_file(*planned, token_ids(5));
+  file[0] = std::byte{0x6e};  // "ggsn": the whole-context session magic
+  auto decoded = decode_state_layout(file, nullptr, "slot0.bin");
+  ASSERT_FALSE(decoded);
+  EXPECT_EQ(decoded.error().errno_value(), EINVAL);
+  EXPECT_NE(decoded.error().message().find("state file slot0.bin: magic is 0x6767736e"), std::string::npos)
+      << decoded.error().message();
+  EXPECT_NE(decoded.error().message().find("(offset 0)"), std::string::npos);
+}
+
+TEST(StateFormatDecode, RejectsAnotherVersion) {
+  auto planned = plan_state_layout(dense_shape(), 5, 5);
+  auto file = pattern_file(*planned, token_ids(5));
+  file[4] = std::byte{3};
+  auto decoded = decode_state_layout(file, nullptr, "slot0.bin");
+  ASSERT_FALSE(decoded);
+  EXPECT_NE(decoded.error().message().find("version is 3"), std::string::npos) << decoded.error().message();
+}
+
+TEST(StateFormatDecode, NamesLayerFieldAndOffsetOfAWrongRowSize) {
+  const auto shape = dense_shape();
+  auto planned = plan_state_layout(shape, 5, 5);
+  auto file = pattern_file(*planned, token_ids(5));
+  const uint64_t row_size_offset = 1400 + 4;  // layer 1 K row size
+  const uint64_t bad = 512;
+  std::memcpy(file.data() + row_size_offset, &bad, 8);
+  auto decoded = decode_state_layout(file, &shape, "slot0.bin");
+  ASSERT_FALSE(decoded);
+  EXPECT_EQ(decoded.error().message(),
+            "state file slot0.bin: kv layer 1 K row size is 512 bytes, layout says 256 (offset 1404)");
+}
+
+TEST(StateFormatDecode, NamesAMismatchedCacheType) {
+  const auto shape = dense_shape(GgmlType::Q8_0, GgmlType::Q8_0);
+  auto planned = plan_state_layout(dense_shape(), 5, 5);
+  auto file = pattern_file(*planned, token_ids(5));
+  auto decoded = decode_state_layout(file, &shape, "slot0.bin");
+  ASSERT_FALSE(decoded);
+  EXPECT_NE(decoded.error().message().find("kv layer 0 K type is 1 (f16), layout says 8 (q8_0) (offset 108)"),
+            std::string::npos)
+      << decoded.error().message();
+}
+
+TEST(StateFormatDecode, NamesAnIncompatibleVTransposition) {
+  const auto shape = dense_shape(GgmlType::F16, GgmlType::F16, true);
+  auto planned = plan_state_layout(dense_shape(), 5, 5);
+  auto file = pattern_file(*planned, token_ids(5));
+  auto decoded = decode_state_layout(file, &shape, "slot0.bin");
+  ASSERT_FALSE(decoded);
+  EXPECT_NE(decoded.error().message().find("v_trans is 0, layout says 1"), std::string::npos);
+  EXPECT_NE(decoded.error().message().find("(offset 100)"), std::string::npos);
+}
+
+TEST(StateFormatDecode, NamesAStreamCountMismatch) {
+  auto shape = dense_shape();
+  shape.kv_caches[0].n_stream = 4;
+  auto planned = plan_state_layout(dense_shape(), 5, 5);
+  auto file = pattern_file(*planned, token_ids(5));
+  auto decoded = decode_state_layout(file, &shape, "slot0.bin");
+  ASSERT_FALSE(decoded);
+  EXPECT_NE(decoded.error().message().find("n_stream is 1, layout says 4"), std::string::npos);
+}
+
+TEST(StateFormatDecode, RejectsACellWithTwoSequences) {
+  auto planned = plan_state_layout(dense_shape(), 5, 5);
+  auto file = pattern_file(*planned, token_ids(5));
+  const uint32_t two = 2;
+  std::memcpy(file.data() + 40 + 12 * 3 + 4, &two, 4);
+  auto decoded = decode_state_layout(file, nullptr, "slot0.bin");
+  ASSERT_FALSE(decoded);
+  EXPECT_NE(decoded.error().message().find("cell 3: n_seq_id is 2"), std::string::npos)
+      << decoded.error().message();
+  EXPECT_NE(decoded.error().message().find("(offset 80)"), std::string::npos);
+}
+
+TEST(StateFormatDecode, GivesAClearErrorAtEveryTruncationPoint) {
+  for (const auto& c : round_trip_cases()) {
+    SCOPED_TRACE(c.name);
+    auto planned = plan_state_layout(c.shape, c.n_tokens, c.n_tokens);
+    const auto file = pattern_file(*planned, token_ids(c.n_tokens));
+    // Every cut outside row data, and the first and last bytes of each row run (a cut deeper
+    // inside rows takes the same path).
+    std::vector<std::pair<uint64_t, uint64_t>> row_interiors;
+    for (const auto& block : planned->blocks)
+      for (const auto& stream : block.streams)
+        for (const auto& section : stream.sections)
+          if (section.data_bytes() > 4) row_interiors.emplace_back(section.data_offset + 2, section.end_offset() - 2);
+    for (size_t cut = 0; cut < file.size(); ++cut) {
+      const bool inside_rows = std::any_of(row_interiors.begin(), row_interiors.end(),
+                                           [&](const auto& r) { return cut > r.first && cut < r.second; });
+      if (inside_rows) continue;
+      const std::span<const std::byte> prefix(file.data(), cut);
+      auto with_shape = decode_state_layout(prefix, &c.shape, "cut.bin");
+      ASSERT_FALSE(with_shape) << "cut at " << cut;
+      EXPECT_NE(with_shape.error().message().find("state file cut.bin: "), std::string::npos);
+      EXPECT_NE(with_shape.error().message().find("(offset "), std::string::npos) << with_shape.error().message();
+      // Inspect mode may find a shorter reading (e.g. fewer blocks) but never crashes.
+      (void)decode_state_layout(prefix, nullptr, "cut.bin");
+    }
+  }
+}
+
+TEST(StateFormatDecode, SaysWhereAFileEndsInsideRows) {
+  const auto shape = dense_shape();
+  auto planned = plan_state_layout(shape, 5, 5);
+  auto file = pattern_file(*planned, token_ids(5));
+  file.resize(2000);  // inside layer 1 K rows
+  auto decoded = decode_state_layout(file, &shape, "slot0.bin");
+  ASSERT_FALSE(decoded);
+  EXPECT_EQ(decoded.error().message(),
+            "state file slot0.bin: file ends at byte 2000 inside kv layer 1 K rows (5 x 256 bytes needed, 588 left) "
+            "(offset 1412)");
+}
+
+TEST(StateFormatDecode, NeverTrustsHugeCountsForAllocation) {
+  const auto shape = dense_shape();
+  auto planned = plan_state_layout(shape, 5, 5);
+  auto file = pattern_file(*planned, token_ids(5));
+  for (uint64_t offset : {8u, 32u, 36u, 104u}) {
+    auto copy = file;
+    const uint32_t huge = 0xfffffff0u;
+    std::memcpy(copy.data() + offset, &huge, 4);
+    auto decoded = decode_state_layout(copy, nullptr, "huge.bin");
+    EXPECT_FALSE(decoded) << "offset " << offset;
+  }
+}
+
+TEST(StateFormatDecode, DerivesAShapeThatReplansTheSameFile) {
+  for (const auto& c : round_trip_cases()) {
+    SCOPED_TRACE(c.name);
+    auto planned = plan_state_layout(c.shape, c.n_tokens, c.n_tokens);
+    const auto file = pattern_file(*planned, token_ids(c.n_tokens));
+    auto decoded = decode_state_layout(file, nullptr, "x.bin");
+    ASSERT_TRUE(decoded);
+    const MemoryShape derived = memory_shape_from_layout(*decoded);
+    auto again = decode_state_layout(file, &derived, "x.bin");
+    ASSERT_TRUE(again) << again.error().what();
+    EXPECT_EQ(again->content_bytes, file.size());
+  }
+}
+
+TEST(StateFormat, RecomputesOffsetsAfterARetype) {
+  auto layout = *plan_state_layout(dense_shape(), 5, 5);
+  for (auto& section : layout.blocks[0].streams[0].sections) {
+    section.type = GgmlType::Q8_0;
+    section.row_bytes = ggml_row_size(GgmlType::Q8_0, section.n_embd);
+  }
+  assign_state_offsets(layout);
+  EXPECT_EQ(layout.content_bytes, 2876u);
+}
+
+}  // namespace
+}  // namespace kvshare::layout
