@@ -15,7 +15,10 @@ namespace kvshare::layout {
 // 4096, not the runtime page size: the decoder's layout fixes it, whatever the host.
 inline constexpr uint64_t kShareAlign = 4096;
 inline constexpr uint64_t kShareChunkMax = uint64_t{1} << 30;
-inline constexpr uint64_t kLayoutHashSeed = 0xcbf29ce484222325ull;
+// The fork writes the seed as the decimal literal 1469598103934665603: FNV-1a's offset
+// basis (14695981039346656037) missing its last digit. Its hashes start from this value,
+// so ours must too (the spec's "0xcbf29ce484222325" is the textbook basis, not the fork's).
+inline constexpr uint64_t kLayoutHashSeed = 1469598103934665603ull;  // 0x14650fb0739d0383
 inline constexpr uint64_t kLayoutHashPrime = 1099511628211ull;
 
 struct SharedTensor {
