@@ -705,7 +705,9 @@ Result<void> check_compatible(const ShareHeader& ours, const ShareHeader& theirs
   // The hash cannot see flash attention when every V has the same width; compare it here.
   cmp.field("params.flash_attn", theirs.params.flash_attn, ours.params.flash_attn);
   cmp.field("params.n_seq_max", theirs.params.n_seq_max, ours.params.n_seq_max);
-  cmp.field("params.kv_unified", theirs.params.kv_unified, ours.params.kv_unified);
+  // One sequence is one stream either way: -kvu only matters with several.
+  if (theirs.params.n_seq_max > 1 || ours.params.n_seq_max > 1)
+    cmp.field("params.kv_unified", theirs.params.kv_unified, ours.params.kv_unified);
   cmp.field("params.swa_full", theirs.params.swa_full, ours.params.swa_full);
   cmp.field("memory.kind", std::string(memory_kind_name(theirs.memory.kind)), std::string(memory_kind_name(ours.memory.kind)));
   cmp.field("memory.n_ctx", theirs.memory.n_ctx, ours.memory.n_ctx);

@@ -283,6 +283,17 @@ TEST(CheckCompatible, AcceptsContextsThatPadToTheSameCache) {
   EXPECT_TRUE(check_compatible(example_header(), example_header(params), "peer").has_value());
 }
 
+TEST(CheckCompatible, IgnoresKvUnifiedForASingleSequence) {
+  KvParams params;
+  params.n_ctx = 512;
+  params.kv_unified = false;
+  EXPECT_TRUE(check_compatible(example_header(), example_header(params), "peer").has_value());
+  params.n_seq_max = 2;
+  auto result = check_compatible(example_header(), example_header(params), "peer");
+  ASSERT_FALSE(result.has_value());
+  EXPECT_NE(result.error().message().find("params.n_seq_max"), std::string::npos) << result.error().message();
+}
+
 TEST(CheckCompatible, RefusesADifferentModel) {
   ShareHeader theirs = example_header();
   theirs.model.tensors_hash ^= 1;
