@@ -1,0 +1,64 @@
+// The decoder's HTTP API as the router calls it (llama-server's, and kvshare-decoder's):
+// templating, tokenizing and the slot actions of one handoff. Each call opens its own
+// loopback connection, so calls from concurrent requests never share a client.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "layout/error.h"
+
+namespace kvshare::route {
+
+struct HttpReply {
+  int status = 0;
+  std::string body;
+  std::string content_type;
+};
+
+// A slot action's answer: the HTTP status, the parsed body (null when not JSON) and the
+// decoder's own timings (`timings` object), so a caller can tell a refusal from a failure.
+struct SlotReply {
+  int status = 0;
+  nlohmann::json body;
+  std::string error_message;  // error.message of a llama-server error body, else the raw body
+  bool ok() const { return status == 200 && body.is_object(); }
+  // Sum of the numeric fields of body.timings (restore_ms; share_ms + adopt_ms...), nullopt
+  // when there is none.
+  std::optional<double> timings_ms() const;
+};
+
+class DecoderClient {
+ public:
+  DecoderClient(std::string host, int port, std::chrono::milliseconds timeout)
+      : host_(std::move(host)), port_(port), timeout_(timeout) {}
+
+  const std::string& host() const { return host_; }
+  int port() const { return port_; }
+
+  // Raw calls. Fail only when there is no HTTP answer (connection refused, timeout),
+  // naming the path; an HTTP error status is a reply.
+  Result<HttpReply> get(const std::string& path) const;
+  Result<HttpReply> post_json(const std::string& path, const std::string& body) const;
+
+  // POST /apply-template with the chat request as it came: the templated prompt text.
+  Result<std::string> apply_template(const nlohmann::json& chat_request) const;
+  // POST /tokenize with add_special and parse_special on (as the completion path does).
+  Result<std::vector<int32_t>> tokenize(const std::string& text) const;
+
+  Result<SlotReply> slot_action(const std::string& action, const nlohmann::json& body) const;
+
+ private:
+  std::string host_;
+  int port_;
+  std::chrono::milliseconds timeout_;
+};
+
+// "error.message" of a llama-server error body, else the body itself (shortened).
+std::string error_message_of(const std::string& body);
+
+}  // namespace kvshare::route

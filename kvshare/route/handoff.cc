@@ -1,0 +1,273 @@
+#include "kvshare/route/handoff.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <fstream>
+
+namespace kvshare::route {
+namespace {
+
+using Json = nlohmann::json;
+
+std::atomic<uint64_t> g_request_sequence{0};
+
+// A file in the slot directory that is gone when the request is done, however it ends.
+struct ScopedFile {
+  std::filesystem::path path;
+  ~ScopedFile() {
+    std::error_code ec;
+    if (!path.empty()) std::filesystem::remove(path, ec);
+  }
+};
+
+// Where a handoff attempt ended.
+enum class Step { handed_off, take_file_route, forward };
+struct StepResult {
+  Step step = Step::forward;
+  std::string reason;   // metric label
+  std::string why;      // the sentence on stderr
+};
+
+StepResult forward_because(std::string reason, std::string why) {
+  return {Step::forward, std::move(reason), std::move(why)};
+}
+
+bool is_text_content(const Json& content) {
+  if (content.is_string() || content.is_null()) return true;
+  if (!content.is_array()) return false;
+  for (const Json& part : content)
+    if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+      return false;
+  return true;
+}
+
+// The prompt text the decoder will tokenize, or why there is none.
+Result<std::string> prompt_text(const HandoffContext& context, Endpoint endpoint, const Json& request) {
+  if (endpoint == Endpoint::completions) {
+    auto prompt = request.find("prompt");
+    if (prompt == request.end()) return fail(EINVAL, "no \"prompt\" field");
+    if (prompt->is_string()) return prompt->get<std::string>();
+    if (prompt->is_array() && prompt->size() == 1 && (*prompt)[0].is_string()) return (*prompt)[0].get<std::string>();
+    return fail(EINVAL, "\"prompt\" is not one text string (token ids, several prompts or media)");
+  }
+  auto messages = request.find("messages");
+  if (messages == request.end() || !messages->is_array() || messages->empty())
+    return fail(EINVAL, "no \"messages\" array");
+  for (size_t i = 0; i < messages->size(); ++i) {
+    const Json& message = (*messages)[i];
+    if (!message.is_object()) return fail(EINVAL, "messages[{}] is not an object", i);
+    if (message.contains("content") && !is_text_content(message["content"]))
+      return fail(EINVAL, "messages[{}].content is not text (image or audio parts)", i);
+  }
+  auto text = context.decoder->apply_template(request);
+  if (!text) return fail(EPROTO, "{}", text.error().what());
+  return *text;
+}
+
+Result<void> write_ids_file(const std::filesystem::path& path, std::span<const int32_t> ids) {
+  std::string text;
+  text.reserve(ids.size() * 6);
+  for (int32_t id : ids) {
+    text += std::to_string(id);
+    text += '\n';
+  }
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  out.close();
+  if (!out) return fail(EIO, "writing the ids file {}", path.string());
+  return {};
+}
+
+Json ids_json(std::span<const int32_t> ids) { return Json(std::vector<int32_t>(ids.begin(), ids.end())); }
+
+// The decoder forgets slot 0 (its cached tokens no longer describe its cells).
+void erase_slot(const HandoffContext& context) {
+  auto erased = context.decoder->slot_action("erase", Json::object());
+  if (!erased || erased->status != 200)
+    context.log(fmt::format("hybrid: warning: POST /slots/0?action=erase failed ({}); the forwarded request may "
+                            "reuse stale cells",
+                            erased ? erased->error_message : erased.error().what()));
+}
+
+StepResult file_route(const HandoffContext& context, std::span<const int32_t> handoff_ids,
+                      const std::filesystem::path& ids_path, uint64_t sequence, HandoffReport& report) {
+  const std::string state_name = fmt::format("kvshare-request-{}.state", sequence);
+  ScopedFile state{context.slot_dir / state_name};
+  const ServeConfig& config = *context.config;
+  const ProviderRun run =
+      run_provider(file_provider_command(config, ids_path.string(), state.path.string()), {}, provider_timeout(config));
+  report.prefill_ms = run.prefill_ms();
+  if (!run.ok())
+    return forward_because(run.timed_out ? "provider_timeout" : "provider_failed",
+                           fmt::format("the provider {} ({})", run.describe(), config.prefill_provider));
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(state.path, ec) || std::filesystem::file_size(state.path, ec) == 0)
+    return forward_because("no_state_file",
+                           fmt::format("the provider exited 0 but wrote no state file {}", state.path.string()));
+  // The restore must not land while an earlier request still decodes (llama-server defers
+  // it by itself; waiting here keeps any decoder honest).
+  context.slot->wait_idle(provider_timeout(config));
+  const Json body = {{"filename", state_name}, {"leave_one_token", true}};
+  auto restored = context.decoder->slot_action("restore", body);
+  if (!restored) return forward_because("restore_failed", restored.error().what());
+  if (!restored->ok())
+    return forward_because("restore_failed", fmt::format("POST /slots/0?action=restore answered {}: {}",
+                                                         restored->status, restored->error_message));
+  const Json& n_restored = restored->body["n_restored"];
+  if (!n_restored.is_number_integer() || n_restored.get<int64_t>() != static_cast<int64_t>(handoff_ids.size())) {
+    erase_slot(context);
+    return forward_because("restore_short", fmt::format("the slot holds {} tokens after the restore, expected {} "
+                                                        "(the prompt less its last token)",
+                                                        n_restored.dump(), handoff_ids.size()));
+  }
+  report.handoff_ms = restored->timings_ms().value_or(0.0);
+  return {Step::handed_off, "", ""};
+}
+
+StepResult shared_route(const HandoffContext& context, std::span<const int32_t> handoff_ids,
+                        const std::filesystem::path& ids_path, HandoffReport& report) {
+  const ServeConfig& config = *context.config;
+  auto session = context.broker->open();
+  if (!session)
+    return {Step::take_file_route, "handshake_failed",
+            fmt::format("the handshake cannot start ({})", session.error().what())};
+  // The provider writes into the decoder's own cells: nothing may still decode from them.
+  if (!context.slot->wait_idle(provider_timeout(config)))
+    return {Step::take_file_route, "decoder_busy", "the decoder is still generating an earlier reply"};
+  const auto share_start = std::chrono::steady_clock::now();
+  auto shared = context.decoder->slot_action("share", Json{{"socket", (*session)->socket_path()}});
+  if (!shared) return {Step::take_file_route, "handshake_failed", shared.error().what()};
+  if (!shared->ok())
+    return {Step::take_file_route, "share_refused",
+            fmt::format("the decoder refused to share ({}: {})", shared->status, shared->error_message)};
+  auto share_id = (*session)->receive(context.handshake_timeout);
+  if (!share_id)
+    return {Step::take_file_route, "handshake_failed",
+            fmt::format("receiving the decoder's fds failed ({})", share_id.error().what())};
+  const double share_wall_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - share_start).count();
+  if (shared->body.contains("share_id") && shared->body["share_id"].is_number_unsigned() &&
+      shared->body["share_id"].get<uint64_t>() != *share_id)
+    return {Step::take_file_route, "handshake_failed",
+            fmt::format("the share reply says share_id {}, the message on the socket says {}",
+                        shared->body["share_id"].dump(), *share_id)};
+
+  // From here the provider may write into the region: no file route, only forwarding.
+  const ProviderRun run =
+      (*session)->run_provider(shared_provider_command(config, ids_path.string()), provider_timeout(config));
+  report.prefill_ms = run.prefill_ms();
+  if (!run.ok()) {
+    if (run.started) erase_slot(context);
+    return forward_because(run.timed_out ? "provider_timeout" : "provider_failed",
+                           fmt::format("the provider {} ({})", run.describe(), config.prefill_provider));
+  }
+  const auto adopt_start = std::chrono::steady_clock::now();
+  const Json body = {{"tokens", ids_json(handoff_ids)}, {"share_id", *share_id}, {"leave_one_token", true}};
+  auto adopted = context.decoder->slot_action("adopt", body);
+  const double adopt_wall_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - adopt_start).count();
+  if (!adopted || !adopted->ok()) {
+    erase_slot(context);
+    return forward_because("adopt_failed", adopted ? fmt::format("POST /slots/0?action=adopt answered {}: {}",
+                                                                 adopted->status, adopted->error_message)
+                                                   : adopted.error().what());
+  }
+  report.handoff_ms = shared->timings_ms().value_or(share_wall_ms) + adopted->timings_ms().value_or(adopt_wall_ms);
+  return {Step::handed_off, "", ""};
+}
+
+}  // namespace
+
+std::string_view endpoint_path(Endpoint endpoint) {
+  return endpoint == Endpoint::chat_completions ? "/v1/chat/completions" : "/v1/completions";
+}
+
+std::string hybrid_line(const HandoffReport& report, double first_byte_ms) {
+  switch (report.route) {
+    case HandoffRoute::shared:
+      return fmt::format("hybrid: {} prompt tokens: prefill {:.3f} ms, share {:.3f} ms, first byte {:.3f} ms",
+                         report.n_prompt_tokens, report.prefill_ms, report.handoff_ms, first_byte_ms);
+    case HandoffRoute::shared_then_file:
+      return fmt::format(
+          "hybrid: {} prompt tokens: prefill {:.3f} ms, share 0.000 ms, restore {:.3f} ms, first byte {:.3f} ms",
+          report.n_prompt_tokens, report.prefill_ms, report.handoff_ms, first_byte_ms);
+    default:
+      return fmt::format("hybrid: {} prompt tokens: prefill {:.3f} ms, restore {:.3f} ms, first byte {:.3f} ms",
+                         report.n_prompt_tokens, report.prefill_ms, report.handoff_ms, first_byte_ms);
+  }
+}
+
+std::string forward_body(const Json& body) {
+  Json forwarded = body;
+  forwarded["id_slot"] = 0;
+  forwarded["cache_prompt"] = true;
+  forwarded["leave_one_token"] = true;
+  return forwarded.dump();
+}
+
+HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, const std::string& body) {
+  HandoffReport report;
+  report.body = body;
+  auto fall_back = [&](const std::string& reason, const std::string& why) {
+    report.route = HandoffRoute::none;
+    report.fallback_reason = reason;
+    report.body = body;
+    context.metrics->count_fallback(reason);
+    context.log(fmt::format("hybrid: fallback ({}): {}; forwarding the request as it came (the decoder prefills it)",
+                            reason, why));
+    return report;
+  };
+
+  const Json request = Json::parse(body, nullptr, false);
+  if (!request.is_object()) return fall_back("no_text_prompt", "the request body is not a JSON object");
+  auto text = prompt_text(context, endpoint, request);
+  if (!text) return fall_back(text.error().errno_value() == EPROTO ? "template_failed" : "no_text_prompt",
+                              "no text prompt: " + text.error().message());
+  auto ids = context.decoder->tokenize(*text);
+  if (!ids) return fall_back("tokenize_failed", ids.error().what());
+  report.n_prompt_tokens = ids->size();
+  if (ids->size() < 2)
+    return fall_back("prompt_too_short", fmt::format("the prompt has {} token(s): nothing to hand off before the "
+                                                     "last one", ids->size()));
+  // engine#941: the decoder evaluates the prompt's last token itself.
+  const std::span<const int32_t> handoff_ids(ids->data(), ids->size() - 1);
+
+  const uint64_t sequence = ++g_request_sequence;
+  ScopedFile ids_file{context.slot_dir / fmt::format("kvshare-request-{}.ids", sequence)};
+  if (auto written = write_ids_file(ids_file.path, handoff_ids); !written)
+    return fall_back("ids_file_failed", written.error().what());
+
+  bool tried_shared = false;
+  if (context.config->kv_share && context.broker) {
+    tried_shared = true;
+    StepResult shared = shared_route(context, handoff_ids, ids_file.path, report);
+    if (shared.step == Step::handed_off) {
+      report.route = HandoffRoute::shared;
+      report.body = forward_body(request);
+      context.metrics->count_handoff("shared", "ok");
+      return report;
+    }
+    if (shared.step == Step::forward) {
+      context.metrics->count_handoff("shared", "forwarded");
+      return fall_back(shared.reason, shared.why);
+    }
+    context.metrics->count_handoff("shared", "file_fallback");
+    context.metrics->count_fallback(shared.reason);
+    context.log(fmt::format("hybrid: shared route not taken ({}): {}; this request takes the state-file route",
+                            shared.reason, shared.why));
+  }
+  StepResult file = file_route(context, handoff_ids, ids_file.path, sequence, report);
+  if (file.step != Step::handed_off) {
+    context.metrics->count_handoff("file", "forwarded");
+    return fall_back(file.reason, file.why);
+  }
+  report.route = tried_shared ? HandoffRoute::shared_then_file : HandoffRoute::file;
+  report.body = forward_body(request);
+  context.metrics->count_handoff("file", "ok");
+  return report;
+}
+
+}  // namespace kvshare::route

@@ -1,0 +1,66 @@
+// One request's handoff (the seed's steps 1-3): template and tokenize on the decoder, have
+// the provider prefill the prompt less its last token, and put that KV into slot 0 — by
+// the shared route (share -> fds -> provider -> adopt) when ONEBIT_KV_SHARE is on, else
+// (or when the decoder refuses to share) by the state file and a restore. Any failure
+// falls back, says why, and the request is forwarded as it came: the reply is always the
+// decoder's own, so it is always correct.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <string>
+
+#include "kvshare/route/decoder_client.h"
+#include "kvshare/route/metrics.h"
+#include "kvshare/route/serve_config.h"
+#include "kvshare/route/share_session.h"
+#include "kvshare/route/slot_queue.h"
+
+namespace kvshare::route {
+
+enum class Endpoint { chat_completions, completions };
+std::string_view endpoint_path(Endpoint endpoint);
+
+enum class HandoffRoute { none, file, shared, shared_then_file };
+
+struct HandoffReport {
+  HandoffRoute route = HandoffRoute::none;  // none: forwarded as it came
+  std::string fallback_reason;              // metric label when route is none ("" for a plain relay)
+  size_t n_prompt_tokens = 0;               // the whole prompt, last token included
+  double prefill_ms = 0;                    // the provider's own figure, else its wall time
+  double handoff_ms = 0;                    // the decoder's restore, or share + adopt
+  std::string body;                         // what to forward
+  bool handed_off() const { return route != HandoffRoute::none; }
+};
+
+// The request's line (exact formats; times with 3 decimals):
+//   hybrid: N prompt tokens: prefill X ms, restore Y ms, first byte Z ms
+//   hybrid: N prompt tokens: prefill X ms, share Y ms, first byte Z ms
+//   hybrid: N prompt tokens: prefill X ms, share 0.000 ms, restore Y ms, first byte Z ms
+std::string hybrid_line(const HandoffReport& report, double first_byte_ms);
+
+// Writes one whole line to serve's stderr (thread-safe; tests capture it instead).
+using LogSink = std::function<void(const std::string& line)>;
+
+// The request body with id_slot 0, cache_prompt true and leave_one_token true: what the
+// decoder gets after a handoff. `body` must be a JSON object.
+std::string forward_body(const nlohmann::json& body);
+
+struct HandoffContext {
+  const ServeConfig* config = nullptr;
+  const DecoderClient* decoder = nullptr;
+  std::filesystem::path slot_dir;   // the decoder's --slot-save-path (ids and state files go here)
+  SlotQueue* slot = nullptr;
+  Metrics* metrics = nullptr;
+  ShareBroker* broker = nullptr;    // null: no shared route in this build/run
+  LogSink log;
+  std::chrono::milliseconds handshake_timeout{10000};
+};
+
+// Runs the handoff for `body` (the request as it came). The caller holds the slot.
+HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, const std::string& body);
+
+}  // namespace kvshare::route

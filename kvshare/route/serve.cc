@@ -1,0 +1,304 @@
+#include "kvshare/route/serve.h"
+
+#include <httplib.h>
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <mutex>
+#include <thread>
+
+#include "kvshare/route/decoder_client.h"
+#include "kvshare/route/decoder_process.h"
+#include "kvshare/route/handoff.h"
+#include "kvshare/route/metrics.h"
+#include "kvshare/route/prompt_n_scanner.h"
+#include "kvshare/route/share_session.h"
+#include "kvshare/route/slot_queue.h"
+#include "kvshare/route/upstream_stream.h"
+
+namespace kvshare::route {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Json = nlohmann::json;
+
+// Threads serving requests: 32 concurrent clients each get a thread (waiting for the slot
+// in arrival order) instead of waiting in the accept queue.
+constexpr size_t kServerThreads = 64;
+
+std::mutex g_stderr_mutex;
+void log_line(const std::string& line) {
+  std::lock_guard lock(g_stderr_mutex);
+  std::fputs((line + "\n").c_str(), stderr);
+  std::fflush(stderr);
+}
+
+double ms_since(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+void error_reply(httplib::Response& res, int status, const std::string& type, const std::string& message) {
+  res.status = status;
+  const Json body = {{"error", {{"code", status}, {"message", message}, {"type", type}}}};
+  res.set_content(body.dump(), "application/json");
+}
+
+// Everything one forwarded request carries from its handoff to its last relayed byte.
+struct RelayState {
+  std::shared_ptr<UpstreamStream> stream;
+  std::shared_ptr<SlotQueue::Hold> hold;
+  SlotQueue::Decode decode;
+  HandoffReport report;
+  bool is_hybrid = false;   // a handoff was attempted (the route's lines apply)
+  Clock::time_point start;  // the start of the handoff
+  std::optional<PromptNScanner> scanner;
+  bool first_relayed = false;
+  bool finished = false;
+  Metrics* metrics = nullptr;
+};
+
+void on_first_relayed(RelayState& state) {
+  if (state.first_relayed) return;
+  state.first_relayed = true;
+  if (!state.is_hybrid) return;
+  const double first_byte_ms = ms_since(state.start);
+  if (state.report.handed_off()) {
+    log_line(hybrid_line(state.report, first_byte_ms));
+    const std::string route = state.report.route == HandoffRoute::shared ? "shared" : "file";
+    state.metrics->observe(route, state.report.prefill_ms, state.report.handoff_ms, first_byte_ms);
+  } else {
+    log_line(fmt::format("hybrid: {} prompt tokens: forwarded as it came, first byte {:.3f} ms",
+                         state.report.n_prompt_tokens, first_byte_ms));
+  }
+}
+
+void on_relay_end(RelayState& state) {
+  if (state.finished) return;
+  state.finished = true;
+  on_first_relayed(state);
+  if (!state.report.handed_off() || !state.scanner) return;
+  if (auto prompt_n = state.scanner->finish(); prompt_n && *prompt_n != 1) {
+    state.metrics->count_prompt_not_reused();
+    log_line(fmt::format("hybrid: warning: the decoder evaluated {} prompt tokens, not 1: the handoff was not "
+                         "reused (timings.prompt_n)",
+                         *prompt_n));
+  }
+}
+
+class Server {
+ public:
+  Server(const ServeConfig& config, const Backend& backend, const ServeRuntime& runtime)
+      : config_(config), backend_(backend), runtime_(runtime) {}
+
+  int run();
+
+ private:
+  bool hybrid_active() const { return config_.device == Device::hybrid && !config_.prefill_provider.empty(); }
+  void relay_get(const std::string& path, httplib::Response& res);
+  void handle_completion(Endpoint endpoint, const httplib::Request& req, httplib::Response& res);
+  void forward(const std::string& path, std::shared_ptr<RelayState> state, httplib::Response& res);
+
+  const ServeConfig& config_;
+  const Backend& backend_;
+  const ServeRuntime& runtime_;
+  std::unique_ptr<DecoderProcess> decoder_;
+  std::unique_ptr<DecoderClient> client_;
+  std::unique_ptr<ShareBroker> broker_;
+  httplib::Server http_;
+  SlotQueue slot_;
+  Metrics metrics_;
+  HandoffContext context_;
+  std::atomic<bool> decoder_died_{false};
+};
+
+void Server::relay_get(const std::string& path, httplib::Response& res) {
+  auto reply = client_->get(path);
+  if (!reply) return error_reply(res, 503, "unavailable_error", reply.error().what());
+  res.status = reply->status;
+  res.set_content(reply->body, reply->content_type.empty() ? "application/json" : reply->content_type);
+}
+
+void Server::forward(const std::string& path, std::shared_ptr<RelayState> state, httplib::Response& res) {
+  UpstreamStream::Request request;
+  request.host = "127.0.0.1";
+  request.port = decoder_->port();
+  request.method = "POST";
+  request.path = path;
+  request.body = state->report.body;
+  // The slot is free for the next handoff as soon as the decoder has started on this one.
+  state->stream = UpstreamStream::start(std::move(request), [hold = state->hold] { hold->release(); });
+  auto head = state->stream->wait_head();
+  if (!head) {
+    state->hold->release();
+    log_line(fmt::format("kvshare-serve: {}", head.error().what()));
+    on_relay_end(*state);
+    return error_reply(res, 502, "server_error", head.error().what());
+  }
+  const std::string content_type = head->content_type.empty() ? "application/json" : head->content_type;
+  state->scanner.emplace(content_type.find("text/event-stream") != std::string::npos);
+  res.status = head->status;
+  res.set_chunked_content_provider(
+      content_type,
+      [state](size_t, httplib::DataSink& sink) {
+        std::string piece;
+        if (state->stream->next(piece)) {
+          on_first_relayed(*state);
+          state->scanner->feed(piece);
+          return sink.write(piece.data(), piece.size());
+        }
+        if (auto cut = state->stream->transport_error()) {
+          log_line(fmt::format("kvshare-serve: {}", cut->what()));
+          on_relay_end(*state);
+          return false;  // the client sees the reply cut, as it was
+        }
+        on_relay_end(*state);
+        sink.done();
+        return true;
+      },
+      [state](bool) {
+        state->stream->cancel();
+        on_relay_end(*state);
+      });
+}
+
+void Server::handle_completion(Endpoint endpoint, const httplib::Request& req, httplib::Response& res) {
+  metrics_.count_request(std::string(endpoint_path(endpoint)));
+  auto state = std::make_shared<RelayState>();
+  state->metrics = &metrics_;
+  state->report.body = req.body;
+  if (!hybrid_active()) {
+    state->hold = std::make_shared<SlotQueue::Hold>();
+    state->decode = slot_.begin_decode();
+    return forward(std::string(endpoint_path(endpoint)), state, res);
+  }
+  state->hold = std::make_shared<SlotQueue::Hold>(slot_.acquire());
+  state->is_hybrid = true;
+  state->start = Clock::now();
+  state->report = run_handoff(context_, endpoint, req.body);
+  state->decode = slot_.begin_decode();
+  forward(std::string(endpoint_path(endpoint)), state, res);
+}
+
+int Server::run() {
+  // Signals go to one thread that sigwaits; every thread started from here inherits the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGUSR2);  // our own wake-up at shutdown
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+
+  if (config_.device == Device::hybrid && config_.prefill_provider.empty())
+    log_line("kvshare-serve: --device hybrid without a prefill provider (--prefill-provider or "
+             "ONEBIT_HYBRID_PREFILL): every prompt is prefilled by the decoder itself, one slot, plain relay");
+
+  auto decoder = DecoderProcess::start(config_, backend_, runtime_.decoder_ready_timeout, [this](const ExitStatus& status) {
+    decoder_died_ = true;
+    log_line(fmt::format("kvshare-serve: the decoder exited ({}); it is not restarted, kvshare-serve exits",
+                         status.describe()));
+    http_.stop();
+  });
+  if (!decoder) {
+    log_line(fmt::format("kvshare-serve: {}", decoder.error().what()));
+    return 1;
+  }
+  decoder_ = std::move(*decoder);
+  client_ = std::make_unique<DecoderClient>("127.0.0.1", decoder_->port(), std::chrono::milliseconds(600000));
+  if (hybrid_active() && config_.kv_share) {
+    broker_ = make_kvshare_broker();
+    if (!broker_)
+      log_line("kvshare-serve: ONEBIT_KV_SHARE is set but this build has no share broker: every request takes the "
+               "state-file route");
+  }
+
+  context_.config = &config_;
+  context_.decoder = client_.get();
+  context_.slot_dir = decoder_->slot_dir();
+  context_.slot = &slot_;
+  context_.metrics = &metrics_;
+  context_.broker = broker_.get();
+  context_.log = log_line;
+  context_.handshake_timeout = runtime_.handshake_timeout;
+
+  http_.new_task_queue = [] { return new httplib::ThreadPool(kServerThreads); };
+  http_.set_read_timeout(std::chrono::seconds(600));
+  http_.set_write_timeout(std::chrono::seconds(600));
+  http_.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    handle_completion(Endpoint::chat_completions, req, res);
+  });
+  http_.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    handle_completion(Endpoint::completions, req, res);
+  });
+  for (const char* path : {"/health", "/v1/health", "/v1/models", "/props"})
+    http_.Get(path, [this, path](const httplib::Request&, httplib::Response& res) { relay_get(path, res); });
+  http_.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(metrics_.render(), "text/plain; version=0.0.4");
+  });
+
+  int port = config_.port;
+  if (port == 0) port = http_.bind_to_any_port(config_.host);
+  else if (!http_.bind_to_port(config_.host, port)) port = -1;
+  if (port <= 0) {
+    log_line(fmt::format("kvshare-serve: cannot listen on {}:{} (in use, or not an address of this machine)",
+                         config_.host, config_.port));
+    decoder_->stop();
+    return 1;
+  }
+  if (decoder_died_) {
+    decoder_->stop();
+    return 1;
+  }
+  log_line(fmt::format("kvshare-serve: listening on http://{}:{} (device {}, decoder {} on 127.0.0.1:{}, "
+                       "provider {}, route {})",
+                       config_.host, port, device_name(config_.device), backend_kind_name(backend_.kind),
+                       decoder_->port(), config_.prefill_provider.empty() ? "none" : config_.prefill_provider,
+                       !hybrid_active() ? "relay" : (config_.kv_share ? "shared" : "file")));
+
+  std::atomic<bool> stopping{false};
+  std::thread signal_thread([&] {
+    int received = 0;
+    while (sigwait(&signals, &received) == 0) {
+      if (received == SIGUSR2 && stopping) return;
+      if (received == SIGINT || received == SIGTERM) {
+        log_line(fmt::format("kvshare-serve: {} received, stopping", received == SIGINT ? "SIGINT" : "SIGTERM"));
+        http_.stop();
+        return;
+      }
+    }
+  });
+  http_.listen_after_bind();
+  stopping = true;
+  pthread_kill(signal_thread.native_handle(), SIGUSR2);
+  signal_thread.join();
+  decoder_->stop();
+  return decoder_died_ ? 1 : 0;
+}
+
+}  // namespace
+
+std::filesystem::path own_binary_dir() {
+  std::error_code ec;
+  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::filesystem::current_path() : self.parent_path();
+}
+
+std::string print_backend_line(const ServeConfig& config, const Backend& backend) {
+  std::vector<std::string> argv = backend_command(config, backend, "<private slot dir>", 0);
+  for (size_t i = 0; i + 1 < argv.size(); ++i)
+    if (argv[i] == "--port") {
+      argv[i + 1] = "<free port>";
+      break;
+    }
+  return join_command(argv);
+}
+
+int run_serve(const ServeConfig& config, const Backend& backend, const ServeRuntime& runtime) {
+  Server server(config, backend, runtime);
+  return server.run();
+}
+
+}  // namespace kvshare::route

@@ -1,0 +1,104 @@
+// What `kvshare-serve` was asked to do: the flags, checked, and the command lines they
+// turn into (the decoder child's and the provider's). Pure: no process is started here,
+// so every refusal and every command line is a unit test.
+#pragma once
+
+#include <chrono>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "layout/error.h"
+
+namespace kvshare::route {
+
+enum class Device { hybrid, cpu };
+
+// Which program decodes. Both speak llama-server's flags and HTTP API.
+enum class BackendKind { llama_server, kvshare_decoder };
+
+struct ServeConfig {
+  std::filesystem::path model;            // -m
+  Device device = Device::hybrid;         // --device
+  std::string prefill_provider;           // --prefill-provider, else ONEBIT_HYBRID_PREFILL
+  std::string elfs_dir;                   // ONEBIT_HYBRID_ELFS: adds --elfs DIR to the provider
+  std::string host = "127.0.0.1";         // --host (serve's own listening address)
+  int port = 8080;                        // --port (0: any free port, printed at start)
+  int ctx_size = 4096;                    // -c
+  std::string flash_attn = "on";          // -fa on|off (on: V not transposed, as HRX runs)
+  std::string cache_type_k = "f16";       // -ctk
+  std::string cache_type_v = "f16";       // -ctv
+  bool kv_flags_given = false;            // -c/-fa/-ctk/-ctv on the command line: the provider gets them too
+  double provider_timeout_s = 120;        // --provider-timeout
+  std::string backend;                    // --backend PATH ("" = search)
+  bool print_backend = false;             // --print-backend
+  bool kv_share = false;                  // ONEBIT_KV_SHARE set and non-empty
+  std::vector<std::string> backend_extra; // after `--`, appended to the decoder's command
+
+  // Flags that exist only to be refused (--parallel N, --mtp, ...): the refusal names them.
+  int parallel = 1;                       // -np / --parallel
+  std::vector<std::string> refused_flags; // each refused flag as it was given
+};
+
+// llama-server's multi-letter single-dash flags (-fa, -ctk, -ctv, -np) as their long
+// forms, up to a `--` (what follows it goes to the decoder untouched): CLI11 takes only
+// one-letter single-dash names.
+std::vector<std::string> normalize_llama_flags(std::vector<std::string> args);
+
+// The environment serve reads, captured once (tests pass their own).
+struct ServeEnv {
+  std::string hybrid_prefill;  // ONEBIT_HYBRID_PREFILL
+  std::string hybrid_elfs;     // ONEBIT_HYBRID_ELFS
+  bool kv_share = false;       // ONEBIT_KV_SHARE set and non-empty
+  std::string path;            // PATH, for finding llama-server
+};
+ServeEnv read_serve_env();
+
+// Applies the environment (provider, elfs, share switch) under the flags: a flag wins
+// over its variable.
+void apply_env(ServeConfig& config, const ServeEnv& env);
+
+// The flags serve refuses because the hybrid route cannot honour them, wherever they
+// appear (serve's own flags or the backend flags after `--`).
+const std::vector<std::string>& refused_flag_names();
+
+// Refuses what the route cannot do, with a message that names the flag and why:
+// --parallel/-np > 1, --mtp, --dflash, --mmproj, --moe-slots, --embedding(s), --reranking,
+// --pm (also inside backend_extra); a missing model; a bad -fa value; a non-positive
+// -c or --provider-timeout. EINVAL.
+Result<void> validate(const ServeConfig& config);
+
+struct Backend {
+  BackendKind kind = BackendKind::kvshare_decoder;
+  std::filesystem::path program;
+};
+
+// --backend when given (must be an executable file); else `llama-server` on `path_env`;
+// else `kvshare-decoder` beside serve's own binary (`serve_dir`). ENOENT naming every
+// place looked at.
+Result<Backend> resolve_backend(const ServeConfig& config, const std::string& path_env,
+                                const std::filesystem::path& serve_dir);
+
+// The decoder child's argv: program, -m, -np 1, --slot-save-path, the KV flags, --host
+// 127.0.0.1, --port, then the extra flags.
+std::vector<std::string> backend_command(const ServeConfig& config, const Backend& backend,
+                                         const std::string& slot_dir, int port);
+
+// The provider's argv for the file route (seed contract):
+//   PROGRAM --tokens IDS --out STATE --model M [--elfs DIR] [KV flags when given]
+std::vector<std::string> file_provider_command(const ServeConfig& config, const std::string& ids_path,
+                                               const std::string& state_path);
+// The provider's argv for the shared route, before --layout/--fds (the broker adds them):
+//   PROGRAM --tokens IDS --model M [--elfs DIR]
+std::vector<std::string> shared_provider_command(const ServeConfig& config, const std::string& ids_path);
+
+// argv as one shell-readable line (arguments with spaces or quotes are single-quoted).
+std::string join_command(const std::vector<std::string>& argv);
+
+std::chrono::milliseconds provider_timeout(const ServeConfig& config);
+
+std::string_view device_name(Device device);
+std::string_view backend_kind_name(BackendKind kind);
+
+}  // namespace kvshare::route

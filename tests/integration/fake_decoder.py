@@ -1,0 +1,361 @@
+#!/usr/bin/env python3
+"""A stand-in for llama-server in kvshare-serve's tests: llama-server's flags, the
+endpoints the hybrid route uses, one slot, and a log of everything that reached it.
+
+Tokenizer: BOS (id 1), then each UTF-8 byte b of the text as id b + 10. The chat template
+is ChatML. A reply's text is a function of the prompt's ids, so a test can tell a right
+reply from a wrong one. The slot's cached tokens follow llama-server's rules: a restore
+sets them to the file's tokens, the prompt-cache prefix search counts how many prompt
+tokens are evaluated (timings.prompt_n), and a request leaves the prompt cached.
+
+State files are read as llama.cpp writes them up to the token list: u32 magic 'ggsq',
+u32 version 2, u32 n_token, i32 ids (the KV part is not looked at).
+
+Behaviour switches (environment, inherited from kvshare-serve):
+  FAKE_DECODER_LOG=path        append one JSON object per event
+  FAKE_DECODER_RESTORE=fail|short   refuse every restore (400) / restore one token less
+  FAKE_DECODER_RESTORE_MS=x    the restore_ms it reports (default 1.25)
+  FAKE_DECODER_IGNORE_CACHE=1  never reuse the slot (prompt_n = prompt length)
+  FAKE_DECODER_EXIT_AFTER=n    exit with code 3 after n completion requests
+  FAKE_DECODER_STARTUP_MS=ms   answer /health with 503 for this long
+  FAKE_DECODER_CHUNK_DELAY_MS  pause between SSE chunks (default 0)
+  FAKE_DECODER_REFUSE_SHARE=1  answer ?action=share with 501 (a decoder that cannot export)
+  FAKE_DECODER_SHARE_BYTES=n   bytes of the one memfd chunk it shares (default 65536)
+"""
+import argparse
+import array
+import json
+import mmap
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+import zlib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlparse, parse_qs
+
+BOS = 1
+STATE_MAGIC = 0x67677371
+
+
+def tokenize(text, add_special=True):
+    ids = [BOS] if add_special else []
+    return ids + [b + 10 for b in text.encode("utf-8")]
+
+
+def apply_template(messages):
+    out = ""
+    for message in messages:
+        content = message.get("content") or ""
+        if isinstance(content, list):
+            content = "".join(part.get("text", "") for part in content)
+        out += "<|im_start|>%s\n%s<|im_end|>\n" % (message.get("role", "user"), content)
+    return out + "<|im_start|>assistant\n"
+
+
+def reply_words(ids):
+    """The reply a prompt gets: a pure function of its ids."""
+    digest = zlib.crc32(bytes(i & 0xFF for i in ids))
+    return ["reply", "to", "%d" % len(ids), "tokens", "%08x" % digest]
+
+
+class Slot:
+    def __init__(self):
+        self.lock = threading.Lock()  # held while a task runs: restores and requests wait
+        self.tokens = []
+        self.share_id = 0
+        self.share_region = None  # (memfd, size) of the latest share
+
+
+class State:
+    args = None
+    slot = Slot()
+    log_lock = threading.Lock()
+    started = time.monotonic()
+    completions = 0
+    completions_lock = threading.Lock()
+
+
+def log(event, **fields):
+    path = os.environ.get("FAKE_DECODER_LOG")
+    if not path:
+        return
+    fields["event"] = event
+    fields["t"] = time.monotonic()
+    with State.log_lock, open(path, "a") as out:
+        out.write(json.dumps(fields) + "\n")
+
+
+def read_state_tokens(path):
+    with open(path, "rb") as f:
+        head = f.read(12)
+        if len(head) < 12:
+            raise ValueError("truncated header")
+        magic, version, n_token = struct.unpack("<III", head)
+        if magic != STATE_MAGIC or version != 2:
+            raise ValueError("bad magic/version")
+        data = f.read(4 * n_token)
+        if len(data) != 4 * n_token:
+            raise ValueError("truncated tokens")
+        return list(struct.unpack("<%di" % n_token, data))
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"
+
+    def log_message(self, fmt, *args):
+        pass
+
+    def send_json(self, status, obj):
+        body = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def send_error_json(self, status, message, kind):
+        self.send_json(status, {"error": {"code": status, "message": message, "type": kind}})
+
+    def ready(self):
+        startup = float(os.environ.get("FAKE_DECODER_STARTUP_MS", "0")) / 1000.0
+        if time.monotonic() - State.started < startup:
+            self.send_error_json(503, "Loading model", "unavailable_error")
+            return False
+        return True
+
+    def do_GET(self):
+        if not self.ready():
+            return
+        path = urlparse(self.path).path
+        log("get", path=path)
+        if path in ("/health", "/v1/health"):
+            self.send_json(200, {"status": "ok"})
+        elif path == "/v1/models":
+            self.send_json(200, {"object": "list", "data": [{"id": State.args.model, "object": "model"}]})
+        elif path == "/props":
+            self.send_json(200, {"total_slots": State.args.parallel, "model_path": State.args.model,
+                                 "default_generation_settings": {"n_ctx": State.args.ctx_size}})
+        else:
+            self.send_error_json(404, "File Not Found", "not_found_error")
+
+    def read_body(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        return raw
+
+    def do_POST(self):
+        if not self.ready():
+            return
+        url = urlparse(self.path)
+        raw = self.read_body()
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError:
+            self.send_error_json(500, "bad json", "server_error")
+            return
+        query = parse_qs(url.query)
+        log("post", path=url.path, query={k: v[0] for k, v in query.items()}, body=body)
+        if url.path == "/apply-template":
+            self.send_json(200, {"prompt": apply_template(body.get("messages", []))})
+        elif url.path == "/tokenize":
+            self.send_json(200, {"tokens": tokenize(body.get("content", ""), body.get("add_special", False))})
+        elif url.path.startswith("/slots/"):
+            self.slot_action(url.path, query.get("action", [""])[0], body)
+        elif url.path in ("/v1/chat/completions", "/v1/completions", "/completion"):
+            self.complete(url.path, body)
+        else:
+            self.send_error_json(404, "File Not Found", "not_found_error")
+
+    def slot_action(self, path, action, body):
+        slot = State.slot
+        if action == "restore":
+            filename = body.get("filename", "")
+            full = os.path.join(State.args.slot_save_path, filename)
+            with slot.lock:
+                exists = os.path.isfile(full)
+                log("restore", filename=filename, exists=exists, in_slot_dir=os.path.dirname(full) ==
+                    State.args.slot_save_path.rstrip("/"), body=body)
+                mode = os.environ.get("FAKE_DECODER_RESTORE", "")
+                try:
+                    if mode == "fail":
+                        raise ValueError("refused on demand")
+                    tokens = read_state_tokens(full)
+                except (OSError, ValueError) as error:
+                    slot.tokens = []
+                    log("restore_failed", reason=str(error))
+                    self.send_error_json(400, "Unable to restore slot, no available space in KV cache or invalid "
+                                         "slot save file", "invalid_request_error")
+                    return
+                if mode == "short":
+                    tokens = tokens[:-1]
+                slot.tokens = tokens
+                restore_ms = float(os.environ.get("FAKE_DECODER_RESTORE_MS", "1.25"))
+                self.send_json(200, {"id_slot": 0, "filename": filename, "n_restored": len(tokens),
+                                     "n_read": os.path.getsize(full), "timings": {"restore_ms": restore_ms}})
+        elif action == "erase":
+            with slot.lock:
+                n = len(slot.tokens)
+                slot.tokens = []
+                self.send_json(200, {"id_slot": 0, "n_erased": n})
+        elif action == "share":
+            self.share(body)
+        elif action == "adopt":
+            self.adopt(body)
+        else:
+            self.send_error_json(400, "Invalid action", "invalid_request_error")
+
+    def share(self, body):
+        slot = State.slot
+        if not os.environ.get("ONEBIT_KV_SHARE") or os.environ.get("FAKE_DECODER_REFUSE_SHARE"):
+            log("share_refused")
+            self.send_error_json(501, "share refused: ONEBIT_KV_SHARE is not set in the decoder, or its KV "
+                                 "backend cannot export its memory", "not_supported_error")
+            return
+        import fake_share  # the handshake message, as docs/protocol.md defines it
+        with slot.lock:
+            slot.share_id += 1
+            size = int(os.environ.get("FAKE_DECODER_SHARE_BYTES", "65536"))
+            fd = os.memfd_create("kvshare-fake-kv", os.MFD_CLOEXEC)
+            os.ftruncate(fd, size)
+            if slot.share_region:
+                os.close(slot.share_region[0])
+            slot.share_region = (fd, size)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(5)
+            try:
+                sock.connect(body["socket"])
+                log("share_connected", socket=body["socket"], share_id=slot.share_id)
+                frame = fake_share.share_frame(slot.share_id, size, State.args)
+                socket.send_fds(sock, [frame], [fd])
+                log("share_sent", share_id=slot.share_id, n_fds=1)
+            except OSError as error:
+                log("share_failed", reason=str(error))
+                self.send_error_json(500, "share: %s" % error, "server_error")
+                return
+            finally:
+                sock.close()
+            self.send_json(200, {"id_slot": 0, "share_id": slot.share_id, "n_fds": 1, "backend": "memfd",
+                                 "timings": {"share_ms": 0.5}})
+
+    def adopt(self, body):
+        slot = State.slot
+        with slot.lock:
+            tokens = body.get("tokens", [])
+            share_id = body.get("share_id")
+            written = None
+            if slot.share_region:
+                fd, size = slot.share_region
+                with mmap.mmap(fd, size, prot=mmap.PROT_READ) as region:
+                    n = struct.unpack_from("<I", region, 0)[0]
+                    if 0 < n <= (size - 4) // 4:
+                        written = list(struct.unpack_from("<%di" % n, region, 4))
+            log("adopt", share_id=share_id, n_tokens=len(tokens), region_holds_tokens=(written == tokens), body=body)
+            if share_id != slot.share_id:
+                self.send_error_json(400, "stale share_id %s (latest %d)" % (share_id, slot.share_id),
+                                     "invalid_request_error")
+                return
+            if written != tokens:
+                self.send_error_json(400, "the region does not hold the tokens", "invalid_request_error")
+                return
+            slot.tokens = list(tokens)
+            self.send_json(200, {"id_slot": 0, "share_id": share_id, "n_adopted": len(tokens),
+                                 "timings": {"adopt_ms": 0.25}})
+
+    def complete(self, path, body):
+        if path == "/v1/chat/completions":
+            ids = tokenize(apply_template(body.get("messages", [])))
+        else:
+            prompt = body.get("prompt", "")
+            if isinstance(prompt, list) and all(isinstance(i, int) for i in prompt):
+                ids = list(prompt)
+            else:
+                if isinstance(prompt, list):
+                    prompt = "".join(p for p in prompt if isinstance(p, str))
+                ids = tokenize(prompt)
+        slot = State.slot
+        with slot.lock:
+            cache_n = 0
+            if body.get("cache_prompt", True) and not os.environ.get("FAKE_DECODER_IGNORE_CACHE"):
+                while cache_n < min(len(ids), len(slot.tokens)) and ids[cache_n] == slot.tokens[cache_n]:
+                    cache_n += 1
+                cache_n = min(cache_n, len(ids) - 1)
+            prompt_n = len(ids) - cache_n
+            slot.tokens = list(ids)
+            log("completion", path=path, n_prompt=len(ids), cache_n=cache_n, prompt_n=prompt_n, body=body)
+            words = reply_words(ids)
+            timings = {"cache_n": cache_n, "prompt_n": prompt_n, "prompt_ms": 1.0, "predicted_n": len(words),
+                       "predicted_ms": 1.0}
+            if body.get("stream"):
+                self.stream_reply(path, words, timings)
+            else:
+                text = " ".join(words)
+                if path == "/v1/chat/completions":
+                    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+                else:
+                    choice = {"index": 0, "text": text, "finish_reason": "stop"}
+                self.send_json(200, {"choices": [choice], "timings": timings,
+                                     "usage": {"prompt_tokens": len(ids), "completion_tokens": len(words)}})
+        with State.completions_lock:
+            State.completions += 1
+            exit_after = int(os.environ.get("FAKE_DECODER_EXIT_AFTER") or 0)
+            if exit_after and State.completions >= exit_after:
+                log("exiting", code=3)
+                threading.Timer(0.05, lambda: os._exit(3)).start()
+
+    def stream_reply(self, path, words, timings):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        delay = float(os.environ.get("FAKE_DECODER_CHUNK_DELAY_MS", "0")) / 1000.0
+        for chunk in sse_chunks(path, words, timings):
+            self.wfile.write(chunk)
+            self.wfile.flush()
+            if delay:
+                time.sleep(delay)
+
+
+def sse_chunks(path, words, timings):
+    """The exact bytes of a streamed reply (the tests rebuild them to compare)."""
+    chunks = []
+    for i, word in enumerate(words):
+        text = word if i == 0 else " " + word
+        if path == "/v1/chat/completions":
+            choice = {"index": 0, "delta": {"content": text}, "finish_reason": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": None}
+        chunks.append(("data: %s\n\n" % json.dumps({"choices": [choice]})).encode())
+    final = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "timings": timings}
+    chunks.append(("data: %s\n\n" % json.dumps(final)).encode())
+    chunks.append(b"data: [DONE]\n\n")
+    return chunks
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("-m", "--model", required=True)
+    parser.add_argument("-np", "--parallel", type=int, default=4)
+    parser.add_argument("--slot-save-path", default="")
+    parser.add_argument("-c", "--ctx-size", type=int, default=0)
+    parser.add_argument("-fa", "--flash-attn", default="auto")
+    parser.add_argument("-ctk", "--cache-type-k", default="f16")
+    parser.add_argument("-ctv", "--cache-type-v", default="f16")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    args, extra = parser.parse_known_args()
+    State.args = args
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    log("start", argv=sys.argv[1:], extra=extra, pid=os.getpid(), slot_dir=args.slot_save_path,
+        slot_dir_mode=oct(os.stat(args.slot_save_path).st_mode & 0o777) if args.slot_save_path else None,
+        kv_share=os.environ.get("ONEBIT_KV_SHARE"))
+    # llama-server's accept queue is deep; the stdlib default of 5 would reset a burst.
+    ThreadingHTTPServer.request_queue_size = 128
+    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    server.daemon_threads = True
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

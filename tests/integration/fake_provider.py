@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""A stand-in prefill provider for kvshare-serve's tests, both forms of the contract:
+
+  fake_provider.py --tokens IDS --out STATE --model M [--elfs DIR]          (file route)
+  fake_provider.py --tokens IDS --model M --layout HEADER --fds n[,n...]    (shared route)
+
+File route: writes a state file whose token section is the ids (u32 'ggsq', u32 2,
+u32 n, i32 ids), or copies FAKE_PROVIDER_COPY=path (a prepared state file).
+Shared route: checks what it inherited (each --fds number open, a memfd, as large as the
+header's chunk, and no other descriptor but 0-2), then writes u32 n + i32 ids at the start
+of the first region: the fake decoder checks those bytes at adopt.
+Prints {"prefill_ms": FAKE_PROVIDER_PREFILL_MS} (default 12.5; "none": prints nothing) last.
+
+FAKE_PROVIDER_MODE: ok (default) | fail (exit 3) | hang (sleep past any timeout, with a
+grandchild in its group) | nofile (exit 0, write nothing) | slow (FAKE_PROVIDER_SLEEP_MS
+then ok). FAKE_PROVIDER_LOG=path: one JSON line per run.
+"""
+import argparse
+import json
+import mmap
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import time
+
+STATE_MAGIC = 0x67677371
+
+
+def read_ids(path):
+    text = open(path).read().strip()
+    if text.startswith("["):
+        return json.loads(text)
+    return [int(line) for line in text.split()]
+
+
+def log(record):
+    path = os.environ.get("FAKE_PROVIDER_LOG")
+    if path:
+        with open(path, "a") as out:
+            out.write(json.dumps(record) + "\n")
+
+
+def inherited_fds():
+    fds = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fds[int(name)] = os.readlink("/proc/self/fd/" + name)
+        except OSError:
+            pass  # the listing's own descriptor, gone by now
+    return fds
+
+
+def main():
+    fds_at_start = inherited_fds()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", required=True)
+    parser.add_argument("--out")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--elfs")
+    parser.add_argument("--layout")
+    parser.add_argument("--fds")
+    parser.add_argument("-c")
+    parser.add_argument("-fa")
+    parser.add_argument("-ctk")
+    parser.add_argument("-ctv")
+    args = parser.parse_args()
+    mode = os.environ.get("FAKE_PROVIDER_MODE", "ok")
+    ids = read_ids(args.tokens)
+    record = {"argv": sys.argv[1:], "pid": os.getpid(), "pgid": os.getpgid(0), "mode": mode, "n_ids": len(ids),
+              "ids": ids, "fds_at_start": {str(k): v for k, v in fds_at_start.items()}, "t_start": time.monotonic()}
+
+    if mode == "fail":
+        log(record)
+        print("fake provider: failing on demand", file=sys.stderr)
+        sys.exit(3)
+    if mode == "hang":
+        child = subprocess.Popen(["sleep", "60"])
+        record["grandchild_pid"] = child.pid
+        log(record)
+        time.sleep(60)
+        sys.exit(0)
+    if mode == "slow":
+        time.sleep(float(os.environ.get("FAKE_PROVIDER_SLEEP_MS", "1000")) / 1000.0)
+
+    if args.fds is not None:
+        numbers = [int(n) for n in args.fds.split(",")]
+        header = json.load(open(args.layout))
+        record["layout_header"] = header
+        checks = {}
+        for n in numbers:
+            target = fds_at_start.get(n, "")
+            checks[str(n)] = {"open": n in fds_at_start, "memfd": target.startswith("/memfd:"),
+                              "size": os.fstat(n).st_size if n in fds_at_start else -1}
+        record["fd_checks"] = checks
+        record["other_fds"] = sorted(k for k in fds_at_start if k > 2 and k not in numbers)
+        if not all(c["open"] and c["memfd"] for c in checks.values()) or record["other_fds"]:
+            log(record)
+            print("fake provider: unexpected descriptors %s" % record, file=sys.stderr)
+            sys.exit(4)
+        size = os.fstat(numbers[0]).st_size
+        with mmap.mmap(numbers[0], size) as region:
+            struct.pack_into("<I", region, 0, len(ids))
+            struct.pack_into("<%di" % len(ids), region, 4, *ids)
+        record["wrote_region"] = True
+    elif mode != "nofile":
+        copy = os.environ.get("FAKE_PROVIDER_COPY")
+        if copy:
+            shutil.copyfile(copy, args.out)
+        else:
+            with open(args.out, "wb") as out:
+                out.write(struct.pack("<III", STATE_MAGIC, 2, len(ids)))
+                out.write(struct.pack("<%di" % len(ids), *ids))
+        record["wrote"] = args.out
+    record["t_end"] = time.monotonic()
+    log(record)
+    prefill = os.environ.get("FAKE_PROVIDER_PREFILL_MS", "12.5")
+    print("fake provider: prefilled %d tokens" % len(ids))
+    if prefill != "none":
+        print(json.dumps({"prefill_ms": float(prefill)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""What kvshare-serve's integration tests share: start serve on a free loopback port, read
+its stderr as it comes, send requests with timeouts, read the fakes' logs, and stop
+everything. Nothing here waits without a deadline."""
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FAKE_DECODER = os.path.join(HERE, "fake_decoder.py")
+FAKE_PROVIDER = os.path.join(HERE, "fake_provider.py")
+LISTEN_RE = re.compile(r"kvshare-serve: listening on http://([\d.]+):(\d+)")
+
+sys.path.insert(0, HERE)
+import fake_decoder  # noqa: E402  (tokenizer, template and replies, to compute expectations)
+
+
+class Failure(Exception):
+    pass
+
+
+def check(condition, message):
+    if not condition:
+        raise Failure(message)
+
+
+class Serve:
+    """One kvshare-serve process. stderr lines are collected by a thread."""
+
+    def __init__(self, serve_bin, args, env=None, expect_listen=True, timeout=30):
+        self.env = dict(os.environ)
+        self.env.update(env or {})
+        self.proc = subprocess.Popen([serve_bin] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env=self.env, start_new_session=True)
+        self.lines = []
+        self.lock = threading.Condition()
+        self.out = b""
+        self.stderr_closed = False
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        self.port = None
+        if expect_listen:
+            line = self.wait_line(LISTEN_RE, timeout)
+            self.port = int(LISTEN_RE.search(line).group(2))
+
+    def _read_stderr(self):
+        for raw in self.proc.stderr:
+            with self.lock:
+                self.lines.append(raw.decode("utf-8", "replace").rstrip("\n"))
+                self.lock.notify_all()
+        with self.lock:
+            self.stderr_closed = True
+            self.lock.notify_all()
+
+    def _read_stdout(self):
+        self.out = self.proc.stdout.read()
+
+    def wait_line(self, pattern, timeout=10, start=0):
+        pattern = re.compile(pattern) if isinstance(pattern, str) else pattern
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while True:
+                for line in self.lines[start:]:
+                    if pattern.search(line):
+                        return line
+                left = deadline - time.monotonic()
+                if left <= 0 or self.stderr_closed:
+                    raise Failure("no stderr line matching %r within %ss; stderr:\n%s" %
+                                  (pattern.pattern, timeout, "\n".join(self.lines)))
+                self.lock.wait(min(left, 0.1))
+
+    def stderr_lines(self, prefix=""):
+        with self.lock:
+            return [line for line in self.lines if line.startswith(prefix)]
+
+    def request(self, method, path, body=None, timeout=30):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        payload = json.dumps(body) if isinstance(body, (dict, list)) else body
+        conn.request(method, path, body=payload, headers={"Content-Type": "application/json"} if body else {})
+        response = conn.getresponse()
+        data = response.read()
+        conn.close()
+        return response.status, response.getheader("Content-Type", ""), data
+
+    def post(self, path, body, timeout=30):
+        status, _, data = self.request("POST", path, body, timeout)
+        return status, data
+
+    def stop(self, sig=signal.SIGTERM, timeout=15):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+            raise Failure("kvshare-serve did not stop within %ss after %s" % (timeout, sig))
+
+    def wait_exit(self, timeout=15):
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise Failure("kvshare-serve did not exit within %ss" % timeout)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(5)
+
+
+def read_log(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def events(path, kind):
+    return [e for e in read_log(path) if e.get("event") == kind]
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is dead for our purposes.
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(predicate, timeout, message):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise Failure(message)
+
+
+def chat(text):
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": 8}
+
+
+def expected_chat_ids(text):
+    return fake_decoder.tokenize(fake_decoder.apply_template([{"role": "user", "content": text}]))
+
+
+def expected_reply(ids):
+    return " ".join(fake_decoder.reply_words(ids))
+
+
+def state_file_bytes(ids):
+    import struct
+    return struct.pack("<III", fake_decoder.STATE_MAGIC, 2, len(ids)) + struct.pack("<%di" % len(ids), *ids)
+
+
+class Runner:
+    """Runs named test functions, prints PASS/FAIL per test, exits non-zero on any failure."""
+
+    def __init__(self):
+        self.failed = []
+
+    def run(self, name, function):
+        start = time.monotonic()
+        try:
+            function()
+            print("PASS %s (%.2fs)" % (name, time.monotonic() - start), flush=True)
+        except Exception as error:  # noqa: BLE001 - a test harness reports every failure
+            import traceback
+            self.failed.append(name)
+            print("FAIL %s: %s" % (name, error), flush=True)
+            traceback.print_exc()
+
+    def finish(self):
+        if self.failed:
+            print("%d failed: %s" % (len(self.failed), ", ".join(self.failed)))
+            sys.exit(1)
+        print("all passed")
+
+
+def temp_dir():
+    return tempfile.mkdtemp(prefix="kvshare-serve-test-")

@@ -1,0 +1,76 @@
+// kvshare-serve: an OpenAI-style server whose prompts are prefilled by a provider and
+// decoded by a llama-server (or kvshare-decoder) child — the hybrid route. docs/hybrid.md.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+
+#include "kvshare/route/serve.h"
+#include "kvshare/route/serve_config.h"
+
+int main(int argc, char** argv) {
+  using namespace kvshare::route;
+  ServeConfig config;
+  std::string device = "hybrid";
+  CLI::App app{"kvshare-serve: prefill on a provider, decode on llama-server, one OpenAI-style endpoint"};
+  app.add_option("-m,--model", config.model, "the model (.gguf)")->required();
+  app.add_option("--device", device, "hybrid (provider prefills, decoder decodes) or cpu (plain relay)")
+      ->check(CLI::IsMember({"hybrid", "cpu"}));
+  app.add_option("--prefill-provider", config.prefill_provider, "the provider program (else ONEBIT_HYBRID_PREFILL)");
+  app.add_option("--host", config.host, "address to listen on")->capture_default_str();
+  app.add_option("--port", config.port, "port to listen on (0: any free port)")->capture_default_str();
+  auto* ctx = app.add_option("-c,--ctx-size", config.ctx_size, "decoder context (tokens)")->capture_default_str();
+  auto* fa = app.add_option("--flash-attn", config.flash_attn, "-fa: on|off (off transposes V)")->capture_default_str();
+  auto* ctk = app.add_option("--cache-type-k", config.cache_type_k, "-ctk: K cache type")->capture_default_str();
+  auto* ctv = app.add_option("--cache-type-v", config.cache_type_v, "-ctv: V cache type")->capture_default_str();
+  app.add_option("--provider-timeout", config.provider_timeout_s, "seconds before a provider is killed")
+      ->capture_default_str();
+  app.add_option("--backend", config.backend, "the decoder program (else llama-server on PATH, else kvshare-decoder)");
+  app.add_flag("--print-backend", config.print_backend, "print the decoder's command line and exit");
+  app.add_option("--parallel", config.parallel, "-np: refused past 1, the route runs one slot");
+  std::vector<std::string> refused_with_value;
+  bool mtp = false, dflash = false, embedding = false, reranking = false;
+  std::string mmproj, moe_slots, pm;
+  app.add_flag("--mtp", mtp, "refused");
+  app.add_flag("--dflash", dflash, "refused");
+  app.add_flag("--embedding,--embeddings", embedding, "refused");
+  app.add_flag("--reranking,--rerank", reranking, "refused");
+  auto* mmproj_option = app.add_option("--mmproj", mmproj, "refused");
+  auto* moe_option = app.add_option("--moe-slots", moe_slots, "refused");
+  auto* pm_option = app.add_option("--pm", pm, "refused")->expected(0, 1);
+  app.add_option("backend_flags", config.backend_extra, "flags after -- go to the decoder");
+  try {
+    // CLI11 wants the arguments last-first.
+    std::vector<std::string> args = normalize_llama_flags(std::vector<std::string>(argv + 1, argv + argc));
+    std::reverse(args.begin(), args.end());
+    app.parse(args);
+  } catch (const CLI::ParseError& error) {
+    return app.exit(error) == 0 ? 0 : 2;
+  }
+  config.device = device == "cpu" ? Device::cpu : Device::hybrid;
+  config.kv_flags_given = ctx->count() + fa->count() + ctk->count() + ctv->count() > 0;
+  if (mtp) config.refused_flags.push_back("--mtp");
+  if (dflash) config.refused_flags.push_back("--dflash");
+  if (mmproj_option->count()) config.refused_flags.push_back("--mmproj");
+  if (moe_option->count()) config.refused_flags.push_back("--moe-slots");
+  if (embedding) config.refused_flags.push_back("--embedding");
+  if (reranking) config.refused_flags.push_back("--reranking");
+  if (pm_option->count()) config.refused_flags.push_back("--pm");
+
+  apply_env(config, read_serve_env());
+  if (auto valid = validate(config); !valid) {
+    std::fprintf(stderr, "kvshare-serve: %s\n", valid.error().what().c_str());
+    return 2;
+  }
+  auto backend = resolve_backend(config, read_serve_env().path, own_binary_dir());
+  if (!backend) {
+    std::fprintf(stderr, "kvshare-serve: %s\n", backend.error().what().c_str());
+    return 1;
+  }
+  if (config.print_backend) {
+    std::printf("%s\n", print_backend_line(config, *backend).c_str());
+    return 0;
+  }
+  return run_serve(config, *backend, ServeRuntime{own_binary_dir()});
+}
