@@ -1,0 +1,296 @@
+#include "xdna/scatter.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "layout/row_convert.h"
+
+namespace kvshare::xdna {
+namespace {
+
+using layout::CacheTensor;
+using layout::GgmlType;
+using layout::TensorKind;
+
+// Everything one layer's writes need, resolved and checked before any byte is written.
+struct LayerPlan {
+  uint32_t il = 0;
+  const std::byte* src = nullptr;   // token 0's row
+  uint32_t n_embd_k = 0;
+  uint32_t n_embd_v = 0;
+  const CacheTensor* k = nullptr;
+  std::byte* k_stream = nullptr;    // cell 0 of the stream in cache_k_l<il>
+  const CacheTensor* v = nullptr;   // nullptr for a K-only layer
+  std::byte* v_stream = nullptr;
+  int rotation_k = 0;
+  int rotation_v = 0;
+};
+
+struct CachePlan {
+  const layout::KvCacheShape* cache = nullptr;
+  std::vector<LayerPlan> layers;
+};
+
+// The tensor's bytes inside its chunk's mapping, checked against the layout.
+Result<std::byte*> tensor_base(const ScatterTarget& target, const layout::SharedTensor& placed) {
+  if (placed.chunk >= target.chunks.size())
+    return fail(EINVAL, "{} lives in chunk {}, but only {} chunk mapping(s) were given", placed.tensor.name,
+                placed.chunk, target.chunks.size());
+  const std::span<std::byte> chunk = target.chunks[placed.chunk];
+  if (chunk.size() < placed.offset + placed.tensor.nbytes)
+    return fail(EINVAL, "{} needs bytes {}..{} of chunk {}, whose mapping has {} bytes", placed.tensor.name,
+                placed.offset, placed.offset + placed.tensor.nbytes, placed.chunk, chunk.size());
+  return chunk.data() + placed.offset;
+}
+
+// The rotation llama.cpp applies to this tensor; an error when the head size it depends
+// on was not given.
+Result<int> rotation_for(const CacheTensor& tensor, uint32_t n_embd_head, uint32_t width, bool disabled) {
+  if (disabled || !layout::is_quantized(tensor.type)) return 0;
+  if (n_embd_head == 0)
+    return fail(EINVAL,
+                "{} is {}: llama.cpp rotates quantized caches by head, but ScatterTarget::n_embd_head_{} is 0 "
+                "(set the head size, or set rotation_disabled when the decoder runs with LLAMA_ATTN_ROT_DISABLE=1)",
+                tensor.name, layout::ggml_type_name(tensor.type), layout::tensor_kind_name(tensor.kind));
+  const int group = layout::kv_rotation_group(tensor.kind, tensor.type, n_embd_head, false);
+  if (group > 0 && width % static_cast<uint32_t>(group) != 0)
+    return fail(EINVAL, "{}: width {} is not a multiple of the rotation group {} (head size {})", tensor.name, width,
+                group, n_embd_head);
+  return group;
+}
+
+Result<void> check_positions(const layout::KvCacheShape& cache, const CacheTensor& tensor, uint32_t pos0,
+                             uint32_t n_tokens, uint32_t stream) {
+  if (static_cast<uint64_t>(pos0) + n_tokens > cache.kv_size)
+    return fail(EINVAL, "layer {} {}: positions {}..{} pass kv_size {}", tensor.layer, tensor.name, pos0,
+                static_cast<uint64_t>(pos0) + n_tokens - 1, cache.kv_size);
+  if (stream >= cache.n_stream)
+    return fail(EINVAL, "layer {} {}: stream {} but the cache has {} stream(s)", tensor.layer, tensor.name, stream,
+                cache.n_stream);
+  if (tensor.ne[1] != cache.kv_size || tensor.ne[2] != cache.n_stream)
+    return fail(EINVAL, "layer {} {}: shape [{}, {}, {}] does not match kv_size {} x {} stream(s)", tensor.layer,
+                tensor.name, tensor.ne[0], tensor.ne[1], tensor.ne[2], cache.kv_size, cache.n_stream);
+  return {};
+}
+
+const layout::KvCacheShape* find_cache(const ScatterTarget& target) {
+  if (target.cache_index >= target.memory.kv_caches.size()) return nullptr;
+  return &target.memory.kv_caches[target.cache_index];
+}
+
+// Resolves one layer: tensors, stream bases, widths and rotation.
+Result<LayerPlan> plan_layer(const ScatterTarget& target, const layout::KvCacheShape& cache, uint32_t il,
+                             uint32_t n_embd_k, uint32_t n_embd_v, uint32_t pos0, uint32_t n_tokens, uint32_t stream,
+                             bool rotation_disabled) {
+  LayerPlan plan;
+  plan.il = il;
+  plan.n_embd_k = n_embd_k;
+  plan.n_embd_v = n_embd_v;
+  const layout::SharedTensor* k = target.layout.find(target.cache_index, il, TensorKind::k);
+  if (k == nullptr)
+    return fail(EINVAL, "layer {}: the share layout has no cache_k_l{} in cache {} ({})", il, il, target.cache_index,
+                cache.role);
+  plan.k = &k->tensor;
+  if (auto r = check_positions(cache, k->tensor, pos0, n_tokens, stream); !r) return fail(r.error());
+  if (k->tensor.ne[0] != n_embd_k)
+    return fail(EINVAL, "layer {} {}: the provider's rows carry {} K values, the cache holds {}", il, k->tensor.name,
+                n_embd_k, k->tensor.ne[0]);
+  auto k_base = tensor_base(target, *k);
+  if (!k_base) return fail(k_base.error());
+  plan.k_stream = *k_base + static_cast<uint64_t>(stream) * cache.kv_size * k->tensor.row_bytes;
+  auto rot_k = rotation_for(k->tensor, target.n_embd_head_k, n_embd_k, rotation_disabled);
+  if (!rot_k) return fail(rot_k.error());
+  plan.rotation_k = *rot_k;
+
+  const layout::SharedTensor* v = target.layout.find(target.cache_index, il, TensorKind::v);
+  if (v == nullptr) {
+    if (n_embd_v != 0)
+      return fail(EINVAL, "layer {}: the provider's rows carry {} V values but the cache has no cache_v_l{}", il,
+                  n_embd_v, il);
+    return plan;
+  }
+  plan.v = &v->tensor;
+  if (auto r = check_positions(cache, v->tensor, pos0, n_tokens, stream); !r) return fail(r.error());
+  if (cache.v_trans) {
+    if (layout::is_quantized(v->tensor.type))
+      return fail(EINVAL, "layer {} {}: a transposed V cannot be {} (llama.cpp needs flash attention for that)", il,
+                  v->tensor.name, layout::ggml_type_name(v->tensor.type));
+    if (n_embd_v == 0 || v->tensor.ne[0] < n_embd_v)
+      return fail(EINVAL, "layer {} {}: the provider's rows carry {} V values, the transposed cache is {} wide", il,
+                  v->tensor.name, n_embd_v, v->tensor.ne[0]);
+  } else if (v->tensor.ne[0] != n_embd_v) {
+    return fail(EINVAL, "layer {} {}: the provider's rows carry {} V values, the cache holds {}", il, v->tensor.name,
+                n_embd_v, v->tensor.ne[0]);
+  }
+  auto v_base = tensor_base(target, *v);
+  if (!v_base) return fail(v_base.error());
+  plan.v_stream = *v_base + static_cast<uint64_t>(stream) * cache.kv_size * v->tensor.row_bytes;
+  auto rot_v = rotation_for(v->tensor, target.n_embd_head_v, n_embd_v, rotation_disabled);
+  if (!rot_v) return fail(rot_v.error());
+  plan.rotation_v = *rot_v;
+  return plan;
+}
+
+Result<CachePlan> plan_scatter(const ScatterTarget& target, const ScatterBatch& batch) {
+  CachePlan plan;
+  plan.cache = find_cache(target);
+  if (plan.cache == nullptr)
+    return fail(EINVAL, "scatter: cache index {} but the memory has {} KV cache(s)", target.cache_index,
+                target.memory.kv_caches.size());
+  if (!layout::is_source_type(batch.src_type))
+    return fail(EINVAL, "scatter: source rows are {}; a provider hands f32, f16 or bf16",
+                layout::ggml_type_name(batch.src_type));
+  const uint64_t element_bytes = layout::ggml_row_size(batch.src_type, 1);
+  std::vector<uint32_t> seen;
+  for (const LayerRows& rows : batch.layers) {
+    if (std::find(seen.begin(), seen.end(), rows.il) != seen.end())
+      return fail(EINVAL, "scatter: layer {} appears twice in one batch", rows.il);
+    seen.push_back(rows.il);
+    if (rows.data == nullptr && batch.n_tokens > 0) return fail(EINVAL, "scatter: layer {} has no row data", rows.il);
+    const uint64_t row_bytes = (static_cast<uint64_t>(rows.n_embd_k_gqa) + rows.n_embd_v_gqa) * element_bytes;
+    if (batch.n_tokens > 1 && batch.row_stride < row_bytes)
+      return fail(EINVAL, "scatter: layer {}: row stride {} bytes is shorter than one {} row of {} + {} values ({} bytes)",
+                  rows.il, batch.row_stride, layout::ggml_type_name(batch.src_type), rows.n_embd_k_gqa,
+                  rows.n_embd_v_gqa, row_bytes);
+    auto layer = plan_layer(target, *plan.cache, rows.il, rows.n_embd_k_gqa, rows.n_embd_v_gqa, batch.pos0,
+                            batch.n_tokens, batch.stream, batch.rotation_disabled);
+    if (!layer) return fail(layer.error().with_context("scatter"));
+    layer->src = static_cast<const std::byte*>(rows.data);
+    plan.layers.push_back(*layer);
+  }
+  return plan;
+}
+
+// Tokens per work item: small enough to share a layer between threads, large enough that
+// the per-item overhead (and the transposed-V tile) stays negligible.
+constexpr uint32_t kTokensPerItem = 256;
+// Tokens converted together before a transposed V is written out column by column.
+constexpr uint32_t kTransposeTile = 64;
+
+// Writes tokens [t0, t1) of one layer.
+void scatter_range(const CachePlan& plan, const LayerPlan& layer, const ScatterBatch& batch, uint32_t t0, uint32_t t1,
+                   std::vector<std::byte>& tile) {
+  const layout::KvCacheShape& cache = *plan.cache;
+  const uint64_t element_bytes = layout::ggml_row_size(batch.src_type, 1);
+  const uint64_t v_src_offset = layer.n_embd_k * element_bytes;
+  for (uint32_t t = t0; t < t1; ++t) {
+    const std::byte* row = layer.src + static_cast<uint64_t>(t) * batch.row_stride;
+    layout::convert_row(batch.src_type, row, layer.k->type,
+                        layer.k_stream + static_cast<uint64_t>(batch.pos0 + t) * layer.k->row_bytes, layer.n_embd_k,
+                        layer.rotation_k);
+    if (layer.v != nullptr && !cache.v_trans)
+      layout::convert_row(batch.src_type, row + v_src_offset, layer.v->type,
+                          layer.v_stream + static_cast<uint64_t>(batch.pos0 + t) * layer.v->row_bytes, layer.n_embd_v,
+                          layer.rotation_v);
+  }
+  if (layer.v == nullptr || !cache.v_trans) return;
+
+  // Transposed V: convert a tile of rows, then write each of the v_width element rows of
+  // the tensor as one contiguous run of cells.
+  const uint64_t dst_element = layout::ggml_row_size(layer.v->type, 1);
+  const uint64_t v_width = static_cast<uint64_t>(layer.v->ne[0]);
+  const uint64_t tile_row_bytes = layer.n_embd_v * dst_element;
+  tile.resize(kTransposeTile * tile_row_bytes);
+  for (uint32_t a = t0; a < t1; a += kTransposeTile) {
+    const uint32_t count = std::min(kTransposeTile, t1 - a);
+    for (uint32_t i = 0; i < count; ++i) {
+      const std::byte* row = layer.src + static_cast<uint64_t>(a + i) * batch.row_stride;
+      layout::convert_row(batch.src_type, row + v_src_offset, layer.v->type, tile.data() + i * tile_row_bytes,
+                          layer.n_embd_v, 0);
+    }
+    const uint64_t cell0 = batch.pos0 + a;
+    for (uint64_t j = 0; j < v_width; ++j) {
+      std::byte* dst = layer.v_stream + (j * cache.kv_size + cell0) * dst_element;
+      if (j >= layer.n_embd_v) {
+        std::memset(dst, 0, count * dst_element);  // ggml_pad's zeros for a narrower layer
+      } else if (dst_element == 2) {
+        for (uint32_t i = 0; i < count; ++i) std::memcpy(dst + i * 2, tile.data() + i * tile_row_bytes + j * 2, 2);
+      } else {
+        for (uint32_t i = 0; i < count; ++i)
+          std::memcpy(dst + i * dst_element, tile.data() + i * tile_row_bytes + j * dst_element, dst_element);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+Result<void> scatter(const ScatterTarget& target, const ScatterBatch& batch) {
+  auto plan = plan_scatter(target, batch);
+  if (!plan) return fail(plan.error());
+  if (batch.n_tokens == 0 || plan->layers.empty()) return {};
+
+  struct Item {
+    uint32_t layer;
+    uint32_t t0, t1;
+  };
+  std::vector<Item> items;
+  for (uint32_t l = 0; l < plan->layers.size(); ++l)
+    for (uint32_t t = 0; t < batch.n_tokens; t += kTokensPerItem)
+      items.push_back({l, t, std::min(batch.n_tokens, t + kTokensPerItem)});
+
+  unsigned n_threads = batch.n_threads != 0 ? batch.n_threads : std::max(1u, std::thread::hardware_concurrency());
+  n_threads = static_cast<unsigned>(std::min<size_t>(n_threads, items.size()));
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    std::vector<std::byte> tile;
+    for (size_t i = next.fetch_add(1); i < items.size(); i = next.fetch_add(1)) {
+      const Item& item = items[i];
+      scatter_range(*plan, plan->layers[item.layer], batch, item.t0, item.t1, tile);
+    }
+  };
+  {
+    std::vector<std::jthread> helpers;
+    for (unsigned i = 1; i < n_threads; ++i) helpers.emplace_back(work);
+    work();
+  }
+  return {};
+}
+
+Result<void> gather(const ScatterTarget& target, const GatherRequest& request, std::span<float> out) {
+  const layout::KvCacheShape* cache = find_cache(target);
+  if (cache == nullptr)
+    return fail(EINVAL, "gather: cache index {} but the memory has {} KV cache(s)", target.cache_index,
+                target.memory.kv_caches.size());
+  const layout::SharedTensor* k = target.layout.find(target.cache_index, request.il, TensorKind::k);
+  const layout::SharedTensor* v = target.layout.find(target.cache_index, request.il, TensorKind::v);
+  if (k == nullptr) return fail(EINVAL, "gather: the share layout has no cache_k_l{}", request.il);
+  const auto n_embd_k = static_cast<uint32_t>(k->tensor.ne[0]);
+  uint32_t n_embd_v = 0;
+  if (v != nullptr) {
+    n_embd_v = static_cast<uint32_t>(v->tensor.ne[0]);
+    if (cache->v_trans)
+      for (const auto& layer : cache->layers)
+        if (layer.il == request.il) n_embd_v = layer.n_embd_v_gqa;
+  }
+  auto plan = plan_layer(target, *cache, request.il, n_embd_k, n_embd_v, request.pos0, request.n_tokens, request.stream,
+                         request.rotation_disabled);
+  if (!plan) return fail(plan.error().with_context("gather"));
+  const uint64_t row = static_cast<uint64_t>(n_embd_k) + n_embd_v;
+  if (out.size() < row * request.n_tokens)
+    return fail(EINVAL, "gather: layer {}: {} tokens of {} values need {} floats, the output holds {}", request.il,
+                request.n_tokens, row, row * request.n_tokens, out.size());
+  for (uint32_t t = 0; t < request.n_tokens; ++t) {
+    float* dst = out.data() + t * row;
+    const uint64_t cell = request.pos0 + t;
+    layout::dequantize_row(plan->k->type, plan->k_stream + cell * plan->k->row_bytes, dst, n_embd_k);
+    if (request.undo_rotation && plan->rotation_k > 0) layout::hadamard_rotate(dst, n_embd_k, plan->rotation_k);
+    if (plan->v == nullptr) continue;
+    float* v_dst = dst + n_embd_k;
+    if (!cache->v_trans) {
+      layout::dequantize_row(plan->v->type, plan->v_stream + cell * plan->v->row_bytes, v_dst, n_embd_v);
+      if (request.undo_rotation && plan->rotation_v > 0) layout::hadamard_rotate(v_dst, n_embd_v, plan->rotation_v);
+    } else {
+      const uint64_t element = layout::ggml_row_size(plan->v->type, 1);
+      for (uint64_t j = 0; j < n_embd_v; ++j)
+        layout::dequantize_row(plan->v->type, plan->v_stream + (j * cache->kv_size + cell) * element, v_dst + j, 1);
+    }
+  }
+  return {};
+}
+
+}  // namespace kvshare::xdna
