@@ -1,0 +1,44 @@
+// kvshare-decoder: the reference decoder, llama-server's slot API with its KV cache in a
+// kvshare region. docs/decoder.md.
+#include <CLI/CLI.hpp>
+
+#include <string>
+#include <vector>
+
+#include "refmodel/decoder/decoder_app.h"
+
+int main(int argc, char** argv) {
+  using kvshare::decoder::DecoderOptions;
+  DecoderOptions o;
+  CLI::App app{"kvshare-decoder: a one-slot llama-server subset (completion, chat, tokenize, slots save/restore/"
+               "erase/share/adopt) over the CPU reference transformer. ONEBIT_KV_SHARE set and non-empty: the KV "
+               "cache lives in an exported region and ?action=share/adopt work."};
+  std::string model;
+  app.add_option("-m,--model", model, "GGUF model to load")->required();
+  app.add_option("-c,--ctx-size", o.n_ctx, "context size (0: the model's training context)");
+  app.add_option("--parallel", o.n_parallel, "slots (-np); only 1 is supported");
+  app.add_option("--flash-attn", o.flash_attn, "-fa on|off|auto (off transposes V in the cache)");
+  app.add_option("--cache-type-k", o.cache_type_k, "-ctk: K cache type (f32, f16, bf16, q8_0, ...)");
+  app.add_option("--cache-type-v", o.cache_type_v, "-ctv: V cache type");
+  app.add_option("--ubatch-size", o.n_ubatch, "-ub: physical batch size (sizes SWA caches)");
+  std::string slot_save_path;
+  app.add_option("--slot-save-path", slot_save_path, "directory for ?action=save|restore (enables slot actions)");
+  app.add_option("--host", o.host, "address to listen on");
+  app.add_option("--port", o.port, "port to listen on (0: any free port)");
+  app.add_option("-t,--threads", o.n_threads, "CPU threads for the forward pass (0: all)");
+  app.add_flag("!--no-slots", o.endpoint_slots, "disable GET /slots");
+  int ignored_gpu_layers = 0;
+  app.add_option("--n-gpu-layers", ignored_gpu_layers, "-ngl: accepted for llama-server compatibility, ignored (CPU)");
+
+  std::vector<std::string> args(argv + 1, argv + argc);
+  args = kvshare::decoder::normalize_llama_flags(std::move(args));
+  std::reverse(args.begin(), args.end());
+  try {
+    app.parse(args);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  o.model = model;
+  o.slot_save_path = slot_save_path;
+  return kvshare::decoder::run_decoder(o);
+}
