@@ -1,0 +1,180 @@
+#include "kvshare/route/serve_config.h"
+
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <fstream>
+
+#include "support/test_support.h"
+
+namespace kvshare::route {
+namespace {
+
+using kvshare::testing::TempDir;
+
+ServeConfig config_with_model(const TempDir& dir) {
+  ServeConfig config;
+  config.model = dir / "model.gguf";
+  std::ofstream(config.model) << "gguf";
+  return config;
+}
+
+void make_executable(const std::filesystem::path& path) {
+  std::ofstream(path) << "#!/bin/sh\n";
+  ::chmod(path.c_str(), 0755);
+}
+
+TEST(ServeConfigValidate, AcceptsTheDefaultsWithAModel) {
+  TempDir dir;
+  EXPECT_TRUE(validate(config_with_model(dir)));
+}
+
+TEST(ServeConfigValidate, RefusesParallelAboveOneNamingTheFlag) {
+  TempDir dir;
+  ServeConfig config = config_with_model(dir);
+  config.parallel = 2;
+  auto valid = validate(config);
+  ASSERT_FALSE(valid);
+  EXPECT_EQ(valid.error().errno_value(), EINVAL);
+  EXPECT_NE(valid.error().message().find("--parallel 2 refused"), std::string::npos) << valid.error().message();
+}
+
+TEST(ServeConfigValidate, RefusesEachFlagTheRouteCannotHonourWithItsReason) {
+  TempDir dir;
+  for (const std::string flag : {"--mtp", "--dflash", "--mmproj", "--moe-slots", "--embedding", "--reranking", "--pm"}) {
+    ServeConfig config = config_with_model(dir);
+    config.refused_flags = {flag};
+    auto valid = validate(config);
+    ASSERT_FALSE(valid) << flag;
+    EXPECT_EQ(valid.error().message().rfind(flag + " refused: ", 0), 0u) << valid.error().message();
+  }
+}
+
+TEST(ServeConfigValidate, RefusesRefusedFlagsHiddenInTheBackendFlags) {
+  TempDir dir;
+  ServeConfig config = config_with_model(dir);
+  config.backend_extra = {"--threads", "2", "-np", "4"};
+  auto valid = validate(config);
+  ASSERT_FALSE(valid);
+  EXPECT_NE(valid.error().message().find("\"-np 4\" refused"), std::string::npos) << valid.error().message();
+  config.backend_extra = {"--mmproj=x.gguf"};
+  valid = validate(config);
+  ASSERT_FALSE(valid);
+  EXPECT_NE(valid.error().message().find("--mmproj refused"), std::string::npos) << valid.error().message();
+}
+
+TEST(ServeConfigValidate, RefusesBackendFlagsServeOwns) {
+  TempDir dir;
+  ServeConfig config = config_with_model(dir);
+  config.backend_extra = {"--slot-save-path", "/elsewhere"};
+  auto valid = validate(config);
+  ASSERT_FALSE(valid);
+  EXPECT_NE(valid.error().message().find("kvshare-serve sets it"), std::string::npos);
+}
+
+TEST(ServeConfigValidate, NamesAMissingModelFile) {
+  TempDir dir;
+  ServeConfig config;
+  config.model = dir / "absent.gguf";
+  auto valid = validate(config);
+  ASSERT_FALSE(valid);
+  EXPECT_EQ(valid.error().errno_value(), ENOENT);
+  EXPECT_NE(valid.error().message().find("absent.gguf"), std::string::npos);
+}
+
+TEST(ServeConfigValidate, RefusesAFlashAttentionValueOtherThanOnOrOff) {
+  TempDir dir;
+  ServeConfig config = config_with_model(dir);
+  config.flash_attn = "auto";
+  EXPECT_FALSE(validate(config));
+}
+
+TEST(NormalizeLlamaFlags, RewritesMultiLetterShortFlagsBeforeTheSeparatorOnly) {
+  const auto args = normalize_llama_flags({"-fa", "off", "-ctk=q8_0", "-np", "1", "--", "-fa", "on"});
+  const std::vector<std::string> expected = {"--flash-attn", "off", "--cache-type-k=q8_0", "--parallel", "1",
+                                             "--", "-fa", "on"};
+  EXPECT_EQ(args, expected);
+}
+
+TEST(ApplyEnv, TakesTheProviderFromTheEnvironmentUnlessAFlagNamedOne) {
+  ServeConfig config;
+  ServeEnv env;
+  env.hybrid_prefill = "/env/provider";
+  env.hybrid_elfs = "/env/elfs";
+  env.kv_share = true;
+  apply_env(config, env);
+  EXPECT_EQ(config.prefill_provider, "/env/provider");
+  EXPECT_EQ(config.elfs_dir, "/env/elfs");
+  EXPECT_TRUE(config.kv_share);
+  ServeConfig flagged;
+  flagged.prefill_provider = "/flag/provider";
+  apply_env(flagged, env);
+  EXPECT_EQ(flagged.prefill_provider, "/flag/provider");
+}
+
+TEST(ResolveBackend, PrefersTheNamedBackend) {
+  TempDir dir;
+  make_executable(dir / "my-llama-server");
+  ServeConfig config;
+  config.backend = (dir / "my-llama-server").string();
+  auto backend = resolve_backend(config, "", dir.path());
+  ASSERT_TRUE(backend) << backend.error().what();
+  EXPECT_EQ(backend->kind, BackendKind::llama_server);
+  EXPECT_EQ(backend->program, dir / "my-llama-server");
+}
+
+TEST(ResolveBackend, FindsLlamaServerOnPathBeforeTheEmbeddedDecoder) {
+  TempDir dir;
+  std::filesystem::create_directory(dir / "bin");
+  std::filesystem::create_directory(dir / "serve");
+  make_executable(dir / "bin" / "llama-server");
+  make_executable(dir / "serve" / "kvshare-decoder");
+  auto backend = resolve_backend(ServeConfig{}, "/nonexistent:" + (dir / "bin").string(), dir / "serve");
+  ASSERT_TRUE(backend);
+  EXPECT_EQ(backend->program, dir / "bin" / "llama-server");
+  backend = resolve_backend(ServeConfig{}, "/nonexistent", dir / "serve");
+  ASSERT_TRUE(backend);
+  EXPECT_EQ(backend->kind, BackendKind::kvshare_decoder);
+  EXPECT_EQ(backend->program, dir / "serve" / "kvshare-decoder");
+}
+
+TEST(ResolveBackend, NamesWhereItLookedWhenThereIsNoDecoder) {
+  TempDir dir;
+  auto backend = resolve_backend(ServeConfig{}, "", dir.path());
+  ASSERT_FALSE(backend);
+  EXPECT_EQ(backend.error().errno_value(), ENOENT);
+  EXPECT_NE(backend.error().message().find("kvshare-decoder"), std::string::npos);
+  EXPECT_NE(backend.error().message().find("llama-server"), std::string::npos);
+}
+
+TEST(BackendCommand, RunsOneSlotWithTheSlotDirectoryOnLoopbackAndTheKvFlags) {
+  ServeConfig config;
+  config.model = "m.gguf";
+  config.ctx_size = 2048;
+  config.flash_attn = "off";
+  config.cache_type_k = "q8_0";
+  config.backend_extra = {"--threads", "2"};
+  const auto argv = backend_command(config, Backend{BackendKind::llama_server, "/bin/llama-server"}, "/slots", 4242);
+  EXPECT_EQ(join_command(argv),
+            "/bin/llama-server -m m.gguf -np 1 --slot-save-path /slots -c 2048 -fa off -ctk q8_0 -ctv f16 "
+            "--host 127.0.0.1 --port 4242 --threads 2");
+}
+
+TEST(ProviderCommand, FollowsTheFileContractAndAddsElfsWhenSet) {
+  ServeConfig config;
+  config.model = "m.gguf";
+  config.prefill_provider = "/p";
+  EXPECT_EQ(join_command(file_provider_command(config, "ids", "out")), "/p --tokens ids --out out --model m.gguf");
+  config.elfs_dir = "/elfs";
+  config.kv_flags_given = true;
+  EXPECT_EQ(join_command(file_provider_command(config, "ids", "out")),
+            "/p --tokens ids --out out --model m.gguf --elfs /elfs -c 4096 -fa on -ctk f16 -ctv f16");
+  EXPECT_EQ(join_command(shared_provider_command(config, "ids")), "/p --tokens ids --model m.gguf --elfs /elfs");
+}
+
+TEST(JoinCommand, QuotesArgumentsAShellWouldSplit) {
+  EXPECT_EQ(join_command({"a", "b c", "it's", ""}), "a 'b c' 'it'\\''s' ''");
+}
+
+}  // namespace
+}  // namespace kvshare::route
