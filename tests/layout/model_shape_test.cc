@@ -228,6 +228,38 @@ TEST(ModelShape, JambaMakesLayersWithoutKvHeadsRecurrent) {
   EXPECT_FALSE(shape.layers[2].is_recurrent);
 }
 
+TEST(ModelShape, GraniteHybridCountsGroupsInTheConvState) {
+  auto builder = transformer("granitehybrid", 3, 1536, 12, 4);
+  builder.set("attention.head_count_kv", u32_array({0, 4, 0}))
+      .u32("ssm.conv_kernel", 4)
+      .u32("ssm.inner_size", 3072)
+      .u32("ssm.state_size", 128)
+      .u32("ssm.time_step_rank", 48)
+      .u32("ssm.group_count", 1);
+  const ModelShape shape = derive_ok(builder);
+  EXPECT_EQ(shape.memory_kind, MemoryKind::hybrid);
+  EXPECT_EQ(shape.n_embd_r, 3u * (3072u + 2u * 128u));
+  EXPECT_EQ(shape.n_embd_s, 128u * 3072u);
+  EXPECT_TRUE(shape.layers[0].is_recurrent);
+  EXPECT_TRUE(shape.layers[1].has_kv);
+  EXPECT_EQ(shape.layers[1].n_embd_k_gqa, 512u);  // 1536 / 12 = 128 per head
+}
+
+TEST(ModelShape, Mamba1HasNoGroupsInTheConvState) {
+  MetadataBuilder builder("mamba");
+  builder.u32("block_count", 2)
+      .u32("context_length", 1048576)
+      .u32("embedding_length", 768)
+      .u32("ssm.conv_kernel", 4)
+      .u32("ssm.inner_size", 1536)
+      .u32("ssm.state_size", 16)
+      .u32("ssm.time_step_rank", 48);
+  const ModelShape shape = derive_ok(builder);
+  EXPECT_EQ(shape.memory_kind, MemoryKind::recurrent);
+  EXPECT_EQ(shape.n_embd_r, 3u * 1536u);
+  EXPECT_EQ(shape.n_embd_s, 16u * 1536u);
+}
+
 TEST(ModelShape, DeepSeek2WithMlaKeysIsMla) {
   auto builder = transformer("deepseek2", 3, 2048, 16, 1);
   builder.u32("attention.key_length", 576)
