@@ -251,6 +251,12 @@ Result<void> scatter(const ScatterTarget& target, const ScatterBatch& batch) {
   return {};
 }
 
+Result<void> validate_scatter(const ScatterTarget& target, const ScatterBatch& batch) {
+  auto plan = plan_scatter(target, batch);
+  if (!plan) return fail(plan.error());
+  return {};
+}
+
 Result<void> gather(const ScatterTarget& target, const GatherRequest& request, std::span<float> out) {
   const layout::KvCacheShape* cache = find_cache(target);
   if (cache == nullptr)

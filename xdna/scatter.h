@@ -68,6 +68,9 @@ struct ScatterBatch {
 // layer, tensor and position, and the region is left untouched.
 Result<void> scatter(const ScatterTarget& target, const ScatterBatch& batch);
 
+// The checks scatter makes, without writing (for planners such as plan_layer_dma).
+Result<void> validate_scatter(const ScatterTarget& target, const ScatterBatch& batch);
+
 // What gather reads back for one layer.
 struct GatherRequest {
   uint32_t il = 0;

@@ -1,0 +1,154 @@
+// Device discovery and PRIME import. No machine here has an NPU: discovery is checked on
+// fake accel directories, the import on a stand-in driver behind the syscall seam, and
+// the real-device test skips with the reason.
+#include "xdna/device.h"
+
+#include <libdrm/drm.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <filesystem>
+#include <fstream>
+
+#include "kvshare/sys.h"
+#include "support/test_support.h"
+
+namespace kvshare::xdna {
+namespace {
+
+using kvshare::testing::FdLeakCheck;
+using kvshare::testing::TempDir;
+
+class XdnaDevice_ : public FdLeakCheck {};
+
+TEST_F(XdnaDevice_, NamesTheDirectoryWhenThereIsNoAccelDirectory) {
+  TempDir dir;
+  auto device = find_device((dir / "accel").string());
+  ASSERT_FALSE(device);
+  EXPECT_EQ(device.error().errno_value(), ENOENT);
+  EXPECT_NE(device.error().message().find("looking for an AMD XDNA NPU: cannot list"), std::string::npos)
+      << device.error().message();
+}
+
+TEST_F(XdnaDevice_, SaysNoNodeExistsWhenTheDirectoryIsEmpty) {
+  TempDir dir;
+  std::ofstream(dir / "card0") << "";  // not an accel node: ignored
+  auto device = find_device(dir.path().string());
+  ASSERT_FALSE(device);
+  EXPECT_EQ(device.error().errno_value(), ENODEV);
+  EXPECT_NE(device.error().message().find("no accel<N> node in"), std::string::npos) << device.error().message();
+}
+
+TEST_F(XdnaDevice_, ListsEveryNodeItLookedAtAndWhatItWas) {
+  TempDir dir;
+  std::ofstream(dir / "accel0") << "";  // a regular file: DRM_IOCTL_VERSION fails on it
+  std::ofstream(dir / "accel3") << "";
+  auto device = find_device(dir.path().string());
+  ASSERT_FALSE(device);
+  EXPECT_EQ(device.error().errno_value(), ENODEV);
+  const std::string& message = device.error().message();
+  EXPECT_NE(message.find("accel0 (not a DRM node)"), std::string::npos) << message;
+  EXPECT_NE(message.find("accel3 (not a DRM node)"), std::string::npos) << message;
+  EXPECT_NE(message.find("\"amdxdna\""), std::string::npos) << message;
+}
+
+TEST_F(XdnaDevice_, FindsTheRealNpuWhenThisMachineHasOne) {
+  if (!std::filesystem::exists(kAccelDir)) GTEST_SKIP() << "no " << kAccelDir << " on this machine: no NPU to find";
+  auto device = find_device();
+  if (!device) GTEST_SKIP() << "no amdxdna device: " << device.error().what();
+  EXPECT_EQ(device->driver, "amdxdna");
+}
+
+// A stand-in amdxdna driver: PRIME import hands out handle 7, GET_BO_INFO answers
+// address 0x40000 (or fails when told to), GEM_CLOSE is counted.
+struct FakeDriver {
+  static inline int gem_closes = 0;
+  static inline uint32_t closed_handle = 0;
+  static inline bool fail_bo_info = false;
+  static int ioctl(int fd, unsigned long request, void* arg) {
+    if (request == DRM_IOCTL_PRIME_FD_TO_HANDLE) {
+      static_cast<drm_prime_handle*>(arg)->handle = 7;
+      return 0;
+    }
+    if (request == DRM_IOCTL_GEM_CLOSE) {
+      ++gem_closes;
+      closed_handle = static_cast<drm_gem_close*>(arg)->handle;
+      return 0;
+    }
+    if (_IOC_NR(request) == DRM_COMMAND_BASE + 4) {  // DRM_AMDXDNA_GET_BO_INFO
+      if (fail_bo_info) {
+        errno = EINVAL;
+        return -1;
+      }
+      // struct amdxdna_drm_get_bo_info: xdna_addr is the last of six 8-byte fields.
+      uint64_t address = 0x40000;
+      std::memcpy(static_cast<char*>(arg) + 40, &address, 8);
+      return 0;
+    }
+    return sys::real_ops().ioctl_ptr(fd, request, arg);
+  }
+};
+
+XdnaDevice fake_device() {
+  return XdnaDevice{Fd(::open("/dev/null", O_RDWR | O_CLOEXEC)), "/dev/accel/accel0", "amdxdna"};
+}
+
+TEST_F(XdnaDevice_, ImportsADmaBufAndClosesItsHandleOnce) {
+  sys::Ops ops = sys::real_ops();
+  ops.ioctl_ptr = FakeDriver::ioctl;
+  sys::ScopedOverride override_ops(ops);
+  FakeDriver::gem_closes = 0;
+  FakeDriver::fail_bo_info = false;
+  XdnaDevice device = fake_device();
+  Fd buffer(memfd_create("chunk", MFD_CLOEXEC));
+  {
+    auto bo = import_dmabuf(device, buffer.get(), 4096, "region chunk 0");
+    ASSERT_TRUE(bo) << bo.error().what();
+    EXPECT_EQ(bo->handle(), 7u);
+    EXPECT_EQ(bo->device_address(), 0x40000u);
+    ImportedBo moved = std::move(*bo);
+    EXPECT_EQ(FakeDriver::gem_closes, 0);
+  }
+  EXPECT_EQ(FakeDriver::gem_closes, 1);
+  EXPECT_EQ(FakeDriver::closed_handle, 7u);
+}
+
+TEST_F(XdnaDevice_, ClosesTheHandleAndNamesTheChunkWhenTheDriverRefusesBoInfo) {
+  sys::Ops ops = sys::real_ops();
+  ops.ioctl_ptr = FakeDriver::ioctl;
+  sys::ScopedOverride override_ops(ops);
+  FakeDriver::gem_closes = 0;
+  FakeDriver::fail_bo_info = true;
+  XdnaDevice device = fake_device();
+  Fd buffer(memfd_create("chunk", MFD_CLOEXEC));
+  const int fds[1] = {buffer.get()};
+  const uint64_t sizes[1] = {8192};
+  auto bos = import_region(device, fds, sizes);
+  ASSERT_FALSE(bos);
+  EXPECT_EQ(bos.error().errno_value(), EINVAL);
+  EXPECT_NE(bos.error().message().find("region chunk 0"), std::string::npos) << bos.error().message();
+  EXPECT_NE(bos.error().message().find("GET_BO_INFO on handle 7"), std::string::npos) << bos.error().message();
+  EXPECT_EQ(FakeDriver::gem_closes, 1);
+}
+
+TEST_F(XdnaDevice_, RefusesARegionWhoseFdsAndSizesDisagree) {
+  XdnaDevice device = fake_device();
+  const int fds[2] = {3, 4};
+  const uint64_t sizes[1] = {4096};
+  auto bos = import_region(device, fds, sizes);
+  ASSERT_FALSE(bos);
+  EXPECT_NE(bos.error().message().find("2 fds but the layout has 1 chunks"), std::string::npos);
+}
+
+TEST(XrtImport, SaysHowToGetItWhenBuiltWithoutXrt) {
+  if (has_xrt()) GTEST_SKIP() << "built with XRT; needs an NPU to import into";
+  auto buffer = import_xrt(0, 5, "region chunk 0");
+  ASSERT_FALSE(buffer);
+  EXPECT_EQ(buffer.error().errno_value(), ENOTSUP);
+  EXPECT_NE(buffer.error().message().find("built without XRT"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvshare::xdna

@@ -1,0 +1,83 @@
+#include "xdna/npu_lock.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <fstream>
+#include <thread>
+
+#include "support/test_support.h"
+
+namespace kvshare::xdna {
+namespace {
+
+using kvshare::testing::FdLeakCheck;
+using kvshare::testing::TempDir;
+
+class NpuLock_ : public FdLeakCheck {};
+
+TEST_F(NpuLock_, WritesTheHoldersPidIntoTheLockFile) {
+  TempDir dir;
+  const std::string path = (dir / "npu.lock").string();
+  auto lock = acquire_npu_lock(path, 0);
+  ASSERT_TRUE(lock) << lock.error().what();
+  EXPECT_TRUE(lock->held());
+  EXPECT_EQ(npu_lock_holder(path), getpid());
+}
+
+TEST_F(NpuLock_, MakesASecondTakerTimeOutNamingTheHolder) {
+  TempDir dir;
+  const std::string path = (dir / "npu.lock").string();
+  auto first = acquire_npu_lock(path, 0);
+  ASSERT_TRUE(first);
+  // flock conflicts between two open file descriptions even in one process.
+  auto second = acquire_npu_lock(path, 60);
+  ASSERT_FALSE(second);
+  EXPECT_EQ(second.error().errno_value(), ETIMEDOUT);
+  EXPECT_NE(second.error().message().find(fmt::format("held by pid {}", getpid())), std::string::npos)
+      << second.error().message();
+  EXPECT_NE(second.error().message().find("60 ms"), std::string::npos);
+}
+
+TEST_F(NpuLock_, LetsAWaiterInOnceTheHolderReleases) {
+  TempDir dir;
+  const std::string path = (dir / "npu.lock").string();
+  auto first = acquire_npu_lock(path, 0);
+  ASSERT_TRUE(first);
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    first->release();
+  });
+  auto second = acquire_npu_lock(path, 5000);
+  releaser.join();
+  ASSERT_TRUE(second) << second.error().what();
+  EXPECT_TRUE(second->held());
+}
+
+TEST_F(NpuLock_, ClearsThePidWhenReleased) {
+  TempDir dir;
+  const std::string path = (dir / "npu.lock").string();
+  { auto lock = acquire_npu_lock(path, 0); ASSERT_TRUE(lock); }
+  EXPECT_EQ(npu_lock_holder(path), 0);
+}
+
+TEST_F(NpuLock_, NamesThePathWhenTheFileCannotBeOpened) {
+  TempDir dir;
+  const std::string path = (dir / "missing-dir" / "npu.lock").string();
+  auto lock = acquire_npu_lock(path, 0);
+  ASSERT_FALSE(lock);
+  EXPECT_EQ(lock.error().errno_value(), ENOENT);
+  EXPECT_NE(lock.error().message().find(path), std::string::npos);
+}
+
+TEST(NpuLockPath, FollowsTheEnvironmentOverride) {
+  EXPECT_EQ(std::string(kNpuLockPath), "/tmp/1bit-npu-device.lock");
+  setenv("KVSHARE_NPU_LOCK", "/run/custom.lock", 1);
+  EXPECT_EQ(default_npu_lock_path(), "/run/custom.lock");
+  unsetenv("KVSHARE_NPU_LOCK");
+  EXPECT_EQ(default_npu_lock_path(), kNpuLockPath);
+}
+
+}  // namespace
+}  // namespace kvshare::xdna
