@@ -1,0 +1,105 @@
+// Runs build/bin/kvshare-layout-dump as a user would, on shape-only GGUFs written here.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "layout/gguf_writer.h"
+#include "support/test_support.h"
+
+namespace kvshare {
+namespace {
+
+using testing::CommandResult;
+using testing::run_command;
+using testing::TempDir;
+using testing::tool_path;
+
+std::string tool() { return tool_path("kvshare-layout-dump").string(); }
+
+// Qwen3-Coder-30B-A3B's shape, metadata only (no tensors, no data section).
+std::filesystem::path write_qwen3_coder_shape(const TempDir& dir) {
+  layout::GgufWriter writer;
+  writer.add_string("general.architecture", "qwen3moe");
+  writer.add_string("general.name", "Qwen3-Coder-30B-A3B shape");
+  writer.add_u32("qwen3moe.block_count", 48);
+  writer.add_u32("qwen3moe.context_length", 262144);
+  writer.add_u32("qwen3moe.embedding_length", 2048);
+  writer.add_u32("qwen3moe.feed_forward_length", 5472);
+  writer.add_u32("qwen3moe.attention.head_count", 32);
+  writer.add_u32("qwen3moe.attention.head_count_kv", 4);
+  writer.add_u32("qwen3moe.attention.key_length", 128);
+  writer.add_u32("qwen3moe.attention.value_length", 128);
+  writer.add_u32("qwen3moe.expert_count", 128);
+  writer.add_u32("qwen3moe.expert_used_count", 8);
+  auto bytes = writer.finish(layout::GgufPayload::kMetaOnly);
+  EXPECT_TRUE(bytes.has_value()) << bytes.error().what();
+  const auto path = dir / "qwen3-coder-30b-a3b-shape.gguf";
+  testing::write_file_bytes(path, *bytes);
+  return path;
+}
+
+TEST(LayoutDumpTool, PrintsQwen3CoderTotalsAt8192TokensWithFlashAttention) {
+  TempDir dir;
+  const auto model = write_qwen3_coder_shape(dir);
+  const CommandResult result = run_command(tool() + " " + model.string() + " -c 8192 -fa on");
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  EXPECT_NE(result.out.find("total: 805306368 bytes (768.00 MiB) in 1 chunks, 96 tensors"), std::string::npos)
+      << result.out;
+  EXPECT_NE(result.out.find("kv bytes per token: 98304"), std::string::npos) << result.out;
+  EXPECT_NE(result.out.find("cache_v_l47"), std::string::npos) << result.out;
+}
+
+TEST(LayoutDumpTool, WritesAHeaderThatHeaderModeAccepts) {
+  TempDir dir;
+  const auto model = write_qwen3_coder_shape(dir);
+  const auto header = dir / "layout.json";
+  const CommandResult dump = run_command(tool() + " " + model.string() + " -c 8192 -np 2 --json");
+  ASSERT_EQ(dump.exit_code, 0) << dump.err;
+  testing::write_file_bytes(header, std::vector<std::byte>(reinterpret_cast<const std::byte*>(dump.out.data()),
+                                                           reinterpret_cast<const std::byte*>(dump.out.data()) + dump.out.size()));
+  const CommandResult check = run_command(tool() + " --header " + header.string());
+  ASSERT_EQ(check.exit_code, 0) << check.err;
+  EXPECT_NE(check.out.find("valid layout header, format version 1"), std::string::npos) << check.out;
+  // -np 2 without -kvu: two streams of 4096 cells, the same bytes in total.
+  EXPECT_NE(check.out.find("total: 805306368 bytes"), std::string::npos) << check.out;
+  EXPECT_NE(check.out.find("n_stream 2"), std::string::npos) << check.out;
+}
+
+TEST(LayoutDumpTool, FailsWithExitCode1OnAMalformedHeader) {
+  TempDir dir;
+  const auto header = dir / "bad.json";
+  const std::string text = "{\"format\": \"kvshare-layout\", \"format_version\": 7}";
+  testing::write_file_bytes(header, std::vector<std::byte>(reinterpret_cast<const std::byte*>(text.data()),
+                                                           reinterpret_cast<const std::byte*>(text.data()) + text.size()));
+  const CommandResult result = run_command(tool() + " --header " + header.string());
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_NE(result.err.find("format_version"), std::string::npos) << result.err;
+}
+
+TEST(LayoutDumpTool, FailsWithExitCode1OnAFileThatIsNotGguf) {
+  TempDir dir;
+  const auto path = dir / "not.gguf";
+  testing::write_file_bytes(path, std::vector<std::byte>(64, std::byte{0x41}));
+  const CommandResult result = run_command(tool() + " " + path.string());
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_NE(result.err.find("not.gguf"), std::string::npos) << result.err;
+}
+
+TEST(LayoutDumpTool, ExitsWith2OnBadUsage) {
+  EXPECT_EQ(run_command(tool()).exit_code, 2);
+  EXPECT_EQ(run_command(tool() + " model.gguf -fa sometimes").exit_code, 2);
+  const CommandResult bad_type = run_command(tool() + " model.gguf -ctk q4_K");
+  EXPECT_EQ(bad_type.exit_code, 2);
+  EXPECT_NE(bad_type.err.find("-ctk"), std::string::npos) << bad_type.err;
+  EXPECT_EQ(run_command(tool() + " model.gguf -ctv q8_0 -fa off").exit_code, 2);
+}
+
+TEST(LayoutDumpTool, PrintsHelpAndExits0) {
+  const CommandResult result = run_command(tool() + " --help");
+  EXPECT_EQ(result.exit_code, 0);
+  EXPECT_NE(result.out.find("--header"), std::string::npos) << result.out;
+  EXPECT_NE(result.out.find("qwen3moe"), std::string::npos) << result.out;
+}
+
+}  // namespace
+}  // namespace kvshare

@@ -1,0 +1,129 @@
+// kvshare-layout-dump: prints the KV region a decoder would export for a model and
+// llama-server's KV flags, or its layout header (--json); --header checks a header file.
+// Exit codes: 0 ok, 1 failed (bad model, bad header, I/O), 2 bad usage.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvshare/mapping.h"
+#include "layout/gguf_reader.h"
+#include "layout/layout_dump.h"
+#include "layout/model_shape.h"
+
+namespace {
+
+// llama-server spells these with one dash; CLI11 2.1 only takes one-letter short names,
+// so they are rewritten to their long forms before parsing.
+constexpr std::pair<std::string_view, std::string_view> kLlamaAliases[] = {
+    {"-np", "--parallel"},       {"-kvu", "--kv-unified"},  {"-ctk", "--cache-type-k"},
+    {"-ctv", "--cache-type-v"}, {"-fa", "--flash-attn"},   {"-ub", "--ubatch-size"},
+};
+
+std::vector<std::string> rewrite_llama_aliases(int argc, char** argv) {
+  std::vector<std::string> args;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    for (const auto& [alias, long_name] : kLlamaAliases)
+      if (arg == alias) arg = long_name;
+    args.push_back(std::move(arg));
+  }
+  return args;
+}
+
+int print_error(const kvshare::Error& error) {
+  std::fprintf(stderr, "kvshare-layout-dump: %s\n", error.what().c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace kvshare;
+  CLI::App app{fmt::format(
+      "Prints the KV cache region llama.cpp (with the kvshare fork's share_layout) would export for MODEL: per "
+      "tensor its name, type, shape, chunk, offset and padded size; per chunk its size and layout hash; totals. "
+      "Shape-only GGUFs (no tensor data) work.\nSupported archs: {}",
+      fmt::join(layout::supported_archs(), ", "))};
+  app.name("kvshare-layout-dump");
+
+  std::string model_path;
+  std::string header_path;
+  layout::KvParams params;
+  std::string type_k = "f16";
+  std::string type_v = "f16";
+  std::string flash_attn = "on";
+  bool as_json = false;
+
+  app.add_option("MODEL", model_path, "GGUF model file (weights not needed)");
+  app.add_option("--header", header_path, "decode and validate a layout header file instead");
+  params.n_ctx = 0;  // llama-server's default: the model's context_length
+  app.add_option("-c,--ctx-size", params.n_ctx, "context size, 0 = the model's context_length (llama-server's default)")
+      ->capture_default_str();
+  app.add_option("--parallel", params.n_seq_max, "-np: number of sequences (slots)")->capture_default_str();
+  params.kv_unified = false;
+  app.add_flag("--kv-unified", params.kv_unified, "-kvu: one KV stream shared by every sequence");
+  app.add_option("--cache-type-k", type_k, "-ctk: K cache type: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl")
+      ->capture_default_str();
+  app.add_option("--cache-type-v", type_v, "-ctv: V cache type (quantized needs -fa on)")->capture_default_str();
+  app.add_option("--flash-attn", flash_attn, "-fa: on, off or auto (auto is taken as on)")
+      ->check(CLI::IsMember({"on", "off", "auto"}))
+      ->capture_default_str();
+  app.add_flag("--swa-full", params.swa_full, "full-size SWA cache");
+  app.add_option("--ubatch-size", params.n_ubatch, "-ub: micro-batch size (sizes the SWA cache)")->capture_default_str();
+  app.add_flag("--json", as_json, "print the layout header (JSON) instead of the report");
+
+  try {
+    std::vector<std::string> args = rewrite_llama_aliases(argc, argv);
+    std::reverse(args.begin(), args.end());  // CLI11 takes the vector last-first
+    app.parse(args);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : 2;
+  }
+
+  if (!header_path.empty()) {
+    if (!model_path.empty()) {
+      std::fprintf(stderr, "kvshare-layout-dump: give either MODEL or --header, not both\n");
+      return 2;
+    }
+    auto mapping = Mapping::map_file_readonly(header_path);
+    if (!mapping) return print_error(mapping.error());
+    const std::string_view text(reinterpret_cast<const char*>(mapping->data()), mapping->size());
+    auto report = layout::render_header_check(text, header_path);
+    if (!report) return print_error(report.error());
+    std::fputs(report->c_str(), stdout);
+    return 0;
+  }
+  if (model_path.empty()) {
+    std::fprintf(stderr, "kvshare-layout-dump: a MODEL file or --header FILE is required (see --help)\n");
+    return 2;
+  }
+
+  auto parsed_k = layout::parse_cache_type(type_k);
+  if (!parsed_k) return std::fprintf(stderr, "kvshare-layout-dump: -ctk: %s\n", parsed_k.error().what().c_str()), 2;
+  auto parsed_v = layout::parse_cache_type(type_v);
+  if (!parsed_v) return std::fprintf(stderr, "kvshare-layout-dump: -ctv: %s\n", parsed_v.error().what().c_str()), 2;
+  params.type_k = *parsed_k;
+  params.type_v = *parsed_v;
+  params.flash_attn = flash_attn != "off";
+  // A single sequence is always unified in llama.cpp (one stream either way).
+  if (params.n_seq_max == 1) params.kv_unified = true;
+  if (auto valid = layout::validate(params); !valid) {
+    std::fprintf(stderr, "kvshare-layout-dump: %s\n", valid.error().what().c_str());
+    return 2;
+  }
+
+  auto mapping = Mapping::map_file_readonly(model_path);
+  if (!mapping) return print_error(mapping.error());
+  auto file = layout::parse_gguf(std::span<const std::byte>(mapping->data(), mapping->size()), model_path);
+  if (!file) return print_error(file.error());
+  auto output = layout::render_layout_dump(*file, params, as_json);
+  if (!output) return print_error(output.error());
+  std::fputs(output->c_str(), stdout);
+  return 0;
+}
