@@ -535,8 +535,17 @@ ParseResult<StateLayout> parse_memory(std::span<const std::byte> file, std::stri
     }
   } else {
     const BlockPlan plan = blocks_of_kind(kind);
+    // The file does not carry layer indices: number the KV blocks' layers on from one block
+    // to the next (base 0..nb-1, then SWA nb..), so each (kind, il) names one section.
+    uint32_t first_il = 0;
     for (const auto& role : plan.kv_roles) {
       KVS_TRY(block, parse_kv_block(in, role, mrope, nullptr));
+      uint32_t n_layer = 0;
+      for (auto& stream : block.streams) {
+        for (auto& section : stream.sections) section.il += first_il;
+        n_layer = std::max(n_layer, stream.n_layer);
+      }
+      first_il += n_layer;
       layout.blocks.push_back(std::move(block));
     }
     if (plan.has_recurrent) {

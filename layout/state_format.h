@@ -41,7 +41,8 @@ struct StateCell {
 // One per-layer run of rows: K or V of a KV block, R or S of a recurrent block.
 struct StateSection {
   TensorKind kind = TensorKind::k;
-  uint32_t il = 0;              // model layer (from the shape); the ordinal in inspect mode
+  uint32_t il = 0;              // model layer (from the shape); inspect mode: the ordinal,
+                                // counted on across KV blocks (SWA layers follow base layers)
   GgmlType type = GgmlType::F16;
   uint32_t n_embd = 0;          // elements per cell (n_embd_k_gqa, n_embd_v_gqa, n_embd_r, n_embd_s)
   bool is_transposed = false;   // V with v_trans: header is type, u32 element size, u32 n_embd;

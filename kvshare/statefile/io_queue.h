@@ -23,7 +23,10 @@ inline constexpr size_t kIoAlign = 4096;
 inline constexpr const char* kNoIoUringEnv = "KVSHARE_NO_IO_URING";
 bool io_uring_disabled_by_env();
 
-// A heap buffer aligned to kIoAlign, zero-initialised, owned.
+inline constexpr size_t kHugePageBytes = 2u << 20;
+
+// A heap buffer aligned to kIoAlign (2 MiB and huge-page advised from 2 MiB up), not
+// initialised, owned.
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <vector>
 
 #include "kvshare/fd.h"
@@ -38,6 +39,37 @@ std::filesystem::path temporary_path_for(const std::filesystem::path& path) {
   const auto name = fmt::format(".{}.{}.{}.tmp", path.filename().string(), ::getpid(), counter.fetch_add(1));
   return path.parent_path().empty() ? std::filesystem::path(name) : path.parent_path() / name;
 }
+
+// Staging buffers outlive a writer: a provider writes one file per prompt, and faulting in
+// fresh buffers for each costs as much as a small file's copy. Bounded, process-wide.
+class BufferRecycler {
+ public:
+  static BufferRecycler& instance() {
+    static BufferRecycler recycler;
+    return recycler;
+  }
+  Result<AlignedBuffer> take(size_t size_bytes) {
+    {
+      std::lock_guard lock(mutex_);
+      for (size_t i = 0; i < free_.size(); ++i)
+        if (free_[i].size() == size_bytes) {
+          AlignedBuffer buffer = std::move(free_[i]);
+          free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(i));
+          return buffer;
+        }
+    }
+    return AlignedBuffer::allocate(size_bytes);
+  }
+  void give(AlignedBuffer buffer) {
+    std::lock_guard lock(mutex_);
+    if (free_.size() < kMaxKept) free_.push_back(std::move(buffer));
+  }
+
+ private:
+  static constexpr size_t kMaxKept = 16;
+  std::mutex mutex_;
+  std::vector<AlignedBuffer> free_;
+};
 
 }  // namespace
 
@@ -83,7 +115,10 @@ struct StateFileWriter::Impl {
   bool is_spent = false;
   IoStats final_stats;  // the queue's counts, kept after commit() releases the queue
 
-  ~Impl() { abandon(); }
+  ~Impl() {
+    abandon();
+    for (auto& buffer : pool) BufferRecycler::instance().give(std::move(buffer));
+  }
 
   // Removes the temporary file; used on failure and when a writer is dropped uncommitted.
   void abandon() {
@@ -105,7 +140,7 @@ struct StateFileWriter::Impl {
   Result<int> acquire_buffer() {
     while (free_buffers.empty()) {
       if (queue->in_flight() == 0) {
-        auto buffer = AlignedBuffer::allocate(options.chunk_bytes);
+        auto buffer = BufferRecycler::instance().take(options.chunk_bytes);
         if (!buffer) return fail(buffer.error());
         pool.push_back(std::move(*buffer));
         free_buffers.push_back(static_cast<int>(pool.size() - 1));
@@ -127,7 +162,10 @@ struct StateFileWriter::Impl {
       const uint64_t block = align_down(lo);
       const uint64_t stop = std::min(hi, block + kIoAlign);
       auto it = edges.find(block);
-      if (it == edges.end()) it = edges.emplace(block, *AlignedBuffer::allocate(kIoAlign)).first;
+      if (it == edges.end()) {
+        it = edges.emplace(block, *AlignedBuffer::allocate(kIoAlign)).first;
+        std::memset(it->second.data(), 0, kIoAlign);  // bytes past the file's end, cut off later
+      }
       std::memcpy(it->second.data() + (lo - block), bytes, stop - lo);
       bytes += stop - lo;
       lo = stop;

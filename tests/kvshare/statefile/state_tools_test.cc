@@ -1,0 +1,200 @@
+#include "kvshare/statefile/state_tools.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <random>
+
+#include "kvshare/statefile/state_file_reader.h"
+#include "kvshare/statefile/state_file_writer.h"
+#include "layout/state_test_shapes.h"
+#include "refmodel/model_generator.h"
+#include "support/test_support.h"
+
+namespace kvshare::statefile {
+namespace {
+
+using layout::GgmlType;
+using layout::MemoryShape;
+using layout::TensorKind;
+
+class StateToolsTest : public kvshare::testing::FdLeakCheck {
+ protected:
+  // Writes a file for `shape` with random f32 rows (the same rows for every call and seed).
+  std::filesystem::path write(const std::string& name, const MemoryShape& shape, uint32_t n_tokens,
+                              uint32_t seed = 3, float scale = 1.0f) {
+    const auto path = dir_ / name;
+    std::vector<int32_t> tokens(n_tokens);
+    for (uint32_t i = 0; i < n_tokens; ++i) tokens[i] = static_cast<int32_t>(i + 1);
+    StateFileWriterOptions options;
+    options.n_embd_head_k = options.n_embd_head_v = 64;
+    auto writer = StateFileWriter::create(path, shape, tokens, static_cast<int32_t>(n_tokens), options);
+    EXPECT_TRUE(writer) << writer.error().what();
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> dist(0.0f, scale);
+    for (const auto& block : writer->layout().blocks)
+      for (const auto& stream : block.streams)
+        for (const auto& section : stream.sections) {
+          const uint32_t rows = section.kind == TensorKind::r || section.kind == TensorKind::s ? 1 : n_tokens;
+          std::vector<float> values(uint64_t{rows} * section.n_embd);
+          for (float& v : values) v = dist(rng);
+          EXPECT_TRUE(writer->write_section(section.kind, section.il, RowsView{GgmlType::F32, values.data(), rows, 0}));
+        }
+    auto info = writer->commit();
+    EXPECT_TRUE(info) << info.error().what();
+    return path;
+  }
+
+  kvshare::testing::TempDir dir_;
+};
+
+TEST_F(StateToolsTest, InspectDescribesBlocksLayersAndStatistics) {
+  const auto path = write("a.bin", testing::iswa_shape(8), 19);
+  auto text = inspect_state_file(path, false);
+  ASSERT_TRUE(text) << text.error().what();
+  EXPECT_NE(text->find("14316 bytes"), std::string::npos) << *text;
+  EXPECT_NE(text->find("kv_iswa"), std::string::npos) << *text;
+  EXPECT_NE(text->find("8 cells, positions 11..18"), std::string::npos) << *text;
+  EXPECT_NE(text->find("rms"), std::string::npos);
+}
+
+TEST_F(StateToolsTest, InspectJsonIsOneObjectWithEverySection) {
+  const auto path = write("a.bin", testing::hybrid_shape(), 6);
+  auto text = inspect_state_file(path, true);
+  ASSERT_TRUE(text);
+  const auto doc = nlohmann::json::parse(*text);
+  EXPECT_EQ(doc["memory_kind"], "hybrid");
+  EXPECT_EQ(doc["n_token"], 6);
+  ASSERT_EQ(doc["blocks"].size(), 2u);
+  EXPECT_EQ(doc["blocks"][0]["streams"][0]["sections"].size(), 4u);
+  EXPECT_EQ(doc["blocks"][1]["streams"][0]["sections"].size(), 4u);
+  EXPECT_EQ(doc["blocks"][1]["streams"][0]["pos_last"], 5);
+  EXPECT_GT(doc["blocks"][0]["streams"][0]["sections"][0]["rms"].get<double>(), 0.5);
+}
+
+TEST_F(StateToolsTest, DiffOfAFileWithItselfIsZero) {
+  const auto path = write("a.bin", testing::dense_shape(), 5);
+  auto report = diff_state_files(path, path, 0.0, {});
+  ASSERT_TRUE(report) << report.error().what();
+  EXPECT_EQ(report->max_abs, 0.0);
+  EXPECT_TRUE(report->within_tolerance);
+}
+
+TEST_F(StateToolsTest, DiffFlagsDifferentValuesPastTheTolerance) {
+  const auto a = write("a.bin", testing::dense_shape(), 5, 3);
+  const auto b = write("b.bin", testing::dense_shape(), 5, 4);
+  auto report = diff_state_files(a, b, 0.01, {});
+  ASSERT_TRUE(report) << report.error().what();
+  EXPECT_FALSE(report->within_tolerance);
+  EXPECT_NE(report->text.find("kv layer 1 V"), std::string::npos) << report->text;
+  EXPECT_NE(report->text.find("EXCEEDS"), std::string::npos);
+}
+
+TEST_F(StateToolsTest, DiffRefusesFilesOfDifferentStructure) {
+  const auto a = write("a.bin", testing::dense_shape(), 5);
+  const auto b = write("b.bin", testing::dense_shape(), 6);
+  auto report = diff_state_files(a, b, 1.0, {});
+  ASSERT_FALSE(report);
+  EXPECT_NE(report.error().message().find("different cells"), std::string::npos) << report.error().message();
+}
+
+TEST_F(StateToolsTest, ConvertsF16ToQ8_0WithinQuantizationNoiseAndBack) {
+  const auto f16 = write("f16.bin", testing::dense_shape(), 9);
+  ConvertOptions to_q8;
+  to_q8.type_k = to_q8.type_v = GgmlType::Q8_0;
+  to_q8.rotation.n_embd_head_k = to_q8.rotation.n_embd_head_v = 64;
+  auto info = convert_state_file(f16, dir_ / "q8.bin", to_q8);
+  ASSERT_TRUE(info) << info.error().what();
+  EXPECT_EQ(info->size_bytes, 12u + 36 + 8 + 108 + 8 + 4 * (12 + 9 * 136));
+
+  const auto shape = testing::dense_shape(GgmlType::Q8_0, GgmlType::Q8_0);
+  auto q8 = read_state_file(dir_ / "q8.bin", &shape);
+  ASSERT_TRUE(q8) << q8.error().what();
+
+  RotationInfo rotation{64, 64, false};
+  auto report = diff_state_files(f16, dir_ / "q8.bin", 0.05, rotation);
+  ASSERT_TRUE(report) << report.error().what();
+  EXPECT_TRUE(report->within_tolerance) << report->text;
+  EXPECT_GT(report->max_abs, 0.0);
+  // Without undoing the rotation the values are unrelated: the diff must say so.
+  auto unrotated = diff_state_files(f16, dir_ / "q8.bin", 0.05, RotationInfo{0, 0, true});
+  ASSERT_TRUE(unrotated);
+  EXPECT_FALSE(unrotated->within_tolerance);
+}
+
+TEST_F(StateToolsTest, ConvertKeepsUnchangedSectionsByteForByte) {
+  const auto f16 = write("f16.bin", testing::dense_shape(), 4);
+  ConvertOptions same;
+  auto info = convert_state_file(f16, dir_ / "same.bin", same);
+  ASSERT_TRUE(info) << info.error().what();
+  EXPECT_EQ(kvshare::testing::read_file_bytes(f16), kvshare::testing::read_file_bytes(dir_ / "same.bin"));
+}
+
+TEST_F(StateToolsTest, ConvertRefusesAQuantizedTransposedV) {
+  const auto path = write("t.bin", testing::dense_shape(GgmlType::F16, GgmlType::F16, true), 4);
+  ConvertOptions options;
+  options.type_v = GgmlType::Q8_0;
+  options.rotation = {64, 64, false};
+  auto info = convert_state_file(path, dir_ / "out.bin", options);
+  ASSERT_FALSE(info);
+  EXPECT_NE(info.error().message().find("needs flash attention"), std::string::npos);
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "out.bin"));
+}
+
+TEST_F(StateToolsTest, ConvertNeedsTheHeadSizeForAQuantizedTarget) {
+  const auto path = write("f.bin", testing::dense_shape(), 4);
+  ConvertOptions options;
+  options.type_k = GgmlType::Q8_0;
+  auto info = convert_state_file(path, dir_ / "out.bin", options);
+  ASSERT_FALSE(info);
+  EXPECT_NE(info.error().message().find("head size"), std::string::npos) << info.error().message();
+}
+
+class StateVerifyTest : public StateToolsTest {
+ protected:
+  void SetUp() override {
+    StateToolsTest::SetUp();
+    refmodel::GeneratorOptions options;  // qwen3, 2 layers, 2 KV heads of 64: the worked example
+    options.shape_only = true;
+    auto bytes = refmodel::generate_model_bytes(options);
+    ASSERT_TRUE(bytes) << bytes.error().what();
+    model_ = dir_ / "tiny.gguf";
+    kvshare::testing::write_file_bytes(model_, *bytes);
+  }
+  std::filesystem::path model_;
+};
+
+TEST_F(StateVerifyTest, AcceptsAFileMadeForTheModelAndParams) {
+  const auto path = write("ok.bin", testing::dense_shape(), 5);
+  layout::KvParams params;
+  params.n_ctx = 512;
+  auto summary = verify_state_file(path, model_, params);
+  ASSERT_TRUE(summary) << summary.error().what();
+  EXPECT_NE(summary->find("ok: "), std::string::npos);
+}
+
+TEST_F(StateVerifyTest, NamesTheMismatchWithOtherCacheTypes) {
+  const auto path = write("ok.bin", testing::dense_shape(), 5);
+  layout::KvParams params;
+  params.n_ctx = 512;
+  params.type_k = params.type_v = GgmlType::Q8_0;
+  auto summary = verify_state_file(path, model_, params);
+  ASSERT_FALSE(summary);
+  EXPECT_NE(summary.error().message().find("kv layer 0 K type is 1 (f16), layout says 8 (q8_0)"), std::string::npos)
+      << summary.error().message();
+}
+
+TEST_F(StateVerifyTest, NamesTheVTranspositionMismatchWithFlashAttentionOff) {
+  const auto path = write("ok.bin", testing::dense_shape(), 5);
+  layout::KvParams params;
+  params.n_ctx = 512;
+  params.flash_attn = false;
+  auto summary = verify_state_file(path, model_, params);
+  ASSERT_FALSE(summary);
+  EXPECT_NE(summary.error().message().find("v_trans is 0, layout says 1"), std::string::npos)
+      << summary.error().message();
+}
+
+}  // namespace
+}  // namespace kvshare::statefile

@@ -1,0 +1,137 @@
+// kvshare-state: inspect, verify, diff and convert llama.cpp sequence-state files
+// (docs/state-file.md). Exit 0 ok, 1 failed (or a diff past the tolerance), 2 bad usage.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvshare/statefile/state_tools.h"
+#include "layout/ggml_type.h"
+#include "layout/kv_params.h"
+
+namespace {
+
+// CLI11 takes one-letter short options only; llama-server's spellings (-np, -ctk, -fa, ...)
+// are mapped to their long names first, so the flags read as they do for llama-server.
+std::vector<std::string> llama_style_args(int argc, char** argv) {
+  static const std::vector<std::pair<std::string, std::string>> kAliases{
+      {"-np", "--parallel"}, {"-kvu", "--kv-unified"},   {"-ctk", "--cache-type-k"},
+      {"-ctv", "--cache-type-v"}, {"-fa", "--flash-attn"}, {"-ub", "--ubatch-size"}};
+  std::vector<std::string> args;
+  for (int i = argc - 1; i >= 1; --i) {  // CLI11's vector form takes the arguments reversed
+    std::string arg = argv[i];
+    for (const auto& [alias, name] : kAliases)
+      if (arg == alias) arg = name;
+    args.push_back(arg);
+  }
+  return args;
+}
+
+int report_failure(const kvshare::Error& error) {
+  fmt::print(stderr, "kvshare-state: {}\n", error.what());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  namespace sf = kvshare::statefile;
+  CLI::App app{"Inspects, verifies, compares and converts llama.cpp sequence-state files (the files "
+               "llama-server's /slots/<id>?action=save writes and action=restore reads)."};
+  app.name("kvshare-state");
+  app.require_subcommand(1);
+
+  std::string file, model, other, out;
+  bool json = false;
+  auto* inspect = app.add_subcommand("inspect", "header, cells, per-layer types, sizes and K/V statistics");
+  inspect->add_option("FILE", file, "state file")->required();
+  inspect->add_flag("--json", json, "one JSON object instead of text");
+
+  kvshare::layout::KvParams params;
+  std::string ctk = "f16", ctv = "f16", fa = "on";
+  auto* verify = app.add_subcommand("verify", "does FILE restore into MODEL.gguf with these KV params?");
+  verify->add_option("FILE", file, "state file")->required();
+  verify->add_option("MODEL.gguf", model, "the decoder's model")->required();
+  verify->add_option("-c,--ctx-size", params.n_ctx, "context size, -c (0: the model's)")->capture_default_str();
+  verify->add_option("--parallel", params.n_seq_max, "slots, -np")->capture_default_str();
+  verify->add_flag("--kv-unified,!--no-kv-unified", params.kv_unified, "unified KV cache across slots, -kvu");
+  verify->add_option("--cache-type-k", ctk, "K cache type, -ctk")->capture_default_str();
+  verify->add_option("--cache-type-v", ctv, "V cache type, -ctv")->capture_default_str();
+  verify->add_option("--flash-attn", fa, "on, off or auto, -fa")->capture_default_str()->check(
+      CLI::IsMember({"on", "off", "auto"}));
+  verify->add_flag("--swa-full", params.swa_full, "full-size SWA cache");
+  verify->add_option("--ubatch-size", params.n_ubatch, "physical batch size, -ub")->capture_default_str();
+
+  double tolerance = 0.0;
+  sf::RotationInfo rotation;
+  uint32_t head_dim = 0;
+  bool no_rotation = false;
+  auto* diff = app.add_subcommand("diff", "per-layer max abs/rel difference of K and V after dequantization");
+  diff->add_option("A", file, "first state file")->required();
+  diff->add_option("B", other, "second state file")->required();
+  diff->add_option("--tolerance", tolerance, "largest max-abs difference that still exits 0")->capture_default_str();
+
+  auto* convert = app.add_subcommand("convert", "rewrite with other K/V cache types");
+  convert->add_option("IN", file, "state file to read")->required();
+  convert->add_option("OUT", out, "state file to write (atomically)")->required();
+  convert->add_option("--cache-type-k,--ctk", ctk, "K cache type of OUT (-ctk)")->capture_default_str();
+  convert->add_option("--cache-type-v,--ctv", ctv, "V cache type of OUT (-ctv)")->capture_default_str();
+
+  for (auto* sub : {diff, convert}) {
+    sub->add_option("--head-dim", head_dim, "head size of K and V (llama.cpp rotates quantized caches by it)");
+    sub->add_option("--head-dim-k", rotation.n_embd_head_k, "head size of K, if it differs");
+    sub->add_option("--head-dim-v", rotation.n_embd_head_v, "head size of V, if it differs");
+    sub->add_flag("--no-rotation", no_rotation, "the caches were written with LLAMA_ATTN_ROT_DISABLE=1");
+  }
+  try {
+    app.parse(llama_style_args(argc, argv));
+  } catch (const CLI::ParseError& error) {
+    const int code = app.exit(error);
+    return code == 0 ? 0 : 2;
+  }
+
+  if (head_dim != 0) {
+    if (rotation.n_embd_head_k == 0) rotation.n_embd_head_k = head_dim;
+    if (rotation.n_embd_head_v == 0) rotation.n_embd_head_v = head_dim;
+  }
+  rotation.rotation_disabled = no_rotation;
+  auto type_k = kvshare::layout::parse_cache_type(ctk);
+  auto type_v = kvshare::layout::parse_cache_type(ctv);
+  if (!type_k || !type_v) {
+    fmt::print(stderr, "kvshare-state: {}\n", (!type_k ? type_k.error() : type_v.error()).what());
+    return 2;
+  }
+
+  if (inspect->parsed()) {
+    auto text = sf::inspect_state_file(file, json);
+    if (!text) return report_failure(text.error());
+    fmt::print("{}", *text);
+    return 0;
+  }
+  if (verify->parsed()) {
+    params.type_k = *type_k;
+    params.type_v = *type_v;
+    params.flash_attn = fa != "off";
+    auto summary = sf::verify_state_file(file, model, params);
+    if (!summary) return report_failure(summary.error());
+    fmt::print("{}\n", *summary);
+    return 0;
+  }
+  if (diff->parsed()) {
+    auto report = sf::diff_state_files(file, other, tolerance, rotation);
+    if (!report) return report_failure(report.error());
+    fmt::print("{}", report->text);
+    return report->within_tolerance ? 0 : 1;
+  }
+  sf::ConvertOptions options;
+  options.type_k = *type_k;
+  options.type_v = *type_v;
+  options.rotation = rotation;
+  auto info = sf::convert_state_file(file, out, options);
+  if (!info) return report_failure(info.error());
+  fmt::print("wrote {} ({} bytes, -ctk {} -ctv {})\n", info->path.string(), info->size_bytes, ctk, ctv);
+  return 0;
+}
