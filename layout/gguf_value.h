@@ -48,6 +48,9 @@ class GgufMetadata {
  public:
   // Adds or replaces `key` (a replaced key keeps its position).
   void set(std::string key, GgufValue value);
+  // Appends `key` without looking for it: for a reader that has already proven the key
+  // unique (set() is a linear search, quadratic over a file's keys).
+  void append_unique(std::string key, GgufValue value) { entries_.emplace_back(std::move(key), std::move(value)); }
   const GgufValue* find(std::string_view key) const;
   bool contains(std::string_view key) const { return find(key) != nullptr; }
   const std::vector<std::pair<std::string, GgufValue>>& entries() const { return entries_; }
@@ -64,8 +67,9 @@ class GgufMetadata {
   Result<std::optional<uint32_t>> find_u32(std::string_view key) const;
   Result<std::optional<float>> find_f32(std::string_view key) const;
 
-  // llama.cpp's per-layer read (get_key_or_arr): a UINT32/INT32 scalar broadcast to every
-  // layer, or an array of exactly `n_layer` BOOL/INT32/UINT32 elements. Absent: nullopt.
+  // llama.cpp's per-layer read (get_key_or_arr): a UINT32 scalar broadcast to every layer
+  // (llama.cpp's get_key<uint32_t> refuses an INT32 scalar, so do we), or an array of
+  // exactly `n_layer` BOOL/INT32/UINT32 elements. Absent: nullopt.
   Result<std::optional<std::vector<uint32_t>>> find_per_layer(std::string_view key, uint32_t n_layer) const;
 
  private:
