@@ -20,7 +20,9 @@ Behaviour switches (environment, inherited from kvshare-serve):
   FAKE_DECODER_STARTUP_MS=ms   answer /health with 503 for this long
   FAKE_DECODER_CHUNK_DELAY_MS  pause between SSE chunks (default 0)
   FAKE_DECODER_REFUSE_SHARE=1  answer ?action=share with 501 (a decoder that cannot export)
-  FAKE_DECODER_SHARE_BYTES=n   bytes of the one memfd chunk it shares (default 65536)
+  FAKE_DECODER_SHARE_HEADER=path   the layout header it sends (one memfd per chunk);
+                               else one chunk of FAKE_DECODER_SHARE_BYTES (default 65536)
+  FAKE_DECODER_ADOPT=fail      refuse every adopt (400)
 """
 import argparse
 import array
@@ -66,7 +68,7 @@ class Slot:
         self.lock = threading.Lock()  # held while a task runs: restores and requests wait
         self.tokens = []
         self.share_id = 0
-        self.share_region = None  # (memfd, size) of the latest share
+        self.share_regions = []  # (memfd, size) per chunk of the latest share
 
 
 class State:
@@ -214,30 +216,36 @@ class Handler(BaseHTTPRequestHandler):
             self.send_error_json(501, "share refused: ONEBIT_KV_SHARE is not set in the decoder, or its KV "
                                  "backend cannot export its memory", "not_supported_error")
             return
-        import fake_share  # the handshake message, as docs/protocol.md defines it
         with slot.lock:
             slot.share_id += 1
-            size = int(os.environ.get("FAKE_DECODER_SHARE_BYTES", "65536"))
-            fd = os.memfd_create("kvshare-fake-kv", os.MFD_CLOEXEC)
-            os.ftruncate(fd, size)
-            if slot.share_region:
-                os.close(slot.share_region[0])
-            slot.share_region = (fd, size)
+            header_path = os.environ.get("FAKE_DECODER_SHARE_HEADER")
+            header = json.load(open(header_path)) if header_path else {}
+            chunks = header.get("chunks") or [{"size_bytes": int(os.environ.get("FAKE_DECODER_SHARE_BYTES", "65536")),
+                                               "layout_hash": "0x%016x" % 0}]
+            for fd, _ in slot.share_regions:
+                os.close(fd)
+            slot.share_regions = []
+            for chunk in chunks:
+                fd = os.memfd_create("kvshare-fake-kv", os.MFD_CLOEXEC)
+                os.ftruncate(fd, chunk["size_bytes"])
+                slot.share_regions.append((fd, chunk["size_bytes"]))
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(5)
             try:
                 sock.connect(body["socket"])
-                log("share_connected", socket=body["socket"], share_id=slot.share_id)
-                frame = fake_share.share_frame(slot.share_id, size, State.args)
-                socket.send_fds(sock, [frame], [fd])
-                log("share_sent", share_id=slot.share_id, n_fds=1)
+                log("share_connected", socket=body["socket"], share_id=slot.share_id,
+                    socket_dir_mode=oct(os.stat(os.path.dirname(body["socket"])).st_mode & 0o777))
+                frame = share_frame(slot.share_id, chunks, header)
+                socket.send_fds(sock, [frame], [fd for fd, _ in slot.share_regions])
+                log("share_sent", share_id=slot.share_id, n_fds=len(chunks))
             except OSError as error:
                 log("share_failed", reason=str(error))
-                self.send_error_json(500, "share: %s" % error, "server_error")
+                self.send_error_json(500, "Unable to share the KV cache: %s" % error, "server_error")
                 return
             finally:
                 sock.close()
-            self.send_json(200, {"id_slot": 0, "share_id": slot.share_id, "n_fds": 1, "backend": "memfd",
+            self.send_json(200, {"id_slot": 0, "share_id": slot.share_id, "n_fds": len(chunks), "backend": "memfd",
+                                 "region_bytes": sum(size for _, size in slot.share_regions),
                                  "timings": {"share_ms": 0.5}})
 
     def adopt(self, body):
@@ -246,13 +254,16 @@ class Handler(BaseHTTPRequestHandler):
             tokens = body.get("tokens", [])
             share_id = body.get("share_id")
             written = None
-            if slot.share_region:
-                fd, size = slot.share_region
+            if slot.share_regions:
+                fd, size = slot.share_regions[0]
                 with mmap.mmap(fd, size, prot=mmap.PROT_READ) as region:
                     n = struct.unpack_from("<I", region, 0)[0]
                     if 0 < n <= (size - 4) // 4:
                         written = list(struct.unpack_from("<%di" % n, region, 4))
             log("adopt", share_id=share_id, n_tokens=len(tokens), region_holds_tokens=(written == tokens), body=body)
+            if os.environ.get("FAKE_DECODER_ADOPT") == "fail":
+                self.send_error_json(400, "adopt refused on demand", "invalid_request_error")
+                return
             if share_id != slot.share_id:
                 self.send_error_json(400, "stale share_id %s (latest %d)" % (share_id, slot.share_id),
                                      "invalid_request_error")
@@ -315,6 +326,17 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
             if delay:
                 time.sleep(delay)
+
+
+def share_frame(share_id, chunks, header):
+    """One handshake frame as docs/protocol.md defines it: u32 length (little-endian), then
+    the JSON message; the fds ride with it in SCM_RIGHTS."""
+    message = {"kvshare_handshake": 1, "type": "share", "share_id": share_id,
+               "fds": [{"chunk": i, "kind": "memfd", "offset": 0, "size_bytes": c["size_bytes"],
+                        "layout_hash": c["layout_hash"]} for i, c in enumerate(chunks)],
+               "header": header}
+    text = json.dumps(message, separators=(",", ":")).encode()
+    return struct.pack("<I", len(text)) + text
 
 
 def sse_chunks(path, words, timings):

@@ -35,7 +35,11 @@ class Serve:
 
     def __init__(self, serve_bin, args, env=None, expect_listen=True, timeout=30):
         self.env = dict(os.environ)
-        self.env.update(env or {})
+        for key, value in (env or {}).items():
+            if value is None:
+                self.env.pop(key, None)  # None unsets an inherited variable
+            else:
+                self.env[key] = value
         self.proc = subprocess.Popen([serve_bin] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      env=self.env, start_new_session=True)
         self.lines = []
@@ -74,6 +78,18 @@ class Serve:
                     raise Failure("no stderr line matching %r within %ss; stderr:\n%s" %
                                   (pattern.pattern, timeout, "\n".join(self.lines)))
                 self.lock.wait(min(left, 0.1))
+
+    def wait_count(self, pattern, count, timeout=10):
+        """The stderr lines matching `pattern` once there are `count` of them (lines reach us
+        through a pipe, a moment after the reply that follows them)."""
+        pattern = re.compile(pattern) if isinstance(pattern, str) else pattern
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while True:
+                matching = [line for line in self.lines if pattern.search(line)]
+                if len(matching) >= count or time.monotonic() > deadline or self.stderr_closed:
+                    return matching
+                self.lock.wait(0.05)
 
     def stderr_lines(self, prefix=""):
         with self.lock:

@@ -350,7 +350,7 @@ def test_concurrent_requests():
             else:
                 text = reply_text(data)
             check(text == expected_reply(ids), "request %d got %r" % (i, text))
-        lines = [l for l in case.serve.stderr_lines("hybrid: ") if FILE_LINE.match(l)]
+        lines = case.serve.wait_count(FILE_LINE, n)
         check(len(lines) == n, "%d handoff lines for %d requests:\n%s" % (len(lines), n, "\n".join(case.serve.lines)))
         check(len(events(case.decoder_log, "restore")) == n, "each request gets its own restore")
         not_one = [c for c in case.completions() if c["prompt_n"] != 1]

@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""hybrid_e2e: a generated model through the whole hybrid route with the reference pair
+(kvshare-prefill as the provider, kvshare-decoder as the decoder), on both routes:
+
+- the greedy reply through --device hybrid equals the plain --device cpu reply, streamed
+  and not, and the decoder's timings.prompt_n is 1 (it evaluated the last token only);
+- the file route (a state file and ?action=restore) and the shared route
+  (ONEBIT_KV_SHARE=1: share -> fds -> kvshare-prefill writes the decoder's cache -> adopt);
+- 32 requests at once through the shared route: every reply right, and nothing left
+  behind (serve's fds, the slot directory, sockets and their directories);
+- with LLAMA_SERVER=path, the file route against a real llama-server as the decoder
+  (skipped with a message otherwise).
+
+usage: hybrid_e2e.py BIN_DIR      (exit 77 = skipped: a tool of the reference pair is missing)
+"""
+import concurrent.futures
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+from hybrid_common import Runner, Serve, check, temp_dir, wait_until
+
+BIN = sys.argv[1]
+TOOLS = {name: os.path.join(BIN, name) for name in ("kvshare-serve", "kvshare-decoder", "kvshare-prefill",
+                                                    "kvshare-mkmodel")}
+missing = [name for name, path in TOOLS.items() if not os.access(path, os.X_OK)]
+if missing:
+    print("SKIP hybrid_e2e: %s not built" % ", ".join(missing))
+    sys.exit(77)
+
+WORK = temp_dir()
+MODEL = os.path.join(WORK, "tiny.gguf")
+subprocess.run([TOOLS["kvshare-mkmodel"], MODEL, "--seed", "7"], check=True, timeout=120, capture_output=True)
+# Sockets and their private directories go under here, so the test can see none is left.
+SERVE_TMP = os.path.join(WORK, "serve-tmp")
+os.makedirs(SERVE_TMP)
+KV_FLAGS = ["-c", "1024", "-fa", "on", "-ctk", "f16", "-ctv", "f16"]
+SHARED_LINE = re.compile(r"^hybrid: (\d+) prompt tokens: prefill \d+\.\d{3} ms, share \d+\.\d{3} ms, "
+                         r"first byte \d+\.\d{3} ms$")
+FILE_LINE = re.compile(r"^hybrid: (\d+) prompt tokens: prefill \d+\.\d{3} ms, restore \d+\.\d{3} ms, "
+                       r"first byte \d+\.\d{3} ms$")
+PROMPTS = ["Tell me about the sea.", "Write one line of code.",
+           "A longer prompt, so that the handoff carries a few dozen tokens of KV: " + "words " * 20]
+
+
+def request(text, stream=False):
+    return {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": text}],
+            "max_tokens": 8, "temperature": 0, "stream": stream}
+
+
+def start(device, backend, kv_share=False, extra_env=None):
+    args = ["-m", MODEL, "--device", device, "--port", "0", "--backend", backend] + KV_FLAGS
+    env = {"TMPDIR": SERVE_TMP, "ONEBIT_HYBRID_PREFILL": ""}
+    if device == "hybrid":
+        args += ["--prefill-provider", TOOLS["kvshare-prefill"]]
+    # "set and non-empty" turns the shared route on: unset is the only off.
+    env["ONEBIT_KV_SHARE"] = "1" if kv_share else None
+    env.update(extra_env or {})
+    return Serve(TOOLS["kvshare-serve"], args, env, timeout=120)
+
+
+def content_of(status, data, stream):
+    check(status == 200, "status %d: %s" % (status, data[:300]))
+    if not stream:
+        body = json.loads(data)
+        return body["choices"][0]["message"]["content"], body["timings"]["prompt_n"]
+    text, prompt_n = "", None
+    for event in data.decode().split("\n\n"):
+        if event.startswith("data: {"):
+            chunk = json.loads(event[6:])
+            for choice in chunk.get("choices", []):
+                text += (choice.get("delta") or {}).get("content") or ""
+            if "timings" in chunk:
+                prompt_n = chunk["timings"]["prompt_n"]
+    return text, prompt_n
+
+
+def replies(serve, prompts, stream=False):
+    out = []
+    for text in prompts:
+        status, data = serve.post("/v1/chat/completions", request(text, stream), timeout=120)
+        out.append(content_of(status, data, stream))
+    return out
+
+
+CPU_REPLIES = {}
+
+
+def cpu_reply(prompt):
+    return CPU_REPLIES[prompt]
+
+
+def baseline(backend=None):
+    serve = start("cpu", backend or TOOLS["kvshare-decoder"])
+    try:
+        return {p: replies(serve, [p])[0][0] for p in PROMPTS + concurrency_prompts()}
+    finally:
+        serve.stop()
+
+
+def concurrency_prompts():
+    return ["request number %d: %s" % (i, "go " * (i % 7)) for i in range(32)]
+
+
+def check_route(kv_share, line_re):
+    serve = start("hybrid", TOOLS["kvshare-decoder"], kv_share=kv_share)
+    try:
+        for stream in (False, True):
+            for prompt, (text, prompt_n) in zip(PROMPTS, replies(serve, PROMPTS, stream)):
+                check(text == cpu_reply(prompt), "%s reply %r differs from --device cpu %r (stream=%s)" %
+                      (("shared" if kv_share else "file"), text, cpu_reply(prompt), stream))
+                check(prompt_n == 1, "prompt_n %s, expected 1 (stream=%s)" % (prompt_n, stream))
+        lines = serve.wait_count(line_re, 2 * len(PROMPTS))
+        check(len(lines) == 2 * len(PROMPTS), "handoff lines:\n%s" % "\n".join(serve.lines))
+        check(not serve.stderr_lines("hybrid: fallback"), "fallbacks:\n%s" % "\n".join(serve.lines))
+    finally:
+        code = serve.stop()
+    check(code == 0, "serve exit code %d" % code)
+    check(os.listdir(SERVE_TMP) == [], "left behind in TMPDIR: %s" % os.listdir(SERVE_TMP))
+
+
+def test_file_route_matches_cpu():
+    check_route(False, FILE_LINE)
+
+
+def test_shared_route_matches_cpu():
+    check_route(True, SHARED_LINE)
+
+
+def test_32_concurrent_requests_through_the_shared_route():
+    prompts = concurrency_prompts()
+    serve = start("hybrid", TOOLS["kvshare-decoder"], kv_share=True)
+    try:
+        pid = serve.proc.pid
+        fds_before = sorted(os.listdir("/proc/%d/fd" % pid))
+
+        def one(i):
+            status, data = serve.post("/v1/chat/completions", request(prompts[i], i % 2 == 1), timeout=300)
+            return content_of(status, data, i % 2 == 1)
+
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            results = list(pool.map(one, range(32)))
+        for i, (text, prompt_n) in enumerate(results):
+            check(text == cpu_reply(prompts[i]), "request %d: %r, --device cpu said %r" % (i, text,
+                                                                                          cpu_reply(prompts[i])))
+        lines = serve.wait_count(SHARED_LINE, 32)
+        check(len(lines) == 32, "%d shared handoffs for 32 requests:\n%s" % (len(lines), "\n".join(serve.lines)))
+        wait_until(lambda: len(os.listdir("/proc/%d/fd" % pid)) <= len(fds_before), 10,
+                   "serve holds more fds than before the requests")
+        check([e for e in os.listdir(SERVE_TMP) if not e.startswith("kvshare-serve-slots")] == [],
+              "sockets or their directories left: %s" % os.listdir(SERVE_TMP))
+        slot_dirs = [e for e in os.listdir(SERVE_TMP) if e.startswith("kvshare-serve-slots")]
+        check(all(os.listdir(os.path.join(SERVE_TMP, d)) == [] for d in slot_dirs), "files left in the slot dir")
+    finally:
+        serve.stop()
+    check(os.listdir(SERVE_TMP) == [], "left behind after stop: %s" % os.listdir(SERVE_TMP))
+
+
+def test_real_llama_server_on_the_file_route():
+    llama = os.environ.get("LLAMA_SERVER")
+    if not llama or not os.access(llama, os.X_OK):
+        print("SKIP test_real_llama_server_on_the_file_route: set LLAMA_SERVER=path of a llama-server build")
+        return
+    own = baseline(llama)
+    serve = start("hybrid", llama, kv_share=False)
+    try:
+        for prompt, (text, prompt_n) in zip(PROMPTS, replies(serve, PROMPTS)):
+            check(text == own[prompt], "llama-server after restore said %r, on its own %r" % (text, own[prompt]))
+            check(prompt_n == 1, "llama-server evaluated %s prompt tokens after the restore" % prompt_n)
+        check(len(serve.wait_count(FILE_LINE, len(PROMPTS))) == len(PROMPTS),
+              "\n".join(serve.lines))
+    finally:
+        serve.stop()
+
+
+def main():
+    CPU_REPLIES.update(baseline())
+    runner = Runner()
+    for name, function in sorted(globals().items()):
+        if name.startswith("test_") and callable(function):
+            runner.run(name, function)
+    shutil.rmtree(WORK, ignore_errors=True)
+    runner.finish()
+
+
+if __name__ == "__main__":
+    main()
