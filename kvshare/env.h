@@ -1,0 +1,28 @@
+// The environment switches kvshare reads, in one place so every side reads them alike.
+#pragma once
+
+#include <optional>
+#include <string_view>
+
+#include "kvshare/region/backend.h"
+#include "layout/error.h"
+
+namespace kvshare {
+
+// ONEBIT_KV_SHARE turns the shared route on. Read as "set and non-empty", like the seed's
+// decoder and serve: ONEBIT_KV_SHARE=0 is ON too; the opt-out is an unset variable.
+inline constexpr const char* kKvShareEnv = "ONEBIT_KV_SHARE";
+// KVSHARE_EXPORT=memfd|udmabuf|dmaheap forces one export backend (no fallback).
+inline constexpr const char* kExportBackendEnv = "KVSHARE_EXPORT";
+
+// The "set and non-empty" rule on a getenv() value (nullptr = unset).
+bool is_set_and_non_empty(const char* value);
+
+// Whether ONEBIT_KV_SHARE turns the shared route on in this process.
+bool kv_share_enabled();
+
+// The backend KVSHARE_EXPORT forces, nullopt when unset or empty (choose automatically).
+// An unknown value is an error naming the variable and the allowed values.
+Result<std::optional<RegionBackend>> export_backend_override();
+
+}  // namespace kvshare

@@ -1,0 +1,110 @@
+#include "kvshare/handshake/listener.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "kvshare/sys.h"
+
+namespace kvshare::handshake {
+namespace {
+
+std::filesystem::path default_parent() {
+  const char* tmpdir = std::getenv("TMPDIR");
+  return tmpdir != nullptr && tmpdir[0] != '\0' ? std::filesystem::path(tmpdir) : std::filesystem::path("/tmp");
+}
+
+}  // namespace
+
+Result<Listener> Listener::create(const std::filesystem::path& parent) {
+  const std::filesystem::path base = parent.empty() ? default_parent() : parent;
+  std::string pattern = (base / "kvshare-share-XXXXXX").string();
+  // mkdtemp makes the directory 0700: only this uid (and root) can reach the socket.
+  if (::mkdtemp(pattern.data()) == nullptr) return fail(errno, "creating the handshake directory {}", pattern);
+  Listener listener;
+  listener.directory_ = pattern;
+  listener.socket_path_ = (listener.directory_ / "share.sock").string();
+
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (listener.socket_path_.size() >= sizeof addr.sun_path)
+    return fail(ENAMETOOLONG, "socket path {} is {} bytes, the limit is {}; use a shorter TMPDIR",
+                listener.socket_path_, listener.socket_path_.size(), sizeof addr.sun_path - 1);
+  std::memcpy(addr.sun_path, listener.socket_path_.data(), listener.socket_path_.size());
+  listener.socket_.reset(sys::ops().socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!listener.socket_) return fail(errno, "socket(AF_UNIX) for {}", listener.socket_path_);
+  if (sys::ops().bind(listener.socket_.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0)
+    return fail(errno, "bind {}", listener.socket_path_);
+  if (sys::ops().listen(listener.socket_.get(), 4) != 0) return fail(errno, "listen on {}", listener.socket_path_);
+  return listener;
+}
+
+Listener::Listener(Listener&& other) noexcept
+    : socket_(std::move(other.socket_)),
+      directory_(std::exchange(other.directory_, {})),
+      socket_path_(std::exchange(other.socket_path_, {})) {}
+
+Listener& Listener::operator=(Listener&& other) noexcept {
+  if (this != &other) {
+    cleanup();
+    socket_ = std::move(other.socket_);
+    directory_ = std::exchange(other.directory_, {});
+    socket_path_ = std::exchange(other.socket_path_, {});
+  }
+  return *this;
+}
+
+Listener::~Listener() { cleanup(); }
+
+void Listener::cleanup() noexcept {
+  socket_.reset();
+  if (!socket_path_.empty()) sys::ops().unlink(socket_path_.c_str());
+  if (!directory_.empty()) {
+    std::error_code ec;
+    std::filesystem::remove_all(directory_, ec);
+  }
+  socket_path_.clear();
+  directory_.clear();
+}
+
+Result<Fd> Listener::accept(int timeout_ms, PeerCredentials* peer_out) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  for (;;) {
+    Fd connection(sys::ops().accept4(socket_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (connection) {
+      auto peer = peer_credentials(connection.get());
+      if (!peer) return fail(peer.error());
+      if (auto allowed = check_peer_allowed(*peer, ::geteuid()); !allowed) return fail(allowed.error());
+      if (peer_out != nullptr) *peer_out = *peer;
+      return connection;
+    }
+    if (errno == EINTR || errno == ECONNABORTED) continue;
+    if (errno != EAGAIN) return fail(errno, "accept on {}", socket_path_);
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - std::chrono::steady_clock::now());
+    if (left.count() <= 0)
+      return fail(ETIMEDOUT, "waiting {} ms for the decoder to connect to {}", timeout_ms, socket_path_);
+    pollfd entry{socket_.get(), POLLIN, 0};
+    const int n = sys::ops().poll(&entry, 1, static_cast<int>(left.count()));
+    if (n < 0 && errno != EINTR) return fail(errno, "poll on {}", socket_path_);
+  }
+}
+
+Result<ReceivedMessage> Listener::accept_and_receive(int timeout_ms, PeerCredentials* peer_out) {
+  const auto start = std::chrono::steady_clock::now();
+  PeerCredentials peer;
+  auto connection = accept(timeout_ms, &peer);
+  if (!connection) return fail(connection.error());
+  if (peer_out != nullptr) *peer_out = peer;
+  const auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+  const int left = std::max(0, timeout_ms - static_cast<int>(spent.count()));
+  return receive_message(connection->get(), left, fmt::format("pid {}", peer.pid));
+}
+
+}  // namespace kvshare::handshake

@@ -1,0 +1,48 @@
+// The broker's end of the handshake: a listening AF_UNIX socket in a private directory.
+#pragma once
+
+#include <sys/types.h>
+
+#include <filesystem>
+#include <string>
+
+#include "kvshare/fd.h"
+#include "kvshare/handshake/transport.h"
+#include "layout/error.h"
+
+namespace kvshare::handshake {
+
+class Listener {
+ public:
+  // Creates a fresh directory (mode 0700) under `parent` (default: $TMPDIR or /tmp) and
+  // listens on "share.sock" inside it. Close-on-exec. Fails with ENAMETOOLONG when the
+  // socket path would not fit sun_path.
+  static Result<Listener> create(const std::filesystem::path& parent = {});
+
+  Listener(Listener&& other) noexcept;
+  Listener& operator=(Listener&& other) noexcept;
+  Listener(const Listener&) = delete;
+  Listener& operator=(const Listener&) = delete;
+  // Closes the socket, unlinks it and removes the directory (and anything the broker
+  // left in it: the provider's header file), whatever path led here.
+  ~Listener();
+
+  const std::string& socket_path() const { return socket_path_; }
+  const std::filesystem::path& directory() const { return directory_; }
+
+  // Accepts one connection within `timeout_ms` (poll; never hangs) and checks its
+  // SO_PEERCRED: same uid as this process, or root. ETIMEDOUT, EPERM naming the peer.
+  Result<Fd> accept(int timeout_ms, PeerCredentials* peer = nullptr);
+
+  // accept() then receive_message() on it, within one `timeout_ms` budget overall.
+  Result<ReceivedMessage> accept_and_receive(int timeout_ms, PeerCredentials* peer = nullptr);
+
+ private:
+  Listener() = default;
+  void cleanup() noexcept;
+  Fd socket_;
+  std::filesystem::path directory_;
+  std::string socket_path_;
+};
+
+}  // namespace kvshare::handshake

@@ -1,0 +1,249 @@
+#include "kvshare/handshake/message.h"
+
+#include <cerrno>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+namespace kvshare::handshake {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+// The message's top-level key that also says "this is a kvshare handshake" and its version.
+constexpr const char* kVersionKey = "kvshare_handshake";
+// Nesting past this is refused before parsing: a header is 5 levels deep, and the JSON
+// library's dump() recurses.
+constexpr int kMaxDepth = 32;
+
+std::string dump(const Json& json) { return json.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+std::string hash_text(uint64_t hash) { return fmt::format("0x{:016x}", hash); }
+
+bool is_known_kind(std::string_view kind) {
+  return kind == "memfd" || kind == "udmabuf" || kind == "dmaheap" || kind == "device";
+}
+
+// Depth of [ and { outside strings; cheap, and bounds what the parser will build.
+int max_depth(std::string_view text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c == '"') in_string = true;
+    else if (c == '[' || c == '{') deepest = std::max(deepest, ++depth);
+    else if (c == ']' || c == '}') --depth;
+  }
+  return deepest;
+}
+
+// Field readers: each names the field and what it should have been.
+Result<const Json*> field(const Json& object, std::string_view source, std::string_view path, const char* key) {
+  auto it = object.find(key);
+  if (it == object.end()) return fail(EINVAL, "handshake from {}: field \"{}{}\" is missing", source, path, key);
+  return &*it;
+}
+
+Result<uint64_t> unsigned_field(const Json& object, std::string_view source, std::string_view path, const char* key,
+                                uint64_t max) {
+  auto value = field(object, source, path, key);
+  if (!value) return fail(value.error());
+  if (!(*value)->is_number_unsigned() || (*value)->get<uint64_t>() > max)
+    return fail(EINVAL, "handshake from {}: field \"{}{}\" is {}, expected an integer 0..{}", source, path, key,
+                dump(**value), max);
+  return (*value)->get<uint64_t>();
+}
+
+Result<std::string> string_field(const Json& object, std::string_view source, std::string_view path, const char* key) {
+  auto value = field(object, source, path, key);
+  if (!value) return fail(value.error());
+  if (!(*value)->is_string())
+    return fail(EINVAL, "handshake from {}: field \"{}{}\" is {}, expected a string", source, path, key, dump(**value));
+  return (*value)->get<std::string>();
+}
+
+Result<uint64_t> hash_field(const Json& object, std::string_view source, std::string_view path, const char* key) {
+  auto text = string_field(object, source, path, key);
+  if (!text) return fail(text.error());
+  uint64_t hash = 0;
+  const bool well_formed = text->size() == 18 && text->rfind("0x", 0) == 0 &&
+                           text->find_first_not_of("0123456789abcdef", 2) == std::string::npos;
+  if (well_formed) hash = std::stoull(text->substr(2), nullptr, 16);
+  if (!well_formed)
+    return fail(EINVAL, "handshake from {}: field \"{}{}\" is \"{}\", expected \"0x\" and 16 lowercase hex digits",
+                source, path, key, *text);
+  return hash;
+}
+
+Result<FdEntry> parse_fd_entry(const Json& entry, std::string_view source, size_t index) {
+  const std::string path = fmt::format("fds[{}].", index);
+  if (!entry.is_object())
+    return fail(EINVAL, "handshake from {}: field \"fds[{}]\" is {}, expected an object", source, index, dump(entry));
+  FdEntry fd;
+  auto chunk = unsigned_field(entry, source, path, "chunk", kMaxFds);
+  if (!chunk) return fail(chunk.error());
+  if (*chunk != index)
+    return fail(EINVAL, "handshake from {}: field \"{}chunk\" is {}, expected {} (fds go in chunk order)", source, path,
+                *chunk, index);
+  fd.chunk = static_cast<uint32_t>(*chunk);
+  auto kind = string_field(entry, source, path, "kind");
+  if (!kind) return fail(kind.error());
+  if (!is_known_kind(*kind))
+    return fail(EINVAL, "handshake from {}: field \"{}kind\" is \"{}\", expected memfd, udmabuf, dmaheap or device",
+                source, path, *kind);
+  fd.kind = std::move(*kind);
+  auto offset = unsigned_field(entry, source, path, "offset", uint64_t{1} << 62);
+  if (!offset) return fail(offset.error());
+  if (*offset % 4096 != 0)
+    return fail(EINVAL, "handshake from {}: field \"{}offset\" is {}, expected a multiple of 4096", source, path,
+                *offset);
+  fd.offset = *offset;
+  auto size = unsigned_field(entry, source, path, "size_bytes", uint64_t{1} << 62);
+  if (!size) return fail(size.error());
+  if (*size == 0 || *size % 4096 != 0)
+    return fail(EINVAL, "handshake from {}: field \"{}size_bytes\" is {}, expected a positive multiple of 4096", source,
+                path, *size);
+  fd.size_bytes = *size;
+  auto hash = hash_field(entry, source, path, "layout_hash");
+  if (!hash) return fail(hash.error());
+  fd.layout_hash = *hash;
+  return fd;
+}
+
+Result<Message> parse_object(const Json& json, std::string_view source) {
+  if (!json.is_object())
+    return fail(EINVAL, "handshake from {}: message is {}, expected a JSON object", source,
+                std::string(json.type_name()));
+  if (!json.contains(kVersionKey))
+    return fail(EINVAL, "handshake from {}: not a kvshare handshake message (no field \"{}\")", source, kVersionKey);
+  Message message;
+  auto version = unsigned_field(json, source, "", kVersionKey, UINT32_MAX);
+  if (!version) return fail(version.error());
+  if (*version == 0 || *version > kProtocolVersion)
+    return fail(EPROTO, "handshake from {}: field \"{}\" is {}, this side speaks version {}; use the same kvshare on "
+                "both sides", source, kVersionKey, *version, kProtocolVersion);
+  message.version = static_cast<uint32_t>(*version);
+  auto type = string_field(json, source, "", "type");
+  if (!type) return fail(type.error());
+  if (*type == "share") message.type = MessageType::share;
+  else if (*type == "refuse") message.type = MessageType::refuse;
+  else return fail(EINVAL, "handshake from {}: field \"type\" is \"{}\", expected \"share\" or \"refuse\"", source, *type);
+  auto share_id = unsigned_field(json, source, "", "share_id", (uint64_t{1} << 53) - 1);
+  if (!share_id) return fail(share_id.error());
+  message.share_id = *share_id;
+
+  if (message.type == MessageType::refuse) {
+    auto field_name = string_field(json, source, "", "field");
+    if (!field_name) return fail(field_name.error());
+    auto reason = string_field(json, source, "", "reason");
+    if (!reason) return fail(reason.error());
+    if (reason->empty()) return fail(EINVAL, "handshake from {}: field \"reason\" is empty", source);
+    message.field = std::move(*field_name);
+    message.reason = std::move(*reason);
+    return message;
+  }
+
+  if (message.share_id == 0) return fail(EINVAL, "handshake from {}: field \"share_id\" is 0; shares count from 1", source);
+  auto fds = field(json, source, "", "fds");
+  if (!fds) return fail(fds.error());
+  if (!(*fds)->is_array() || (*fds)->empty() || (*fds)->size() > kMaxFds)
+    return fail(EINVAL, "handshake from {}: field \"fds\" must be an array of 1..{} entries", source, kMaxFds);
+  for (size_t i = 0; i < (*fds)->size(); ++i) {
+    auto entry = parse_fd_entry((**fds)[i], source, i);
+    if (!entry) return fail(entry.error());
+    message.fds.push_back(std::move(*entry));
+  }
+  auto header = field(json, source, "", "header");
+  if (!header) return fail(header.error());
+  if (!(*header)->is_object())
+    return fail(EINVAL, "handshake from {}: field \"header\" is {}, expected the layout header object", source,
+                std::string((*header)->type_name()));
+  message.header_json = dump(**header);
+  return message;
+}
+
+}  // namespace
+
+std::string_view message_type_name(MessageType type) { return type == MessageType::share ? "share" : "refuse"; }
+
+std::string encode_json(const Message& message) {
+  Json json;
+  json[kVersionKey] = message.version;
+  json["type"] = std::string(message_type_name(message.type));
+  json["share_id"] = message.share_id;
+  if (message.type == MessageType::refuse) {
+    json["field"] = message.field;
+    json["reason"] = message.reason;
+    return dump(json);
+  }
+  Json fds = Json::array();
+  for (const auto& fd : message.fds) {
+    Json entry;
+    entry["chunk"] = fd.chunk;
+    entry["kind"] = fd.kind;
+    entry["offset"] = fd.offset;
+    entry["size_bytes"] = fd.size_bytes;
+    entry["layout_hash"] = hash_text(fd.layout_hash);
+    fds.push_back(std::move(entry));
+  }
+  json["fds"] = std::move(fds);
+  // The header goes in as the object it is; an unparsable header_json is a caller bug,
+  // sent as null so the peer refuses it by name instead of this side throwing.
+  json["header"] = Json::parse(message.header_json, nullptr, false);
+  return dump(json);
+}
+
+Result<std::vector<std::byte>> encode_frame(const Message& message) {
+  const std::string json = encode_json(message);
+  if (json.size() > kMaxMessageBytes)
+    return fail(EMSGSIZE, "handshake message is {} bytes, the limit is {}", json.size(), kMaxMessageBytes);
+  std::vector<std::byte> frame(kLengthBytes + json.size());
+  const uint32_t length = static_cast<uint32_t>(json.size());
+  for (size_t i = 0; i < kLengthBytes; ++i) frame[i] = static_cast<std::byte>((length >> (8 * i)) & 0xff);
+  std::memcpy(frame.data() + kLengthBytes, json.data(), json.size());
+  return frame;
+}
+
+Result<Message> parse_json(std::string_view text, std::string_view source) {
+  if (text.size() > kMaxMessageBytes)
+    return fail(EMSGSIZE, "handshake from {}: message is {} bytes, the limit is {}", source, text.size(),
+                kMaxMessageBytes);
+  if (max_depth(text) > kMaxDepth)
+    return fail(EINVAL, "handshake from {}: JSON nests deeper than {} levels", source, kMaxDepth);
+  Json json;
+  try {
+    json = Json::parse(text);
+  } catch (const Json::exception& error) {
+    return fail(EINVAL, "handshake from {}: message is not valid JSON: {}", source, error.what());
+  }
+  return parse_object(json, source);
+}
+
+Result<Message> parse_frame(std::span<const std::byte> frame, std::string_view source) {
+  if (frame.size() < kLengthBytes)
+    return fail(EPROTO, "handshake from {}: frame is {} bytes, shorter than its 4-byte length", source, frame.size());
+  uint32_t length = 0;
+  for (size_t i = 0; i < kLengthBytes; ++i) length |= static_cast<uint32_t>(frame[i]) << (8 * i);
+  if (length > kMaxMessageBytes)
+    return fail(EMSGSIZE, "handshake from {}: length prefix says {} bytes, the limit is {}", source, length,
+                kMaxMessageBytes);
+  if (frame.size() - kLengthBytes != length)
+    return fail(EPROTO, "handshake from {}: length prefix says {} bytes, the frame carries {}", source, length,
+                frame.size() - kLengthBytes);
+  return parse_json(std::string_view(reinterpret_cast<const char*>(frame.data()) + kLengthBytes, length), source);
+}
+
+Message make_refusal(uint64_t share_id, std::string field, std::string reason) {
+  Message message;
+  message.type = MessageType::refuse;
+  message.share_id = share_id;
+  message.field = std::move(field);
+  message.reason = std::move(reason);
+  return message;
+}
+
+}  // namespace kvshare::handshake

@@ -1,0 +1,67 @@
+// The handshake message: what a decoder sends a broker with its KV fds, or what either
+// side sends to refuse. docs/protocol.md is its specification; tests/data/handshake-*.bin
+// are its vectors.
+//
+// Frame: a little-endian u32 length, then that many bytes of UTF-8 JSON (at most
+// kMaxMessageBytes). The fds, one per share_layout chunk in chunk order, ride in
+// SCM_RIGHTS on the first sendmsg of the frame.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "layout/error.h"
+
+namespace kvshare::handshake {
+
+inline constexpr uint32_t kProtocolVersion = 1;
+inline constexpr uint32_t kMaxMessageBytes = 1u << 20;  // 1 MiB: a header is a few KiB
+inline constexpr size_t kMaxFds = 253;                   // SCM_MAX_FD (include/net/scm.h)
+inline constexpr size_t kLengthBytes = 4;
+
+enum class MessageType : uint8_t { share, refuse };
+std::string_view message_type_name(MessageType type);
+
+// One fd of a share message, in fd order.
+struct FdEntry {
+  uint32_t chunk = 0;         // = its position in the fd list
+  std::string kind;           // export backend: "memfd", "udmabuf", "dmaheap", "device"
+  uint64_t offset = 0;        // where the chunk starts inside the fd (page-aligned)
+  uint64_t size_bytes = 0;    // the chunk's size (= the layout's)
+  uint64_t layout_hash = 0;   // the chunk's share_layout hash (= the layout's)
+  friend bool operator==(const FdEntry&, const FdEntry&) = default;
+};
+
+struct Message {
+  uint32_t version = kProtocolVersion;
+  MessageType type = MessageType::share;
+  uint64_t share_id = 0;      // share: fresh per share; refuse: the share refused (0: none)
+  // share only:
+  std::vector<FdEntry> fds;   // exactly the SCM_RIGHTS fds, same order
+  std::string header_json;    // the layout header (docs/layout.md) as compact JSON text
+  // refuse only:
+  std::string field;          // the JSON field that differs ("params.type_k"), "" if none
+  std::string reason;         // a sentence a human acts on
+};
+
+// The JSON text of `message` (compact, keys in the documented order).
+std::string encode_json(const Message& message);
+// Length prefix + JSON. Fails with EMSGSIZE past kMaxMessageBytes.
+Result<std::vector<std::byte>> encode_frame(const Message& message);
+
+// Parses and validates the JSON of one message: version (a newer one is refused by
+// name), type, share_id, and for share the fds (chunks 0..n-1 in order, known kinds,
+// positive sizes, at most kMaxFds) and a header object. Does NOT interpret the header:
+// layout::parse_share_header does that. Errors name `source` and the field.
+Result<Message> parse_json(std::string_view json, std::string_view source);
+// The whole frame (prefix + JSON, nothing after): for vectors and the fuzzer.
+Result<Message> parse_frame(std::span<const std::byte> frame, std::string_view source);
+
+// A refusal naming the field that differs.
+Message make_refusal(uint64_t share_id, std::string field, std::string reason);
+
+}  // namespace kvshare::handshake

@@ -1,0 +1,216 @@
+#include "kvshare/handshake/transport.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+
+#include "kvshare/sys.h"
+
+namespace kvshare::handshake {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+class Deadline {
+ public:
+  explicit Deadline(int timeout_ms) : end_(Clock::now() + std::chrono::milliseconds(timeout_ms)) {}
+  // Milliseconds left, 0 when past (poll then returns at once).
+  int remaining_ms() const {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end_ - Clock::now()).count();
+    return left > 0 ? static_cast<int>(left) : 0;
+  }
+
+ private:
+  Clock::time_point end_;
+};
+
+// Waits for `events` on fd; 0 on ready, else an errno (ETIMEDOUT when the deadline passed).
+int wait_for(int fd, short events, const Deadline& deadline) {
+  for (;;) {
+    pollfd entry{fd, events, 0};
+    const int n = sys::ops().poll(&entry, 1, deadline.remaining_ms());
+    if (n > 0) return 0;  // ready, or POLLHUP/POLLERR: the next call reports it
+    if (n == 0) return ETIMEDOUT;
+    if (errno != EINTR) return errno;
+  }
+}
+
+// Control space for the most fds one message may carry.
+constexpr size_t kControlBytes = CMSG_SPACE(sizeof(int) * kMaxFds);
+
+// Wraps every SCM_RIGHTS fd of `msg` into `out` (first, before anything can fail).
+void take_fds(msghdr& msg, std::vector<Fd>& out) {
+  for (cmsghdr* cmsg = CMSG_FIRSTHDR(&msg); cmsg != nullptr; cmsg = CMSG_NXTHDR(&msg, cmsg)) {
+    if (cmsg->cmsg_level != SOL_SOCKET || cmsg->cmsg_type != SCM_RIGHTS) continue;
+    const size_t count = (cmsg->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    const unsigned char* data = CMSG_DATA(cmsg);
+    for (size_t i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, data + i * sizeof(int), sizeof(int));
+      out.emplace_back(fd);
+    }
+  }
+}
+
+}  // namespace
+
+Result<PeerCredentials> peer_credentials(int socket_fd) {
+  ucred cred{};
+  socklen_t len = sizeof cred;
+  if (::getsockopt(socket_fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0)
+    return fail(errno, "SO_PEERCRED on socket fd {}", socket_fd);
+  return PeerCredentials{cred.pid, cred.uid, cred.gid};
+}
+
+Result<void> check_peer_allowed(const PeerCredentials& peer, uid_t our_uid) {
+  if (peer.uid == our_uid || peer.uid == 0) return {};
+  return fail(EPERM, "handshake from pid {}: peer runs as uid {}, only uid {} or root may share KV with this process",
+              peer.pid, peer.uid, our_uid);
+}
+
+Result<Fd> connect_unix(const std::string& path, int timeout_ms) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof addr.sun_path)
+    return fail(ENAMETOOLONG, "socket path {} is {} bytes, the limit is {}", path, path.size(), sizeof addr.sun_path - 1);
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  Fd fd(sys::ops().socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd) return fail(errno, "socket(AF_UNIX) to connect to {}", path);
+  // A blocking AF_UNIX connect waits only while the listener's backlog is full, and
+  // SO_SNDTIMEO bounds that wait (unix_stream_connect uses the send timeout).
+  timeval tv{timeout_ms / 1000, static_cast<suseconds_t>((timeout_ms % 1000) * 1000)};
+  if (::setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) != 0)
+    return fail(errno, "SO_SNDTIMEO on socket fd {} for {}", fd.get(), path);
+  int rc;
+  do {
+    rc = sys::ops().connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof addr);
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) {
+    const int error = errno == EAGAIN || errno == EINPROGRESS ? ETIMEDOUT : errno;
+    return fail(error, "connect to {}", path);
+  }
+  return fd;
+}
+
+Result<void> send_message(int socket_fd, const Message& message, std::span<const int> fds, int timeout_ms) {
+  if (fds.size() > kMaxFds) return fail(EINVAL, "cannot send {} fds in one message, the limit is {}", fds.size(), kMaxFds);
+  if (message.type == MessageType::share && fds.size() != message.fds.size())
+    return fail(EINVAL, "share message declares {} fds, {} given", message.fds.size(), fds.size());
+  if (message.type == MessageType::refuse && !fds.empty())
+    return fail(EINVAL, "a refusal carries no fds, {} given", fds.size());
+  auto frame = encode_frame(message);
+  if (!frame) return fail(frame.error());
+
+  const Deadline deadline(timeout_ms);
+  alignas(cmsghdr) unsigned char control[kControlBytes];
+  size_t sent = 0;
+  while (sent < frame->size()) {
+    iovec iov{frame->data() + sent, frame->size() - sent};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    if (sent == 0 && !fds.empty()) {
+      // The fds ride with the first byte: a receiver reading the length gets them too.
+      std::memset(control, 0, sizeof control);
+      msg.msg_control = control;
+      msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+      cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+      cmsg->cmsg_level = SOL_SOCKET;
+      cmsg->cmsg_type = SCM_RIGHTS;
+      cmsg->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+      std::memcpy(CMSG_DATA(cmsg), fds.data(), sizeof(int) * fds.size());
+    }
+    const ssize_t n = sys::ops().sendmsg(socket_fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN) {
+        const int waited = wait_for(socket_fd, POLLOUT, deadline);
+        if (waited != 0)
+          return fail(waited, "sending handshake on socket fd {}: {} of {} bytes sent", socket_fd, sent, frame->size());
+        continue;
+      }
+      return fail(errno, "sending handshake on socket fd {}: {} of {} bytes sent", socket_fd, sent, frame->size());
+    }
+    sent += static_cast<size_t>(n);
+  }
+  return {};
+}
+
+Result<ReceivedMessage> receive_message(int socket_fd, int timeout_ms, std::string_view peer) {
+  ReceivedMessage received;
+  const Deadline deadline(timeout_ms);
+  alignas(cmsghdr) unsigned char control[kControlBytes];
+  std::byte prefix[kLengthBytes];
+  std::vector<std::byte> body;
+  size_t got = 0;  // bytes of the frame read so far
+  size_t total = kLengthBytes;
+
+  while (got < total) {
+    std::byte* into = got < kLengthBytes ? prefix + got : body.data() + (got - kLengthBytes);
+    const size_t want = got < kLengthBytes ? kLengthBytes - got : total - got;
+    iovec iov{into, want};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    const ssize_t n = sys::ops().recvmsg(socket_fd, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN) {
+        const int waited = wait_for(socket_fd, POLLIN, deadline);
+        if (waited != 0)
+          return fail(waited, "receiving handshake from {}: {} of {} bytes read", peer, got,
+                      got < kLengthBytes ? std::string("?") : std::to_string(total));
+        continue;
+      }
+      return fail(errno, "receiving handshake from {}: recvmsg on socket fd {} at byte {}", peer, socket_fd, got);
+    }
+    // Wrap the fds before anything else: an early return must not leak a peer's descriptors.
+    const size_t fds_before = received.fds.size();
+    if (msg.msg_controllen > 0) take_fds(msg, received.fds);
+    if (msg.msg_flags & MSG_CTRUNC)
+      return fail(EPROTO, "receiving handshake from {}: recvmsg on socket fd {}: control data truncated (MSG_CTRUNC), "
+                  "{} fds closed", peer, socket_fd, received.fds.size());
+    if (received.fds.size() > fds_before && got > 0)
+      return fail(EPROTO, "receiving handshake from {}: {} fds arrived at byte {}, not with the first bytes; all closed",
+                  peer, received.fds.size() - fds_before, got);
+    if (received.fds.size() > kMaxFds)
+      return fail(EPROTO, "receiving handshake from {}: {} fds, the limit is {}; all closed", peer, received.fds.size(),
+                  kMaxFds);
+    if (n == 0)
+      return fail(EPROTO, "receiving handshake from {}: short read: peer closed the socket at byte {} of {}", peer, got,
+                  got < kLengthBytes ? std::string("the length prefix") : std::to_string(total));
+    got += static_cast<size_t>(n);
+    if (got == kLengthBytes && total == kLengthBytes) {
+      uint32_t length = 0;
+      for (size_t i = 0; i < kLengthBytes; ++i) length |= static_cast<uint32_t>(prefix[i]) << (8 * i);
+      if (length > kMaxMessageBytes)
+        return fail(EMSGSIZE, "receiving handshake from {}: length prefix says {} bytes, the limit is {}", peer, length,
+                    kMaxMessageBytes);
+      if (length == 0) return fail(EPROTO, "receiving handshake from {}: length prefix is 0", peer);
+      body.resize(length);
+      total = kLengthBytes + length;
+    }
+  }
+
+  auto message = parse_json(std::string_view(reinterpret_cast<const char*>(body.data()), body.size()), peer);
+  if (!message) return fail(message.error());
+  const size_t declared = message->type == MessageType::share ? message->fds.size() : 0;
+  if (received.fds.size() > declared)
+    return fail(EPROTO, "handshake from {}: {} fds received, the message declares {}; all closed", peer,
+                received.fds.size(), declared);
+  if (received.fds.size() < declared)
+    return fail(EPROTO, "handshake from {}: the message declares {} fds, {} arrived; all closed", peer, declared,
+                received.fds.size());
+  received.message = std::move(*message);
+  return received;
+}
+
+}  // namespace kvshare::handshake

@@ -1,0 +1,54 @@
+// Sending and receiving one handshake frame with its fds on an AF_UNIX SOCK_STREAM socket.
+#pragma once
+
+#include <sys/types.h>
+
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvshare/fd.h"
+#include "kvshare/handshake/message.h"
+#include "layout/error.h"
+
+namespace kvshare::handshake {
+
+struct PeerCredentials {
+  pid_t pid = 0;
+  uid_t uid = 0;
+  gid_t gid = 0;
+};
+
+// SO_PEERCRED of a connected socket (borrowed): who was on the other end at connect().
+Result<PeerCredentials> peer_credentials(int socket_fd);
+
+// Refuses (EPERM) a peer that is neither `our_uid` nor root, naming its pid and uid.
+Result<void> check_peer_allowed(const PeerCredentials& peer, uid_t our_uid);
+
+// Connects to the broker's socket at `path`. Close-on-exec; blocks at most `timeout_ms`.
+// Fails with ENOENT/ECONNREFUSED when nobody listens, ENAMETOOLONG past sun_path.
+Result<Fd> connect_unix(const std::string& path, int timeout_ms);
+
+// Sends `message` as one frame on `socket_fd` (borrowed), with `fds` (borrowed: the
+// kernel passes duplicates; ours stay open) in SCM_RIGHTS on the first sendmsg, which
+// always carries the length prefix. Resumes short sends; retries EINTR; waits (poll) on
+// EAGAIN. Blocks at most `timeout_ms`. Fails with EINVAL past kMaxFds fds or when the fd
+// count differs from message.fds, EMSGSIZE past kMaxMessageBytes, EPIPE if the peer left,
+// ETIMEDOUT.
+Result<void> send_message(int socket_fd, const Message& message, std::span<const int> fds, int timeout_ms);
+
+struct ReceivedMessage {
+  Message message;
+  std::vector<Fd> fds;   // in SCM_RIGHTS order = message.fds order
+};
+
+// Receives one frame from `socket_fd` (borrowed) with MSG_CMSG_CLOEXEC. Every fd that
+// arrives becomes an Fd before a byte of JSON is parsed, so each error closes them all.
+// Errors (all naming `peer`): EPROTO for control data truncated (MSG_CTRUNC), fds arriving
+// after the first read, a short read (the peer closed mid-frame, with the offset reached),
+// more or fewer fds than the JSON declares or any past kMaxFds; EMSGSIZE for a length
+// over kMaxMessageBytes; ETIMEDOUT after `timeout_ms`; parse errors from parse_json.
+Result<ReceivedMessage> receive_message(int socket_fd, int timeout_ms, std::string_view peer);
+
+}  // namespace kvshare::handshake

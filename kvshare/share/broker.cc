@@ -1,0 +1,138 @@
+#include "kvshare/share/broker.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+#include "kvshare/region/fd_inspect.h"
+#include "kvshare/sys.h"
+
+namespace kvshare {
+namespace {
+
+bool replace_all(std::string& text, std::string_view from, const std::string& to) {
+  bool found = false;
+  for (size_t at = text.find(from); at != std::string::npos; at = text.find(from, at + to.size())) {
+    text.replace(at, from.size(), to);
+    found = true;
+  }
+  return found;
+}
+
+// The fds must be exactly the layout's chunks: a decoder and its header cannot disagree.
+Result<void> check_entries(const ReceivedShare& share, std::string_view peer) {
+  const auto& chunks = share.header.layout.chunks;
+  if (share.entries.size() != chunks.size())
+    return fail(EINVAL, "handshake from {}: field \"fds\" has {} entries, the header's layout has {} chunks", peer,
+                share.entries.size(), chunks.size());
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const auto& entry = share.entries[i];
+    if (entry.size_bytes != chunks[i].size_bytes)
+      return fail(EINVAL, "handshake from {}: field \"fds[{}].size_bytes\" is {}, the header says {}", peer, i,
+                  entry.size_bytes, chunks[i].size_bytes);
+    if (entry.layout_hash != chunks[i].layout_hash)
+      return fail(EINVAL, "handshake from {}: field \"fds[{}].layout_hash\" is {:#018x}, the header says {:#018x}", peer,
+                  i, entry.layout_hash, chunks[i].layout_hash);
+    auto inspection = inspect_fd(share.fds[i].get(), entry.offset + entry.size_bytes,
+                                 fmt::format("handshake from {}: fd {} (chunk {})", peer, share.fds[i].get(), i));
+    if (!inspection) return fail(inspection.error());
+  }
+  return {};
+}
+
+}  // namespace
+
+Result<std::vector<std::string>> expand_provider_argv(const std::vector<std::string>& argv_template,
+                                                      const std::string& layout_path,
+                                                      const std::vector<handshake::FdEntry>& entries) {
+  std::string offsets;
+  bool any_offset = false;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    offsets += (i ? "," : "") + std::to_string(entries[i].offset);
+    any_offset = any_offset || entries[i].offset != 0;
+  }
+  const std::string fds = inherited_fd_list(entries.size());
+  bool has_layout = false, has_fds = false, has_offsets = false;
+  std::vector<std::string> argv = argv_template;
+  for (auto& arg : argv) {
+    has_layout = replace_all(arg, "{layout}", layout_path) || has_layout;
+    has_fds = replace_all(arg, "{fds}", fds) || has_fds;
+    has_offsets = replace_all(arg, "{fd_offsets}", offsets) || has_offsets;
+  }
+  if (argv.empty() || !has_layout || !has_fds)
+    return fail(EINVAL, "provider command template must contain {{layout}} and {{fds}} (e.g. --layout {{layout}} "
+                "--fds {{fds}})");
+  if (any_offset && !has_offsets)
+    return fail(EINVAL, "the decoder's regions start at offsets {} inside their fds, and the provider command "
+                "template has no {{fd_offsets}} to pass them", offsets);
+  return argv;
+}
+
+Result<ShareBroker> ShareBroker::listen(const std::filesystem::path& parent) {
+  auto listener = handshake::Listener::create(parent);
+  if (!listener) return fail(listener.error());
+  return ShareBroker(std::move(*listener));
+}
+
+Result<ReceivedShare> ShareBroker::receive(int timeout_ms) {
+  handshake::PeerCredentials peer;
+  auto received = listener_.accept_and_receive(timeout_ms, &peer);
+  if (!received) return fail(received.error());
+  const std::string who = fmt::format("pid {}", peer.pid);
+  if (received->message.type == handshake::MessageType::refuse) {
+    const auto& message = received->message;
+    return fail(ENOTSUP, "decoder {} refused share {}{}: {}", who, message.share_id,
+                message.field.empty() ? std::string() : fmt::format(" (field \"{}\")", message.field), message.reason);
+  }
+  ReceivedShare share;
+  share.share_id = received->message.share_id;
+  share.peer = peer;
+  share.header_json = std::move(received->message.header_json);
+  share.entries = std::move(received->message.fds);
+  share.fds = std::move(received->fds);
+  auto header = layout::parse_share_header(share.header_json, fmt::format("handshake from {}", who));
+  if (!header) return fail(header.error());
+  share.header = std::move(*header);
+  if (auto checked = check_entries(share, who); !checked) return fail(checked.error());
+  return share;
+}
+
+Result<std::filesystem::path> ShareBroker::write_header_file(const ReceivedShare& share) {
+  const auto path = listener_.directory() / fmt::format("layout-{}.json", share.share_id);
+  Fd fd(sys::ops().open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  if (!fd) return fail(errno, "creating the provider's header file {}", path.string());
+  size_t written = 0;
+  while (written < share.header_json.size()) {
+    const ssize_t n = sys::ops().write(fd.get(), share.header_json.data() + written, share.header_json.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int error = n < 0 ? errno : EIO;
+      sys::ops().unlink(path.c_str());
+      return fail(error, "writing the provider's header file {} at byte {} of {}", path.string(), written,
+                  share.header_json.size());
+    }
+    written += static_cast<size_t>(n);
+  }
+  return path;
+}
+
+Result<ChildResult> ShareBroker::run_provider(const ReceivedShare& share, const std::vector<std::string>& argv_template,
+                                              int timeout_ms) {
+  auto path = write_header_file(share);
+  if (!path) return fail(path.error());
+  // The header file goes on every path out of here.
+  struct Unlink {
+    std::string path;
+    ~Unlink() { sys::ops().unlink(path.c_str()); }
+  } unlink_header{path->string()};
+  auto argv = expand_provider_argv(argv_template, path->string(), share.entries);
+  if (!argv) return fail(argv.error());
+  std::vector<int> fds;
+  for (const auto& fd : share.fds) fds.push_back(fd.get());
+  auto result = run_child(*argv, fds, timeout_ms);
+  if (!result) return fail(result.error().with_context(fmt::format("share {}", share.share_id)));
+  return result;
+}
+
+}  // namespace kvshare

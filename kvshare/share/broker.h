@@ -1,0 +1,71 @@
+// The broker side of share/adopt (what the router, kvshare-serve, links): listen first,
+// let the caller ask the decoder for the share over HTTP, receive the fds, hand them to a
+// provider process as inherited descriptors, wait for it, clean up.
+//
+//   auto broker = ShareBroker::listen();                 // 1. listen
+//   POST /slots/0?action=share {"socket": broker->socket_path()}   // 2. caller
+//   auto share = broker->receive(timeout_ms);            // 3. fds
+//   auto run = broker->run_provider(*share, argv_template, timeout_ms);  // 4. provider
+//   POST /slots/0?action=adopt {"tokens": [...], "share_id": share->share_id}  // 5. caller
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "kvshare/fd.h"
+#include "kvshare/handshake/listener.h"
+#include "kvshare/share/spawn.h"
+#include "layout/error.h"
+#include "layout/share_header.h"
+
+namespace kvshare {
+
+struct ReceivedShare {
+  uint64_t share_id = 0;
+  handshake::PeerCredentials peer;
+  layout::ShareHeader header;              // parsed and validated
+  std::string header_json;                 // as received: what the provider's file holds
+  std::vector<handshake::FdEntry> entries; // one per fd
+  std::vector<Fd> fds;                     // checked: kind and size match the layout
+};
+
+// Substitutes "{layout}" and "{fds}" (and "{fd_offsets}") in `argv_template`, e.g.
+// {"kvshare-prefill", "--tokens", "ids.txt", "--layout", "{layout}", "--fds", "{fds}"}.
+// EINVAL when {layout} or {fds} is missing, or when an fd has a non-zero offset and the
+// template has no {fd_offsets}.
+Result<std::vector<std::string>> expand_provider_argv(const std::vector<std::string>& argv_template,
+                                                      const std::string& layout_path,
+                                                      const std::vector<handshake::FdEntry>& entries);
+
+class ShareBroker {
+ public:
+  // Creates the private directory and the listening socket (see handshake::Listener).
+  static Result<ShareBroker> listen(const std::filesystem::path& parent = {});
+
+  const std::string& socket_path() const { return listener_.socket_path(); }
+  const std::filesystem::path& directory() const { return listener_.directory(); }
+
+  // Accepts the decoder (same uid or root), receives its message within `timeout_ms`,
+  // parses the layout header and checks every fd against it (count, chunk sizes and
+  // hashes, fd kind and size). A decoder's refusal is ENOTSUP carrying its reason; a
+  // mismatch is EINVAL naming the field. Every fd is closed on every failure.
+  Result<ReceivedShare> receive(int timeout_ms);
+
+  // Writes share.header_json to "layout-<share_id>.json" (0600) in the private directory.
+  Result<std::filesystem::path> write_header_file(const ReceivedShare& share);
+
+  // Writes the header file, starts the provider from `argv_template` with the share's
+  // fds at 3, 4, ... and nothing else inherited, waits at most `timeout_ms` (then kills
+  // its process group), removes the header file and returns what the provider did. A
+  // provider that exits non-zero is reported in the result, not as an error.
+  Result<ChildResult> run_provider(const ReceivedShare& share, const std::vector<std::string>& argv_template,
+                                   int timeout_ms);
+
+ private:
+  explicit ShareBroker(handshake::Listener listener) : listener_(std::move(listener)) {}
+  handshake::Listener listener_;
+};
+
+}  // namespace kvshare

@@ -1,0 +1,120 @@
+#include "kvshare/share/decoder_share.h"
+
+#include <cerrno>
+
+#include "kvshare/handshake/transport.h"
+
+namespace kvshare {
+
+std::string share_degrade_warning(bool flag_set, std::string_view backend_reason) {
+  if (!flag_set) return {};
+  return fmt::format("share_degrade: this decoder cannot export its KV memory ({}); share requests are refused and "
+                     "prompts take the state-file route", backend_reason);
+}
+
+std::string share_unavailable_reason(bool flag_set, std::string_view backend_reason) {
+  return fmt::format("this decoder cannot share its KV cache: ONEBIT_KV_SHARE {}, and the KV backend {}",
+                     flag_set ? "is set" : "was not set (set it to any non-empty value)",
+                     backend_reason.empty() ? std::string("was not asked to export")
+                                            : fmt::format("cannot export ({})", backend_reason));
+}
+
+int http_status_for(const Error& error) {
+  switch (error.errno_value()) {
+    case ENOTSUP: return 501;
+    case ESTALE: return 409;
+    case ERANGE:
+    case EINVAL: return 400;
+    default: return 500;
+  }
+}
+
+DecoderShare DecoderShare::start(layout::ShareHeader header, bool enabled, const ExportOptions& options) {
+  DecoderShare share;
+  share.flag_set_ = enabled;
+  share.header_ = std::move(header);
+  if (!enabled) return share;
+  auto regions = export_regions(share.header_.layout, options);
+  if (!regions) {
+    share.export_failure_ = regions.error().what();
+    share.startup_warning_ = share_degrade_warning(true, share.export_failure_);
+    return share;
+  }
+  share.regions_ = std::move(*regions);
+  for (const auto& region : share.regions_) share.chunk_bytes_.push_back(region.mapping.bytes());
+  share.header_json_ = layout::to_json(share.header_, false);
+  return share;
+}
+
+DecoderShare::DecoderShare(DecoderShare&& other) noexcept
+    : header_(std::move(other.header_)),
+      header_json_(std::move(other.header_json_)),
+      regions_(std::move(other.regions_)),
+      chunk_bytes_(std::move(other.chunk_bytes_)),
+      flag_set_(other.flag_set_),
+      export_failure_(std::move(other.export_failure_)),
+      startup_warning_(std::move(other.startup_warning_)),
+      latest_share_id_(other.latest_share_id_),
+      latest_adopted_(other.latest_adopted_) {}
+
+Result<TensorView> DecoderShare::view(std::string_view name) const {
+  if (!can_share()) return fail(ENOTSUP, "{}", share_unavailable_reason(flag_set_, export_failure_));
+  return tensor_view(header_.layout, chunk_bytes_, name);
+}
+
+Result<LayerDestination> DecoderShare::layer(uint32_t cache_index, uint32_t il) const {
+  if (!can_share()) return fail(ENOTSUP, "{}", share_unavailable_reason(flag_set_, export_failure_));
+  return layer_destination(header_.layout, chunk_bytes_, cache_index, il);
+}
+
+uint64_t DecoderShare::latest_share_id() const {
+  std::lock_guard lock(mutex_);
+  return latest_share_id_;
+}
+
+Result<uint64_t> DecoderShare::share(const std::string& socket_path, int timeout_ms) {
+  std::lock_guard lock(mutex_);
+  const uint64_t share_id = ++latest_share_id_;
+  latest_adopted_ = false;
+  if (!can_share()) {
+    const std::string reason = share_unavailable_reason(flag_set_, export_failure_);
+    // Tell a waiting broker now rather than let it time out; it may not be listening.
+    if (auto connection = handshake::connect_unix(socket_path, timeout_ms))
+      (void)handshake::send_message(connection->get(), handshake::make_refusal(share_id, "", reason), {}, timeout_ms);
+    return fail(ENOTSUP, "{}", reason);
+  }
+  handshake::Message message;
+  message.share_id = share_id;
+  message.header_json = header_json_;
+  std::vector<int> fds;
+  for (const auto& region : regions_) {
+    message.fds.push_back({region.chunk, std::string(region_backend_name(region.backend)), region.offset,
+                           region.size_bytes, region.layout_hash});
+    fds.push_back(region.fd.get());
+  }
+  auto connection = handshake::connect_unix(socket_path, timeout_ms);
+  if (!connection) return fail(connection.error().with_context(fmt::format("share {}", share_id)));
+  auto sent = handshake::send_message(connection->get(), message, fds, timeout_ms);
+  if (!sent) return fail(sent.error().with_context(fmt::format("share {} to {}", share_id, socket_path)));
+  return share_id;
+}
+
+Result<AdoptPlan> DecoderShare::adopt(uint64_t n_tokens, uint64_t share_id) {
+  std::lock_guard lock(mutex_);
+  if (!can_share()) return fail(ENOTSUP, "{}", share_unavailable_reason(flag_set_, export_failure_));
+  if (latest_share_id_ == 0)
+    return fail(ESTALE, "adopt of share_id {}: no share has been made since this decoder started", share_id);
+  if (share_id != latest_share_id_)
+    return fail(ESTALE, "adopt of share_id {}: it is stale, the latest share is {}", share_id, latest_share_id_);
+  if (latest_adopted_) return fail(ESTALE, "adopt of share_id {}: it was already adopted", share_id);
+  if (n_tokens == 0) return fail(EINVAL, "adopt of share_id {}: 0 tokens, nothing to adopt", share_id);
+  for (const auto& cache : header_.memory.kv_caches) {
+    if (n_tokens > cache.kv_size)
+      return fail(ERANGE, "adopt of share_id {}: {} tokens do not fit the \"{}\" KV cache of {} cells", share_id,
+                  n_tokens, cache.role, cache.kv_size);
+  }
+  latest_adopted_ = true;
+  return AdoptPlan{share_id, static_cast<uint32_t>(n_tokens)};
+}
+
+}  // namespace kvshare

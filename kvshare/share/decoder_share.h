@@ -1,0 +1,95 @@
+// The decoder side of share/adopt (what llama-server / kvshare-decoder links): it owns the
+// exported regions its KV cache lives in, hands them to a broker on share, and accepts
+// the provider's work on adopt.
+//
+// Lifetime and writers: the decoder owns the regions for as long as its cache lives.
+// Between a successful share(id) and adopt(n, id), the provider may write cells 0..n-1 of
+// every cache tensor and the decoder must not touch them; after adopt the decoder owns
+// every byte again (a late provider write is a protocol violation the kernel cannot stop:
+// the broker waits for its provider to exit before the router calls adopt).
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvshare/region/exporter.h"
+#include "kvshare/region/tensor_view.h"
+#include "layout/error.h"
+#include "layout/share_header.h"
+
+namespace kvshare {
+
+inline constexpr int kShareTimeoutMs = 5000;
+
+// What the decoder applies to its cell metadata when adopt succeeds: cells 0..n_tokens-1
+// of stream 0 take positions 0..n_tokens-1 of sequence 0 (llama_kv_cells_adopt); no byte
+// of K or V moves.
+struct AdoptPlan {
+  uint64_t share_id = 0;
+  uint32_t n_tokens = 0;
+};
+
+// The line a decoder that cannot export logs once at start (the seed's share_degrade).
+// `flag_set`: ONEBIT_KV_SHARE was set; `backend_reason`: why no backend exported.
+std::string share_degrade_warning(bool flag_set, std::string_view backend_reason);
+// The refusal a decoder that cannot export answers share with: names both causes.
+std::string share_unavailable_reason(bool flag_set, std::string_view backend_reason);
+
+// The HTTP status for a share/adopt refusal, by its errno: ENOTSUP 501 (cannot export),
+// ESTALE 409 (not the latest share, or already adopted), ERANGE/EINVAL 400 (token count),
+// anything else (the broker could not be reached, a send failed) 500.
+int http_status_for(const Error& error);
+
+class DecoderShare {
+ public:
+  // Exports one region per chunk of header.layout when `enabled` (ONEBIT_KV_SHARE). Never
+  // fails: a decoder that cannot export still starts, can_share() is false, and
+  // startup_warning() holds the line to log once.
+  static DecoderShare start(layout::ShareHeader header, bool enabled, const ExportOptions& options);
+
+  DecoderShare(DecoderShare&& other) noexcept;
+  DecoderShare& operator=(DecoderShare&&) = delete;
+
+  bool can_share() const { return !regions_.empty(); }
+  const std::string& startup_warning() const { return startup_warning_; }
+  // "memfd (passed over: ...)": which backend holds the cache, for the start-up log.
+  std::string backend_description() const { return describe_backends(regions_); }
+  const layout::ShareHeader& header() const { return header_; }
+  const std::vector<ExportedRegion>& regions() const { return regions_; }
+  // Each chunk's bytes in the decoder's own mapping, in fd order (empty if !can_share()).
+  std::span<const std::span<std::byte>> chunk_bytes() const { return chunk_bytes_; }
+  Result<TensorView> view(std::string_view name) const;
+  Result<LayerDestination> layer(uint32_t cache_index, uint32_t il) const;
+
+  // Connects to the broker at `socket_path`, sends the header and one fd per chunk, and
+  // returns the new share_id (every earlier id is stale from now on, even when this call
+  // fails). Blocks at most `timeout_ms`; does not wait for the broker to answer.
+  // A decoder that cannot export sends the broker a refusal (best effort, so it need
+  // not wait for its timeout) and fails with ENOTSUP naming both causes.
+  Result<uint64_t> share(const std::string& socket_path, int timeout_ms = kShareTimeoutMs);
+
+  // Accepts the provider's cells: share_id must be the latest share and not yet adopted
+  // (ESTALE), n_tokens must be 1..kv_size of every KV cache (ERANGE / EINVAL).
+  Result<AdoptPlan> adopt(uint64_t n_tokens, uint64_t share_id);
+
+  uint64_t latest_share_id() const;
+
+ private:
+  DecoderShare() = default;
+  layout::ShareHeader header_;
+  std::string header_json_;
+  std::vector<ExportedRegion> regions_;
+  std::vector<std::span<std::byte>> chunk_bytes_;
+  bool flag_set_ = false;
+  std::string export_failure_;
+  std::string startup_warning_;
+  mutable std::mutex mutex_;   // share and adopt may come from different HTTP threads
+  uint64_t latest_share_id_ = 0;
+  bool latest_adopted_ = false;
+};
+
+}  // namespace kvshare
