@@ -36,7 +36,7 @@ class Backend {
     model_ = dir_ / "tiny.gguf";
     slots_ = dir_ / "slots";
     std::filesystem::create_directories(slots_);
-    const auto made = run_command(tool_path("kvshare-mkmodel").string() + " --seed 7 " + model_.string());
+    const auto made = run_command(tool_path("kvshare-mkmodel").string() + " --arch llama --seed 3 " + model_.string());
     if (made.exit_code != 0) {
       ADD_FAILURE() << "kvshare-mkmodel failed: " << made.err;
       return;
