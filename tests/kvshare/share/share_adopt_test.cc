@@ -1,0 +1,226 @@
+// The whole zero-copy handoff with two real processes: this test is the decoder and the
+// broker; kvshare-test-child-provider, started by the broker with the fds inherited, is
+// the provider.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <filesystem>
+
+#include "kvshare/share/broker.h"
+#include "kvshare/share/decoder_share.h"
+#include "share_fixtures.h"
+#include "support/test_support.h"
+
+namespace kvshare {
+namespace {
+
+using testing::FdLeakCheck;
+namespace fs = std::filesystem;
+
+ExportOptions memfd_only() {
+  ExportOptions options;
+  options.forced = RegionBackend::memfd;
+  return options;
+}
+
+std::vector<std::string> provider_argv(uint64_t n_tokens, const std::string& type_k = "f16") {
+  return {testing::tool_path("kvshare-test-child-provider").string(), "--layout", "{layout}", "--fds", "{fds}",
+          "--tokens", std::to_string(n_tokens), "--type-k", type_k};
+}
+
+class ShareAdopt : public FdLeakCheck {};
+
+TEST_F(ShareAdopt, DecoderReadsTheProvidersWritesThroughItsOwnMappingAfterAdopt) {
+  constexpr uint64_t kTokens = 5;
+  auto decoder = DecoderShare::start(testing::small_share_header(), true, memfd_only());
+  ASSERT_TRUE(decoder.can_share()) << decoder.startup_warning();
+  // Before: the cache reads as zero.
+  auto k0 = decoder.view("cache_k_l0");
+  ASSERT_TRUE(k0) << k0.error().what();
+  ASSERT_EQ(k0->row(0)[0], std::byte{0});
+
+  auto broker = ShareBroker::listen();                       // 1. listen
+  ASSERT_TRUE(broker) << broker.error().what();
+  auto share_id = decoder.share(broker->socket_path(), 2000);  // 2. share
+  ASSERT_TRUE(share_id) << share_id.error().what();
+  auto share = broker->receive(2000);                          // 3. fds
+  ASSERT_TRUE(share) << share.error().what();
+  EXPECT_EQ(share->share_id, *share_id);
+  EXPECT_EQ(share->peer.pid, ::getpid());
+  ASSERT_EQ(share->fds.size(), decoder.regions().size());
+
+  auto run = broker->run_provider(*share, provider_argv(kTokens), 20000);  // 4. provider
+  ASSERT_TRUE(run) << run.error().what();
+  ASSERT_EQ(run->exit_code, 0) << run->stderr_text;
+  EXPECT_EQ(run->last_stdout_line(), "child provider: wrote 5120 bytes into 4 tensors");
+
+  auto plan = decoder.adopt(kTokens, *share_id);              // 5. adopt
+  ASSERT_TRUE(plan) << plan.error().what();
+  EXPECT_EQ(plan->n_tokens, kTokens);
+
+  // The decoder's own mapping, never written by this process, holds the provider's bytes:
+  // the pages are shared, nothing was copied.
+  for (uint32_t il = 0; il < 2; ++il) {
+    auto layer = decoder.layer(0, il);
+    ASSERT_TRUE(layer) << layer.error().what();
+    for (bool is_v : {false, true}) {
+      const auto& view = is_v ? layer->v : layer->k;
+      for (uint64_t row = 0; row < kTokens; ++row)
+        for (uint64_t column = 0; column < view.row_bytes; ++column)
+          ASSERT_EQ(static_cast<unsigned char>(view.row(row)[column]), testing::pattern_byte(il, is_v, row, column))
+              << view.name() << " row " << row << " column " << column;
+      EXPECT_EQ(view.row(kTokens)[0], std::byte{0}) << "row past the prompt was touched in " << view.name();
+    }
+  }
+}
+
+TEST_F(ShareAdopt, PassesOnlyTheToldDescriptorsToTheProvider) {
+  // A descriptor this process opened without O_CLOEXEC must still not reach the child
+  // (the child exits 3 naming any extra descriptor).
+  const int leaky = ::open("/dev/null", O_RDONLY);
+  ASSERT_GE(leaky, 0);
+  Fd leaky_owner(leaky);
+  auto decoder = DecoderShare::start(testing::small_share_header(), true, memfd_only());
+  auto broker = ShareBroker::listen();
+  ASSERT_TRUE(broker);
+  ASSERT_TRUE(decoder.share(broker->socket_path(), 2000));
+  auto share = broker->receive(2000);
+  ASSERT_TRUE(share) << share.error().what();
+  auto run = broker->run_provider(*share, provider_argv(1), 20000);
+  ASSERT_TRUE(run) << run.error().what();
+  EXPECT_EQ(run->exit_code, 0) << run->stderr_text;
+}
+
+TEST_F(ShareAdopt, CleansUpTheHeaderFileAndTheSocket) {
+  auto decoder = DecoderShare::start(testing::small_share_header(), true, memfd_only());
+  fs::path directory;
+  std::string socket_path;
+  {
+    auto broker = ShareBroker::listen();
+    ASSERT_TRUE(broker);
+    directory = broker->directory();
+    socket_path = broker->socket_path();
+    ASSERT_TRUE(decoder.share(socket_path, 2000));
+    auto share = broker->receive(2000);
+    ASSERT_TRUE(share) << share.error().what();
+    auto run = broker->run_provider(*share, provider_argv(1), 20000);
+    ASSERT_TRUE(run) << run.error().what();
+    // Only the socket is left once the provider has run.
+    size_t entries = 0;
+    for ([[maybe_unused]] const auto& entry : fs::directory_iterator(directory)) ++entries;
+    EXPECT_EQ(entries, 1u);
+  }
+  EXPECT_FALSE(fs::exists(socket_path));
+  EXPECT_FALSE(fs::exists(directory));
+}
+
+TEST_F(ShareAdopt, ProviderRefusesAHeaderWithOtherKvTypesNamingTheField) {
+  auto decoder = DecoderShare::start(testing::small_share_header(), true, memfd_only());
+  auto broker = ShareBroker::listen();
+  ASSERT_TRUE(broker);
+  ASSERT_TRUE(decoder.share(broker->socket_path(), 2000));
+  auto share = broker->receive(2000);
+  ASSERT_TRUE(share) << share.error().what();
+  auto run = broker->run_provider(*share, provider_argv(1, "q8_0"), 20000);
+  ASSERT_TRUE(run) << run.error().what();
+  EXPECT_EQ(run->exit_code, 1);
+  EXPECT_NE(run->stderr_text.find("params.type_k"), std::string::npos) << run->stderr_text;
+}
+
+TEST_F(ShareAdopt, ShareFailsWhenNobodyListens) {
+  testing::TempDir dir;
+  auto decoder = DecoderShare::start(testing::small_share_header(), true, memfd_only());
+  auto share_id = decoder.share((dir / "share.sock").string(), 200);
+  ASSERT_FALSE(share_id);
+  EXPECT_EQ(share_id.error().errno_value(), ENOENT);
+  EXPECT_EQ(http_status_for(share_id.error()), 500);
+}
+
+TEST_F(ShareAdopt, RefusesAStaleShareId) {
+  auto decoder = DecoderShare::start(testing::small_share_header(), true, memfd_only());
+  auto broker = ShareBroker::listen();
+  ASSERT_TRUE(broker);
+  auto first = decoder.share(broker->socket_path(), 2000);
+  auto second = decoder.share(broker->socket_path(), 2000);
+  ASSERT_TRUE(first && second);
+  EXPECT_GT(*second, *first);
+  auto stale = decoder.adopt(3, *first);
+  ASSERT_FALSE(stale);
+  EXPECT_EQ(stale.error().errno_value(), ESTALE);
+  EXPECT_NE(stale.error().message().find(fmt::format("share_id {}: it is stale, the latest share is {}", *first, *second)),
+            std::string::npos) << stale.error().message();
+  EXPECT_EQ(http_status_for(stale.error()), 409);
+  ASSERT_TRUE(decoder.adopt(3, *second));
+  auto again = decoder.adopt(3, *second);
+  ASSERT_FALSE(again);
+  EXPECT_NE(again.error().message().find("already adopted"), std::string::npos);
+}
+
+TEST_F(ShareAdopt, RefusesMoreTokensThanTheCacheHolds) {
+  auto decoder = DecoderShare::start(testing::small_share_header(256), true, memfd_only());
+  auto broker = ShareBroker::listen();
+  ASSERT_TRUE(broker);
+  auto id = decoder.share(broker->socket_path(), 2000);
+  ASSERT_TRUE(id);
+  auto plan = decoder.adopt(257, *id);
+  ASSERT_FALSE(plan);
+  EXPECT_EQ(plan.error().errno_value(), ERANGE);
+  EXPECT_NE(plan.error().message().find("257 tokens do not fit the \"kv\" KV cache of 256 cells"), std::string::npos)
+      << plan.error().message();
+  EXPECT_EQ(decoder.adopt(0, *id).error().errno_value(), EINVAL);
+}
+
+TEST_F(ShareAdopt, RefusesAdoptBeforeAnyShare) {
+  auto decoder = DecoderShare::start(testing::small_share_header(), true, memfd_only());
+  auto plan = decoder.adopt(1, 1);
+  ASSERT_FALSE(plan);
+  EXPECT_EQ(plan.error().errno_value(), ESTALE);
+  EXPECT_NE(plan.error().message().find("no share has been made"), std::string::npos);
+}
+
+TEST_F(ShareAdopt, ADecoderWithoutTheFlagRefusesNamingBothCausesAndTellsTheBroker) {
+  auto decoder = DecoderShare::start(testing::small_share_header(), false, memfd_only());
+  EXPECT_FALSE(decoder.can_share());
+  EXPECT_TRUE(decoder.startup_warning().empty());  // nobody asked for sharing: nothing to warn about
+  auto broker = ShareBroker::listen();
+  ASSERT_TRUE(broker);
+  auto id = decoder.share(broker->socket_path(), 2000);
+  ASSERT_FALSE(id);
+  EXPECT_EQ(id.error().errno_value(), ENOTSUP);
+  EXPECT_EQ(http_status_for(id.error()), 501);
+  EXPECT_NE(id.error().message().find("ONEBIT_KV_SHARE was not set"), std::string::npos) << id.error().message();
+  EXPECT_NE(id.error().message().find("the KV backend was not asked to export"), std::string::npos);
+  // The broker hears the refusal at once instead of waiting for its timeout.
+  auto share = broker->receive(2000);
+  ASSERT_FALSE(share);
+  EXPECT_EQ(share.error().errno_value(), ENOTSUP);
+  EXPECT_NE(share.error().message().find("refused share"), std::string::npos) << share.error().message();
+}
+
+TEST_F(ShareAdopt, ADecoderWhoseBackendCannotExportWarnsOnceAndRefuses) {
+  testing::TempDir dir;
+  ExportOptions options;
+  options.forced = RegionBackend::udmabuf;
+  options.udmabuf_path = (dir / "udmabuf").string();
+  auto decoder = DecoderShare::start(testing::small_share_header(), true, options);
+  EXPECT_FALSE(decoder.can_share());
+  EXPECT_NE(decoder.startup_warning().find("share_degrade: this decoder cannot export its KV memory"),
+            std::string::npos) << decoder.startup_warning();
+  auto id = decoder.share((dir / "nobody.sock").string(), 100);
+  ASSERT_FALSE(id);
+  EXPECT_EQ(id.error().errno_value(), ENOTSUP);
+  EXPECT_NE(id.error().message().find("ONEBIT_KV_SHARE is set, and the KV backend cannot export"), std::string::npos)
+      << id.error().message();
+}
+
+TEST_F(ShareAdopt, BrokerTimesOutWhenTheDecoderNeverConnects) {
+  auto broker = ShareBroker::listen();
+  ASSERT_TRUE(broker);
+  auto share = broker->receive(50);
+  ASSERT_FALSE(share);
+  EXPECT_EQ(share.error().errno_value(), ETIMEDOUT);
+}
+
+}  // namespace
+}  // namespace kvshare
