@@ -3,6 +3,7 @@
 #include <httplib.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -210,9 +211,6 @@ int Server::run() {
   client_ = std::make_unique<DecoderClient>("127.0.0.1", decoder_->port(), std::chrono::milliseconds(600000));
   if (hybrid_active() && config_.kv_share) {
     broker_ = make_kvshare_broker();
-    if (!broker_)
-      log_line("kvshare-serve: ONEBIT_KV_SHARE is set but this build has no share broker: every request takes the "
-               "state-file route");
   }
 
   context_.config = &config_;
@@ -239,6 +237,16 @@ int Server::run() {
     res.set_content(metrics_.render(), "text/plain; version=0.0.4");
   });
 
+  // cpp-httplib listens with a backlog of 5: a burst of clients overflows it and, with SYN
+  // cookies, the kernel answers the overflow with resets. Keep the listening socket's fd
+  // (the options hook sees it before bind) and listen again with a deep queue. SO_REUSEADDR
+  // only: httplib's default SO_REUSEPORT would let a second server share the port.
+  int listen_fd = -1;
+  http_.set_socket_options([&listen_fd](int fd) {
+    int yes = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+    listen_fd = fd;
+  });
   int port = config_.port;
   if (port == 0) port = http_.bind_to_any_port(config_.host);
   else if (!http_.bind_to_port(config_.host, port)) port = -1;
@@ -248,6 +256,7 @@ int Server::run() {
     decoder_->stop();
     return 1;
   }
+  if (listen_fd >= 0) ::listen(listen_fd, SOMAXCONN);
   if (decoder_died_) {
     decoder_->stop();
     return 1;

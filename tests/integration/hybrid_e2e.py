@@ -23,7 +23,7 @@ import sys
 
 from hybrid_common import Runner, Serve, check, temp_dir, wait_until
 
-BIN = sys.argv[1]
+BIN = os.path.abspath(sys.argv[1])
 TOOLS = {name: os.path.join(BIN, name) for name in ("kvshare-serve", "kvshare-decoder", "kvshare-prefill",
                                                     "kvshare-mkmodel")}
 missing = [name for name, path in TOOLS.items() if not os.access(path, os.X_OK)]

@@ -22,7 +22,7 @@ import sys
 from hybrid_common import (FAKE_DECODER, FAKE_PROVIDER, HERE, Runner, Serve, chat, check, events,
                            expected_chat_ids, expected_reply, read_log, temp_dir)
 
-BIN = sys.argv[1]
+BIN = os.path.abspath(sys.argv[1])
 SERVE = os.path.join(BIN, "kvshare-serve")
 HEADER = os.path.join(HERE, "..", "data", "layout-example.json")
 SHARED_LINE = re.compile(r"^hybrid: (\d+) prompt tokens: prefill (\d+\.\d{3}) ms, share (\d+\.\d{3}) ms, "

@@ -27,7 +27,7 @@ from hybrid_common import (FAKE_DECODER, FAKE_PROVIDER, Failure, Runner, Serve, 
                            wait_until)
 import fake_decoder
 
-BIN = sys.argv[1]
+BIN = os.path.abspath(sys.argv[1])
 SERVE = os.path.join(BIN, "kvshare-serve")
 FILE_LINE = re.compile(r"^hybrid: (\d+) prompt tokens: prefill (\d+\.\d{3}) ms, restore (\d+\.\d{3}) ms, "
                        r"first byte (\d+\.\d{3}) ms$")
