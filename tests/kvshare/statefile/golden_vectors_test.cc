@@ -1,0 +1,183 @@
+// Golden vectors: files written by a real llama.cpp (libllama at the spec's commit, the
+// tiny qwen3 model kvshare-mkmodel makes by default, prompt "Hi there!", 5 tokens; recipe in
+// docs/state-file.md). Our decoder reads them field by field and re-encodes them byte for
+// byte, and our writer, fed the f32 vector's rows, reproduces llama.cpp's conversions.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "kvshare/statefile/state_file_reader.h"
+#include "kvshare/statefile/state_file_writer.h"
+#include "layout/state_format.h"
+#include "layout/state_test_shapes.h"
+#include "support/test_support.h"
+
+namespace kvshare::statefile {
+namespace {
+
+using layout::GgmlType;
+using layout::StateSection;
+using layout::TensorKind;
+
+const std::vector<int32_t> kTokens{39, 72, 106, 105, 0};
+
+template <class T>
+T at(const std::vector<std::byte>& file, uint64_t offset) {
+  T value;
+  std::memcpy(&value, file.data() + offset, sizeof value);
+  return value;
+}
+
+struct Vector {
+  const char* file;
+  GgmlType type;
+  bool v_trans;
+  uint64_t size;
+};
+
+const Vector kVectors[] = {
+    {"state-dense-f16.bin", GgmlType::F16, false, 5276},
+    {"state-dense-f16-vtrans.bin", GgmlType::F16, true, 5276},
+    {"state-dense-bf16.bin", GgmlType::BF16, false, 5276},
+    {"state-dense-f32.bin", GgmlType::F32, false, 10396},
+    {"state-dense-q8_0.bin", GgmlType::Q8_0, false, 2876},
+};
+
+TEST(StateGoldenVectors, DecodeFieldByField) {
+  for (const Vector& v : kVectors) {
+    SCOPED_TRACE(v.file);
+    const auto bytes = kvshare::testing::read_file_bytes(kvshare::testing::data_path(v.file));
+    ASSERT_EQ(bytes.size(), v.size);
+    EXPECT_EQ(at<uint32_t>(bytes, 0), 0x67677371u);  // magic
+    EXPECT_EQ(at<uint32_t>(bytes, 4), 2u);           // version
+    EXPECT_EQ(at<uint32_t>(bytes, 8), 5u);           // n_token
+    for (size_t i = 0; i < kTokens.size(); ++i) EXPECT_EQ(at<int32_t>(bytes, 12 + 4 * i), kTokens[i]);
+    EXPECT_EQ(at<uint32_t>(bytes, 32), 1u);  // n_stream
+    EXPECT_EQ(at<uint32_t>(bytes, 36), 5u);  // cell_count
+    for (int32_t c = 0; c < 5; ++c) {
+      EXPECT_EQ(at<int32_t>(bytes, 40 + 12 * c), c);       // pos
+      EXPECT_EQ(at<uint32_t>(bytes, 44 + 12 * c), 1u);     // n_seq_id
+      EXPECT_EQ(at<int32_t>(bytes, 48 + 12 * c), 0);       // seq id
+    }
+    EXPECT_EQ(at<uint32_t>(bytes, 100), v.v_trans ? 1u : 0u);
+    EXPECT_EQ(at<uint32_t>(bytes, 104), 2u);  // n_layer
+    EXPECT_EQ(at<int32_t>(bytes, 108), static_cast<int32_t>(v.type));
+    EXPECT_EQ(at<uint64_t>(bytes, 112), layout::ggml_row_size(v.type, 128));
+
+    const auto shape = testing::dense_shape(v.type, v.type, v.v_trans);
+    auto file = parse_state_bytes(bytes, &shape, v.file);
+    ASSERT_TRUE(file) << file.error().what();
+    EXPECT_EQ(file->tokens(), kTokens);
+    EXPECT_EQ(file->layout().trailing_bytes, 0u);
+    const StateSection* v1 = file->find_section(TensorKind::v, 1);
+    ASSERT_NE(v1, nullptr);
+    EXPECT_EQ(v1->is_transposed, v.v_trans);
+    EXPECT_EQ(v1->end_offset(), v.size);
+    if (v.v_trans) {
+      const uint64_t v0 = file->find_section(TensorKind::v, 0)->header_offset;
+      EXPECT_EQ(at<uint32_t>(bytes, v0 + 4), 2u);    // element size
+      EXPECT_EQ(at<uint32_t>(bytes, v0 + 8), 128u);  // n_embd_v_gqa
+    }
+  }
+}
+
+TEST(StateGoldenVectors, ReencodeByteForByteFromTheDecodedLayout) {
+  for (const Vector& v : kVectors) {
+    SCOPED_TRACE(v.file);
+    const auto bytes = kvshare::testing::read_file_bytes(kvshare::testing::data_path(v.file));
+    for (bool with_shape : {true, false}) {
+      const auto shape = testing::dense_shape(v.type, v.type, v.v_trans);
+      auto layout = layout::decode_state_layout(bytes, with_shape ? &shape : nullptr, v.file);
+      ASSERT_TRUE(layout) << layout.error().what();
+      auto again = layout::encode_state_file(*layout, kTokens, [&](const StateSection& s) {
+        return std::span<const std::byte>(bytes).subspan(s.data_offset, s.data_bytes());
+      });
+      EXPECT_EQ(again, bytes);
+      // And planning from the shape alone gives the same geometry.
+      auto planned = layout::plan_state_layout(shape, 5, 5);
+      ASSERT_TRUE(planned);
+      EXPECT_EQ(planned->content_bytes, bytes.size());
+    }
+  }
+}
+
+class StateGoldenWriter : public kvshare::testing::FdLeakCheck {
+ protected:
+  // The f32 vector's rows for (kind, il), as an f32 provider would hand them.
+  std::vector<float> f32_rows(TensorKind kind, uint32_t il) {
+    const auto shape = testing::dense_shape(GgmlType::F32, GgmlType::F32, false);
+    auto file = read_state_file(kvshare::testing::data_path("state-dense-f32.bin"), &shape);
+    EXPECT_TRUE(file) << file.error().what();
+    auto rows = file->rows_f32(*file->find_section(kind, il));
+    EXPECT_TRUE(rows);
+    return *rows;
+  }
+
+  // Writes a file of `type` from the f32 vector's rows and reads it back.
+  Result<StateFile> write_from_f32(GgmlType type, bool v_trans) {
+    const auto path = dir_ / "ours.bin";
+    StateFileWriterOptions options;
+    options.n_embd_head_k = options.n_embd_head_v = 64;
+    auto writer = StateFileWriter::create(path, testing::dense_shape(type, type, v_trans), kTokens, 5, options);
+    if (!writer) return fail(writer.error());
+    for (uint32_t il = 0; il < 2; ++il) {
+      const auto k = f32_rows(TensorKind::k, il);
+      const auto v = f32_rows(TensorKind::v, il);
+      if (auto rc = writer->write_layer(il, RowsView{GgmlType::F32, k.data(), 5, 0}, RowsView{GgmlType::F32, v.data(), 5, 0});
+          !rc)
+        return fail(rc.error());
+    }
+    if (auto info = writer->commit(); !info) return fail(info.error());
+    return read_state_file(path, nullptr);
+  }
+
+  kvshare::testing::TempDir dir_;
+};
+
+// llama.cpp's f16 file is its f32 cache's values rounded to f16: our writer must agree on
+// every byte of the whole file.
+TEST_F(StateGoldenWriter, ReproducesLlamaCppsF16FileFromItsF32Rows) {
+  auto ours = write_from_f32(GgmlType::F16, false);
+  ASSERT_TRUE(ours) << ours.error().what();
+  const auto theirs = kvshare::testing::read_file_bytes(kvshare::testing::data_path("state-dense-f16.bin"));
+  EXPECT_EQ(std::vector<std::byte>(ours->bytes().begin(), ours->bytes().end()), theirs);
+}
+
+// Layer 0's K and V depend only on the prompt, whatever the cache type; later layers see
+// attention over the already quantized cache, so only layer 0 can match byte for byte.
+// q8_0 includes llama.cpp's Hadamard rotation (head size 64).
+TEST_F(StateGoldenWriter, QuantizesLayerZeroExactlyAsLlamaCppForQ8_0AndBf16) {
+  for (auto [type, name] : {std::pair{GgmlType::Q8_0, "state-dense-q8_0.bin"}, std::pair{GgmlType::BF16, "state-dense-bf16.bin"}}) {
+    SCOPED_TRACE(name);
+    auto ours = write_from_f32(type, false);
+    ASSERT_TRUE(ours) << ours.error().what();
+    auto theirs = read_state_file(kvshare::testing::data_path(name), nullptr);
+    ASSERT_TRUE(theirs) << theirs.error().what();
+    for (TensorKind kind : {TensorKind::k, TensorKind::v}) {
+      const auto a = ours->section_bytes(*ours->find_section(kind, 0));
+      const auto b = theirs->section_bytes(*theirs->find_section(kind, 0));
+      ASSERT_EQ(a.size(), b.size());
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size()), 0) << "layer 0 " << layout::tensor_kind_name(kind);
+    }
+  }
+}
+
+// With -fa off llama.cpp writes V element-major; layer 0's V is the same values as with -fa
+// on, so our transposed output must equal its bytes.
+TEST_F(StateGoldenWriter, TransposesVExactlyAsLlamaCppWithFlashAttentionOff) {
+  auto ours = write_from_f32(GgmlType::F16, true);
+  ASSERT_TRUE(ours) << ours.error().what();
+  auto theirs = read_state_file(kvshare::testing::data_path("state-dense-f16-vtrans.bin"), nullptr);
+  ASSERT_TRUE(theirs) << theirs.error().what();
+  for (TensorKind kind : {TensorKind::k, TensorKind::v}) {
+    const auto* a = ours->find_section(kind, 0);
+    const auto* b = theirs->find_section(kind, 0);
+    ASSERT_EQ(a->header_offset, b->header_offset);
+    const auto ab = ours->section_bytes(*a), bb = theirs->section_bytes(*b);
+    EXPECT_EQ(std::memcmp(ab.data(), bb.data(), ab.size()), 0) << layout::tensor_kind_name(kind);
+  }
+  EXPECT_EQ(ours->bytes().size(), theirs->bytes().size());
+}
+
+}  // namespace
+}  // namespace kvshare::statefile
