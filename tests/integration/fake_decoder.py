@@ -23,9 +23,10 @@ Behaviour switches (environment, inherited from kvshare-serve):
   FAKE_DECODER_SHARE_HEADER=path   the layout header it sends (one memfd per chunk);
                                else one chunk of FAKE_DECODER_SHARE_BYTES (default 65536)
   FAKE_DECODER_ADOPT=fail      refuse every adopt (400)
+  FAKE_DECODER_UNSEALED=1      share memfds not sealed against shrinking (a broker refuses them)
 """
 import argparse
-import array
+import fcntl
 import json
 import mmap
 import os
@@ -226,8 +227,11 @@ class Handler(BaseHTTPRequestHandler):
                 os.close(fd)
             slot.share_regions = []
             for chunk in chunks:
-                fd = os.memfd_create("kvshare-fake-kv", os.MFD_CLOEXEC)
+                fd = os.memfd_create("kvshare-fake-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
                 os.ftruncate(fd, chunk["size_bytes"])
+                # As a real exporter does: a peer's mapping can never lose its pages under it.
+                if not os.environ.get("FAKE_DECODER_UNSEALED"):
+                    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
                 slot.share_regions.append((fd, chunk["size_bytes"]))
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(5)

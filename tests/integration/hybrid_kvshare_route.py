@@ -147,6 +147,20 @@ def test_refused_share_takes_the_state_file_route():
               'kvshare_handoffs_total{route="file",outcome="ok"} 2' in text, text)
 
 
+def test_a_handshake_that_fails_before_the_provider_takes_the_state_file_route():
+    text = "unsealed fds"
+    with Case("bad_handshake", env={"FAKE_DECODER_UNSEALED": "1"}) as case:
+        status, data = case.serve.post("/v1/chat/completions", chat(text))
+        check(status == 200 and reply_of(data) == expected_reply(expected_chat_ids(text)), data)
+        line = case.serve.wait_line(r"^hybrid: shared route not taken \(handshake_failed\)")
+        check("sealed" in line, "the reason names the fd check: %s" % line)
+        case.serve.wait_line(FELL_BACK_LINE)
+        check(not [p for p in read_log(case.provider_log) if "--fds" in p["argv"]], "shared provider ran")
+        check(len(events(case.decoder_log, "restore")) == 1, "the state file did not carry the handoff")
+        connected = events(case.decoder_log, "share_connected")[0]
+        check(not os.path.exists(os.path.dirname(connected["socket"])), "socket directory left behind")
+
+
 def test_failed_provider_forwards_never_the_file_route():
     text = "provider fails after the share"
     with Case("provider_fails", env={"FAKE_PROVIDER_MODE": "fail"}) as case:
