@@ -1,8 +1,8 @@
 // kvshare-bench statefile: writing and reading llama.cpp sequence-state files for the
 // Qwen3-Coder-30B-A3B shape (48 layers, 4 KV heads x 128, f16, flash attention on), beside a
 // memcpy of the same bytes and a plain write()/read() of them, all in one run.
-// Group flags (after --): --dir PATH (default $TMPDIR or /tmp), --direct (writer/reader with
-// O_DIRECT, default off: see docs/state-file.md for why the handoff default is buffered).
+// Group flags (after --): --dir PATH (default $TMPDIR or /tmp), --buffered (writer/reader
+// without O_DIRECT; the default is the library's: O_DIRECT where the filesystem allows it).
 #include <benchmark/benchmark.h>
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -29,7 +29,7 @@ constexpr uint32_t kEmbdGqa = 4 * 128;
 
 struct Settings {
   std::filesystem::path dir;
-  bool direct = false;
+  bool direct = true;
 };
 
 Settings& settings() {
@@ -219,7 +219,7 @@ void register_all(const BenchArgs& args) {
   s.dir = tmp && *tmp ? tmp : "/tmp";
   for (size_t i = 0; i < args.rest.size(); ++i) {
     if (args.rest[i] == "--dir" && i + 1 < args.rest.size()) s.dir = args.rest[++i];
-    if (args.rest[i] == "--direct") s.direct = true;
+    if (args.rest[i] == "--buffered") s.direct = false;
   }
   std::vector<int> tokens = args.tokens;
   if (tokens.empty()) tokens = args.smoke ? std::vector<int>{16} : std::vector<int>{307, 4096, 32768};
