@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -114,17 +115,23 @@ class RefContext final : public Context {
         }
       }
     }
-    rot_k_ = cache_rotation_group(true, type_k_, hp_.n_embd_head_k);
-    rot_v_ = cache_rotation_group(false, type_v_, hp_.n_embd_head_v);
+    // llama.cpp reads LLAMA_ATTN_ROT_DISABLE when it creates the cache; so do we, so a
+    // reference engine started beside a llama-server sees the same setting.
+    const char* rot_env = std::getenv("LLAMA_ATTN_ROT_DISABLE");
+    const bool rotation_disabled = rot_env != nullptr && std::atoi(rot_env) != 0;
+    rot_k_ = cache_rotation_group(true, type_k_, hp_.n_embd_head_k, rotation_disabled);
+    rot_v_ = cache_rotation_group(false, type_v_, hp_.n_embd_head_v, rotation_disabled);
     return {};
   }
 
   Result<std::vector<float>> decode(std::span<const int32_t> tokens, int32_t pos0) override {
-    return forward(tokens, pos0, nullptr);
+    return forward(tokens, pos0, nullptr, kUbatch);
   }
 
   Result<void> prefill(std::span<const int32_t> tokens, RowSink sink) override {
-    auto r = forward(tokens, 0, &sink);
+    // One pass over the whole prompt: the sink sees each layer exactly once, in ascending
+    // order, which a state-file writer (K of every layer before any V) relies on.
+    auto r = forward(tokens, 0, &sink, tokens.size());
     if (!r) return fail(r.error());
     return {};
   }
@@ -133,7 +140,8 @@ class RefContext final : public Context {
   int32_t n_ctx() const override { return static_cast<int32_t>(kv_size_); }
 
  private:
-  Result<std::vector<float>> forward(std::span<const int32_t> tokens, int32_t pos0, const RowSink* sink) {
+  Result<std::vector<float>> forward(std::span<const int32_t> tokens, int32_t pos0, const RowSink* sink,
+                                     size_t ubatch_tokens) {
     if (tokens.empty()) return fail(EINVAL, "no tokens to evaluate");
     if (pos0 < 0) return fail(EINVAL, "position {} is negative", pos0);
     if (static_cast<uint64_t>(pos0) + tokens.size() > kv_size_)
@@ -142,8 +150,8 @@ class RefContext final : public Context {
       if (tokens[i] < 0 || static_cast<uint32_t>(tokens[i]) >= hp_.n_vocab)
         return fail(EINVAL, "token {} (index {}) is outside the vocabulary of {} tokens", tokens[i], i, hp_.n_vocab);
     std::vector<float> last(hp_.n_embd);
-    for (size_t at = 0; at < tokens.size(); at += kUbatch) {
-      const size_t n = std::min<size_t>(kUbatch, tokens.size() - at);
+    for (size_t at = 0; at < tokens.size(); at += ubatch_tokens) {
+      const size_t n = std::min<size_t>(ubatch_tokens, tokens.size() - at);
       auto ok = ubatch(tokens.data() + at, static_cast<int64_t>(n), pos0 + static_cast<int32_t>(at), sink, last.data());
       if (!ok) return fail(ok.error());
     }

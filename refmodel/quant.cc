@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "layout/half.h"
+#include "layout/row_convert.h"
 
 namespace kvshare::refmodel {
 namespace {
@@ -195,100 +196,23 @@ Result<void> dequantize_weights(GgmlType type, const void* src, float* dst, int6
   return {};
 }
 
-bool is_supported_cache_type(GgmlType type) {
-  return type == GgmlType::F32 || type == GgmlType::F16 || type == GgmlType::BF16 || type == GgmlType::Q8_0 ||
-         type == GgmlType::Q4_0;
-}
+bool is_supported_cache_type(GgmlType type) { return layout::is_cache_type(type); }
 
-void hadamard_groups(float* data, int64_t n, int group) {
-  const float scale = 1.0f / std::sqrt(static_cast<float>(group));
-  for (int64_t g = 0; g + group <= n; g += group) {
-    float* v = data + g;
-    for (int h = 1; h < group; h *= 2)
-      for (int i = 0; i < group; i += 2 * h)
-        for (int j = i; j < i + h; ++j) {
-          const float a = v[j], b = v[j + h];
-          v[j] = a + b;
-          v[j + h] = a - b;
-        }
-    for (int i = 0; i < group; ++i) v[i] *= scale;
-  }
-}
+void hadamard_groups(float* data, int64_t n, int group) { layout::hadamard_rotate(data, n, group); }
 
 int cache_rotation_group(bool is_k, GgmlType cache_type, uint32_t n_embd_head, bool rotation_disabled) {
-  if (rotation_disabled || !layout::is_quantized(cache_type) || n_embd_head == 0 || n_embd_head % 64 != 0) return 0;
-  if (!is_k) return 64;
-  int nrot = 64;
-  do {
-    nrot *= 2;
-  } while (n_embd_head % static_cast<uint32_t>(nrot) == 0);
-  return nrot / 2;
+  return layout::kv_rotation_group(is_k ? layout::TensorKind::k : layout::TensorKind::v, cache_type, n_embd_head,
+                                   rotation_disabled);
 }
 
+// The same conversion the scatter and the state-file writer use, so a Context's own
+// cache holds exactly the bytes a provider hands the decoder.
 void store_cache_row(GgmlType type, const float* src, void* dst, int64_t n, int rotation_group) {
-  std::vector<float> rotated;
-  if (rotation_group > 0) {
-    rotated.assign(src, src + n);
-    hadamard_groups(rotated.data(), n, rotation_group);
-    src = rotated.data();
-  }
-  auto* out = static_cast<uint8_t*>(dst);
-  switch (type) {
-    case GgmlType::F32:
-      std::memcpy(out, src, static_cast<size_t>(n) * sizeof(float));
-      break;
-    case GgmlType::F16:
-      for (int64_t i = 0; i < n; ++i) {
-        const uint16_t h = layout::fp32_to_fp16(src[i]);
-        std::memcpy(out + 2 * i, &h, 2);
-      }
-      break;
-    case GgmlType::BF16:
-      for (int64_t i = 0; i < n; ++i) {
-        const uint16_t h = layout::fp32_to_bf16(src[i]);
-        std::memcpy(out + 2 * i, &h, 2);
-      }
-      break;
-    case GgmlType::Q8_0:
-      for (int64_t i = 0; i < n / kQK; ++i, out += 34) {
-        const float* b = src + i * kQK;
-        float amax = 0.0f;
-        for (int j = 0; j < kQK; ++j) amax = std::max(amax, std::fabs(b[j]));
-        const float d = amax / ((1 << 7) - 1);
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        const uint16_t dh = layout::fp32_to_fp16(d);
-        std::memcpy(out, &dh, 2);
-        for (int j = 0; j < kQK; ++j) out[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(std::roundf(b[j] * id)));
-      }
-      break;
-    case GgmlType::Q4_0:
-      for (int64_t i = 0; i < n / kQK; ++i, out += 18) {
-        const float* b = src + i * kQK;
-        float amax = 0.0f, max = 0.0f;
-        for (int j = 0; j < kQK; ++j)
-          if (amax < std::fabs(b[j])) {
-            amax = std::fabs(b[j]);
-            max = b[j];
-          }
-        const float d = max / -8;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        const uint16_t dh = layout::fp32_to_fp16(d);
-        std::memcpy(out, &dh, 2);
-        for (int j = 0; j < kQK / 2; ++j) {
-          const auto xi0 = static_cast<uint8_t>(std::min(15, static_cast<int>(static_cast<int8_t>(b[j] * id + 8.5f))));
-          const auto xi1 =
-              static_cast<uint8_t>(std::min(15, static_cast<int>(static_cast<int8_t>(b[kQK / 2 + j] * id + 8.5f))));
-          out[2 + j] = static_cast<uint8_t>(xi0 | (xi1 << 4));
-        }
-      }
-      break;
-    default:
-      break;
-  }
+  layout::convert_row(GgmlType::F32, src, type, dst, n, rotation_group);
 }
 
 void load_cache_row(GgmlType type, const void* src, float* dst, int64_t n) {
-  (void)dequantize_weights(type, src, dst, n);
+  layout::dequantize_row(type, src, dst, n);
 }
 
 void round_like_vec_dot(GgmlType weight_type, float* data, int64_t n) {

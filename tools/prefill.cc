@@ -1,0 +1,67 @@
+// kvshare-prefill: the reference prefill provider (docs/refmodel.md).
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <string>
+#include <vector>
+
+#include "layout/ggml_type.h"
+#include "refmodel/provider/prefill_provider.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"The reference prefill provider: computes a prompt's KV cache on the CPU and writes a llama.cpp "
+               "sequence-state file (--out) or scatters it into a decoder's shared region (--layout/--fds). "
+               "Prints {\"prefill_ms\": X} as its last line."};
+  kvshare::refmodel::PrefillRequest r;
+  std::string ctk = "f16", ctv = "f16", fa = "on", fds;
+  app.add_option("--tokens", r.tokens_path, "ids file: one decimal id per line, or a JSON array")->required();
+  app.add_option("--model", r.model_path, "GGUF model")->required();
+  app.add_option("--out", r.out_path, "state file to write (file route)");
+  app.add_option("--elfs", r.elfs_dir, "NPU kernel directory (accepted; the CPU reference needs none)");
+  app.add_option("-c,--ctx-size", r.params.n_ctx, "context size, as llama-server's -c")->capture_default_str();
+  app.add_option("--ctk,--cache-type-k", ctk, "K cache type, as llama-server's -ctk")->capture_default_str();
+  app.add_option("--ctv,--cache-type-v", ctv, "V cache type, as llama-server's -ctv")->capture_default_str();
+  app.add_option("--fa,--flash-attn", fa, "on|off|auto, as llama-server's -fa")->capture_default_str();
+  app.add_option("--layout", r.layout_path, "layout header file (shared route)");
+  app.add_option("--fds", fds, "inherited region descriptors n[,n...] in chunk order (shared route)");
+  app.add_option("-t,--threads", r.n_threads, "threads (0: all cores)")->capture_default_str();
+  // llama-server spells these with one dash; CLI11 takes one-dash names of one letter
+  // only, so they are rewritten to their two-dash twins before parsing.
+  std::vector<std::string> args(argv, argv + argc);
+  for (auto& a : args)
+    if (a == "-ctk" || a == "-ctv" || a == "-fa") a = "-" + a;
+  std::vector<char*> argv2;
+  for (auto& a : args) argv2.push_back(a.data());
+  CLI11_PARSE(app, static_cast<int>(argv2.size()), argv2.data());
+
+  auto type_k = kvshare::layout::parse_cache_type(ctk);
+  auto type_v = kvshare::layout::parse_cache_type(ctv);
+  if (!type_k || !type_v) {
+    fmt::print(stderr, "kvshare-prefill: {}\n", (!type_k ? type_k.error() : type_v.error()).what());
+    return 2;
+  }
+  r.params.type_k = *type_k;
+  r.params.type_v = *type_v;
+  if (fa != "on" && fa != "off" && fa != "auto") {
+    fmt::print(stderr, "kvshare-prefill: -fa {}: not one of on, off, auto\n", fa);
+    return 2;
+  }
+  r.params.flash_attn = fa != "off";
+  if (!fds.empty()) {
+    auto list = kvshare::refmodel::parse_fd_list(fds);
+    if (!list) {
+      fmt::print(stderr, "kvshare-prefill: {}\n", list.error().what());
+      return 2;
+    }
+    r.fds = *list;
+  }
+  auto report = kvshare::refmodel::run_prefill(r);
+  if (!report) {
+    fmt::print(stderr, "kvshare-prefill: {}\n", report.error().what());
+    return 1;
+  }
+  fmt::print(stderr, "kvshare-prefill: {} route, {} tokens: forward {:.3f} ms, write {:.3f} ms\n", report->route,
+             report->n_tokens, report->forward_ms, report->write_ms);
+  fmt::print("{{\"prefill_ms\": {:.3f}}}\n", report->prefill_ms);
+  return 0;
+}
