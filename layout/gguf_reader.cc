@@ -79,7 +79,11 @@ class Cursor {
   // A u64 length and that many bytes, as a view into the image.
   Result<std::string_view> read_string(const Where& where, std::string_view field) {
     const size_t at = offset_;
-    auto length = read<uint64_t>(where, fmt::format("the length of {}", field));
+    // Not read<uint64_t>: its field name would be formatted for every string of a vocabulary.
+    if (remaining() < sizeof(uint64_t))
+      return error_at(offset_, where, "file ends inside the length of {} (8 bytes needed, {} left)", field,
+                      remaining());
+    auto length = read<uint64_t>(where, field);
     if (!length) return fail(length.error());
     if (*length > kGgufMaxStringLength)
       return error_at(at, where, "{} length {} exceeds the GGUF maximum of {} bytes", field, *length,
@@ -240,7 +244,8 @@ Result<GgufTensorInfo> read_tensor_info(Cursor& in, uint64_t index, std::unorder
   info.n_dims = *n_dims;
   for (uint32_t j = 0; j < *n_dims; ++j) {
     const size_t ne_at = in.offset();
-    auto ne = in.read<int64_t>(where, fmt::format("ne[{}]", j));
+    static constexpr std::string_view kNeNames[kGgufMaxDims] = {"ne[0]", "ne[1]", "ne[2]", "ne[3]"};
+    auto ne = in.read<int64_t>(where, kNeNames[j]);
     if (!ne) return fail(ne.error());
     if (*ne < 0) return in.error_at(ne_at, where, "ne[{}] is {}, must not be negative", j, *ne);
     info.ne[j] = *ne;
