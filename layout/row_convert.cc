@@ -352,15 +352,23 @@ struct Backend {
   void (*fp32_to_fp16)(const float*, uint16_t*, int64_t);
   void (*fp32_to_q8_0)(const float*, void*, int64_t);
   void (*copy)(void*, const void*, size_t);
+  void (*copy_stream)(void*, const void*, size_t);             // fence left to the caller
+  void (*fp32_to_fp16_stream)(const float*, uint16_t*, int64_t);  // fence left to the caller
+  void (*fence)();
   const char* name;
 };
+
+void no_fence() {}
 
 const Backend& backend() {
   static const Backend chosen = kernels::cpu_has_avx2_f16c()
                                     ? Backend{kernels::fp32_to_fp16_avx2, kernels::fp32_to_q8_0_avx2,
-                                              kernels::copy_bytes_streaming_avx2, "avx2+f16c"}
+                                              kernels::copy_bytes_streaming_avx2, kernels::copy_bytes_stream_nofence_avx2,
+                                              kernels::fp32_to_fp16_stream_nofence_avx2, kernels::store_fence,
+                                              "avx2+f16c"}
                                     : Backend{kernels::fp32_to_fp16_scalar, kernels::fp32_to_q8_0_scalar,
-                                              kernels::copy_bytes, "scalar"};
+                                              kernels::copy_bytes, kernels::copy_bytes, kernels::fp32_to_fp16_scalar,
+                                              no_fence, "scalar"};
   return chosen;
 }
 
@@ -484,6 +492,19 @@ void convert_row(GgmlType src_type, const void* src, GgmlType dst_type, void* ds
     fp32_to_cache(buffer, dst_type, dst_bytes + ggml_row_size(dst_type, start), count);
   }
 }
+
+void convert_row_streaming(GgmlType src_type, const void* src, GgmlType dst_type, void* dst, int64_t n,
+                           int rotation_group) {
+  if (rotation_group == 0 && src_type == dst_type) {
+    backend().copy_stream(dst, src, ggml_row_size(dst_type, n));
+  } else if (rotation_group == 0 && src_type == GgmlType::F32 && dst_type == GgmlType::F16) {
+    backend().fp32_to_fp16_stream(static_cast<const float*>(src), static_cast<uint16_t*>(dst), n);
+  } else {
+    convert_row(src_type, src, dst_type, dst, n, rotation_group);
+  }
+}
+
+void convert_stream_fence() { backend().fence(); }
 
 bool dequantize_row(GgmlType type, const void* src, float* dst, int64_t n) {
   if (n < 0 || !is_row_aligned(type, n)) return false;

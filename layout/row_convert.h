@@ -26,6 +26,14 @@ bool is_cache_type(GgmlType type);
 void convert_row(GgmlType src_type, const void* src, GgmlType dst_type, void* dst, int64_t n,
                  int rotation_group = 0);
 
+// As convert_row, but may write `dst` with non-temporal stores (same-type copies and
+// f32 -> f16 on the AVX2 path): for destinations nobody reads soon, such as a shared
+// cache the decoder maps later. The bytes are guaranteed visible to other threads and
+// devices only after convert_stream_fence() on the writing thread.
+void convert_row_streaming(GgmlType src_type, const void* src, GgmlType dst_type, void* dst, int64_t n,
+                           int rotation_group = 0);
+void convert_stream_fence();
+
 // Decodes `n` elements of any cache type or weight type (also q4_K, q5_K, q6_K, q8_K)
 // into f32, as ggml's dequantize_row_* does. Returns false for a type it cannot decode.
 bool dequantize_row(GgmlType type, const void* src, float* dst, int64_t n);

@@ -6,6 +6,7 @@
 // signed zeros and halfway cases).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "layout/half.h"
@@ -137,5 +138,34 @@ KVSHARE_AVX2 void copy_bytes_streaming_avx2(void* dst, const void* src, size_t b
   _mm_sfence();
   std::memcpy(d + i, s + i, bytes - i);
 }
+
+KVSHARE_AVX2 void copy_bytes_stream_nofence_avx2(void* dst, const void* src, size_t bytes) {
+  auto* d = static_cast<unsigned char*>(dst);
+  const auto* s = static_cast<const unsigned char*>(src);
+  const size_t head = std::min(bytes, (32 - (reinterpret_cast<uintptr_t>(d) & 31)) & 31);
+  std::memcpy(d, s, head);
+  size_t i = head;
+  for (; i + 64 <= bytes; i += 64) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 32));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 32), b);
+  }
+  std::memcpy(d + i, s + i, bytes - i);
+}
+
+KVSHARE_AVX2 void fp32_to_fp16_stream_nofence_avx2(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  // Scalar up to a 32-byte boundary of the destination, then whole 16-element stores.
+  for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 31) != 0; ++i) dst[i] = fp32_to_fp16(src[i]);
+  for (; i + 16 <= n; i += 16) {
+    const __m128i lo = fp32x8_to_fp16x8(_mm256_loadu_ps(src + i));
+    const __m128i hi = fp32x8_to_fp16x8(_mm256_loadu_ps(src + i + 8));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_set_m128i(hi, lo));
+  }
+  for (; i < n; ++i) dst[i] = fp32_to_fp16(src[i]);
+}
+
+void store_fence() { _mm_sfence(); }
 
 }  // namespace kvshare::layout::kernels

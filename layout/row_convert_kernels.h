@@ -28,4 +28,10 @@ void fp16_to_fp32_scalar(const uint16_t* src, float* dst, int64_t n);
 void copy_bytes(void* dst, const void* src, size_t bytes);
 void copy_bytes_streaming_avx2(void* dst, const void* src, size_t bytes);
 
+// Non-temporal variants that leave the fence to the caller (one sfence per batch of rows,
+// not per row): the bytes are final only after store_fence().
+void copy_bytes_stream_nofence_avx2(void* dst, const void* src, size_t bytes);
+void fp32_to_fp16_stream_nofence_avx2(const float* src, uint16_t* dst, int64_t n);
+void store_fence();
+
 }  // namespace kvshare::layout::kernels

@@ -179,14 +179,17 @@ void scatter_range(const CachePlan& plan, const LayerPlan& layer, const ScatterB
   const uint64_t v_src_offset = layer.n_embd_k * element_bytes;
   for (uint32_t t = t0; t < t1; ++t) {
     const std::byte* row = layer.src + static_cast<uint64_t>(t) * batch.row_stride;
-    layout::convert_row(batch.src_type, row, layer.k->type,
+    // Streaming stores: the decoder reads these rows later, from another process; caching
+    // them here would only evict the provider's own working set.
+    layout::convert_row_streaming(batch.src_type, row, layer.k->type,
                         layer.k_stream + static_cast<uint64_t>(batch.pos0 + t) * layer.k->row_bytes, layer.n_embd_k,
                         layer.rotation_k);
     if (layer.v != nullptr && !cache.v_trans)
-      layout::convert_row(batch.src_type, row + v_src_offset, layer.v->type,
+      layout::convert_row_streaming(batch.src_type, row + v_src_offset, layer.v->type,
                           layer.v_stream + static_cast<uint64_t>(batch.pos0 + t) * layer.v->row_bytes, layer.n_embd_v,
                           layer.rotation_v);
   }
+  layout::convert_stream_fence();
   if (layer.v == nullptr || !cache.v_trans) return;
 
   // Transposed V: convert a tile of rows, then write each of the v_width element rows of

@@ -349,3 +349,28 @@ TEST(RowConvert, ClassifiesSourceAndCacheTypes) {
 
 }  // namespace
 }  // namespace kvshare::layout
+
+namespace kvshare::layout {
+namespace {
+
+TEST(RowConvertStreaming, WritesTheSameBytesAsConvertRowAtAnyAlignment) {
+  const std::vector<float> input = awkward_floats(3000, 21);
+  std::vector<uint16_t> as_f16(input.size());
+  kernels::fp32_to_fp16_scalar(input.data(), as_f16.data(), static_cast<int64_t>(input.size()));
+  for (size_t shift = 0; shift < 5; ++shift) {
+    for (int64_t n : {1, 15, 16, 17, 640, 2048}) {
+      std::vector<uint16_t> plain(n + 8), streamed(n + 8);
+      convert_row(GgmlType::F32, input.data(), GgmlType::F16, plain.data() + shift, n);
+      convert_row_streaming(GgmlType::F32, input.data(), GgmlType::F16, streamed.data() + shift, n);
+      std::vector<uint16_t> copied(n + 8);
+      convert_row_streaming(GgmlType::F16, as_f16.data(), GgmlType::F16, copied.data() + shift, n);
+      convert_stream_fence();
+      EXPECT_EQ(plain, streamed) << "shift " << shift << " n " << n;
+      EXPECT_TRUE(std::equal(as_f16.begin(), as_f16.begin() + n, copied.begin() + static_cast<int64_t>(shift)))
+          << "shift " << shift << " n " << n;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvshare::layout
