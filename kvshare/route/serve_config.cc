@@ -175,9 +175,10 @@ std::vector<std::string> file_provider_command(const ServeConfig& config, const 
   if (!config.elfs_dir.empty()) argv.insert(argv.end(), {"--elfs", config.elfs_dir});
   // The state file's types and V order must be the decoder's: a provider that was not told
   // writes its defaults, and the restore refuses a mismatch (then the decoder prefills).
+  // llama-server's long spellings: every CLI parser takes them.
   if (config.kv_flags_given)
-    argv.insert(argv.end(), {"-c", std::to_string(config.ctx_size), "-fa", config.flash_attn, "-ctk",
-                             config.cache_type_k, "-ctv", config.cache_type_v});
+    argv.insert(argv.end(), {"--ctx-size", std::to_string(config.ctx_size), "--flash-attn", config.flash_attn,
+                             "--cache-type-k", config.cache_type_k, "--cache-type-v", config.cache_type_v});
   return argv;
 }
 

@@ -86,7 +86,8 @@ std::vector<std::string> backend_command(const ServeConfig& config, const Backen
                                          const std::string& slot_dir, int port);
 
 // The provider's argv for the file route (seed contract):
-//   PROGRAM --tokens IDS --out STATE --model M [--elfs DIR] [KV flags when given]
+//   PROGRAM --tokens IDS --out STATE --model M [--elfs DIR]
+// plus --ctx-size/--flash-attn/--cache-type-k/--cache-type-v when serve was given any KV flag.
 std::vector<std::string> file_provider_command(const ServeConfig& config, const std::string& ids_path,
                                                const std::string& state_path);
 // The provider's argv for the shared route, before --layout/--fds (the broker adds them):

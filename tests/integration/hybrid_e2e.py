@@ -93,12 +93,49 @@ def cpu_reply(prompt):
     return CPU_REPLIES[prompt]
 
 
+DECODER_RE = re.compile(r"decoder \S+ on 127\.0\.0\.1:(\d+)")
+
+
+def save_slot(serve, name):
+    """Saves the decoder's slot 0 (through the decoder's own API, not serve's) and copies
+    the state file out of serve's private slot directory."""
+    import http.client
+    port = int(DECODER_RE.search(serve.wait_line(DECODER_RE)).group(1))
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/slots/0?action=save", body=json.dumps({"filename": name}),
+                 headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    check(response.status == 200, "save: %s" % response.read())
+    response.read()
+    slot_dirs = [d for d in os.listdir(SERVE_TMP) if d.startswith("kvshare-serve-slots")]
+    check(len(slot_dirs) == 1, "slot dirs %s" % slot_dirs)
+    out = os.path.join(WORK, name)
+    shutil.move(os.path.join(SERVE_TMP, slot_dirs[0], name), out)
+    return out
+
+
 def baseline(backend=None):
     serve = start("cpu", backend or TOOLS["kvshare-decoder"])
     try:
-        return {p: replies(serve, [p])[0][0] for p in PROMPTS + concurrency_prompts()}
+        out = {p: replies(serve, [p])[0][0] for p in PROMPTS + concurrency_prompts()}
+        if backend is None:
+            replies(serve, PROMPTS[:1])
+            save_slot(serve, "cpu-own-prefill.state")
+        return out
     finally:
         serve.stop()
+
+
+def check_kv_equals_own_prefill(serve, route):
+    """The strong check: after the handoff and the reply, the decoder's cache equals (within
+    f16 rounding) the cache it holds after prefilling the same prompt itself."""
+    replies(serve, PROMPTS[:1])
+    handed = save_slot(serve, "%s-handoff.state" % route)
+    result = subprocess.run([os.path.join(BIN, "kvshare-state"), "diff", handed,
+                             os.path.join(WORK, "cpu-own-prefill.state"), "--tolerance", "0.01"],
+                            capture_output=True, text=True, timeout=60)
+    check(result.returncode == 0, "%s route: the handed-over KV differs from the decoder's own prefill:\n%s%s" %
+          (route, result.stdout, result.stderr))
 
 
 def concurrency_prompts():
@@ -113,8 +150,10 @@ def check_route(kv_share, line_re):
                 check(text == cpu_reply(prompt), "%s reply %r differs from --device cpu %r (stream=%s)" %
                       (("shared" if kv_share else "file"), text, cpu_reply(prompt), stream))
                 check(prompt_n == 1, "prompt_n %s, expected 1 (stream=%s)" % (prompt_n, stream))
-        lines = serve.wait_count(line_re, 2 * len(PROMPTS))
-        check(len(lines) == 2 * len(PROMPTS), "handoff lines:\n%s" % "\n".join(serve.lines))
+        if os.access(os.path.join(BIN, "kvshare-state"), os.X_OK):
+            check_kv_equals_own_prefill(serve, "shared" if kv_share else "file")
+        lines = serve.wait_count(line_re, 2 * len(PROMPTS) + 1)
+        check(len(lines) == 2 * len(PROMPTS) + 1, "handoff lines:\n%s" % "\n".join(serve.lines))
         check(not serve.stderr_lines("hybrid: fallback"), "fallbacks:\n%s" % "\n".join(serve.lines))
     finally:
         code = serve.stop()

@@ -168,7 +168,8 @@ TEST(ProviderCommand, FollowsTheFileContractAndAddsElfsWhenSet) {
   config.elfs_dir = "/elfs";
   config.kv_flags_given = true;
   EXPECT_EQ(join_command(file_provider_command(config, "ids", "out")),
-            "/p --tokens ids --out out --model m.gguf --elfs /elfs -c 4096 -fa on -ctk f16 -ctv f16");
+            "/p --tokens ids --out out --model m.gguf --elfs /elfs --ctx-size 4096 --flash-attn on --cache-type-k f16 "
+            "--cache-type-v f16");
   EXPECT_EQ(join_command(shared_provider_command(config, "ids")), "/p --tokens ids --model m.gguf --elfs /elfs");
 }
 
