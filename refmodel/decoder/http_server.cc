@@ -384,19 +384,9 @@ void DecoderServer::Impl::handle_slots_action(const httplib::Request& req, httpl
     return reply_json(res, 200, Json{{"id_slot", id_slot}, {"n_erased", n_erased}});
   }
   if (action == "share" || action == "adopt") {
-    switch (eng().share_availability()) {
-      case ShareAvailability::enabled: break;
-      case ShareAvailability::flag_not_set:
-      case ShareAvailability::cannot_export: {
-        const bool flag_set = eng().share_availability() == ShareAvailability::cannot_export;
-        return reply_error(
-            res, ApiError{ErrorType::not_supported,
-                          fmt::format("This server cannot share its KV cache: either ONEBIT_KV_SHARE was not set when it "
-                                      "started (it is {}), or its KV backend cannot export its memory{}. Use the "
-                                      "state-file route (?action=restore).",
-                                      flag_set ? "set" : "unset",
-                                      flag_set ? " (this is the case here)" : "")});
-      }
+    if (eng().share_availability() != ShareAvailability::enabled) {
+      return reply_error(res, ApiError{ErrorType::not_supported, eng().share_refusal() +
+                                                                     ". Use the state-file route (?action=restore)."});
     }
     Json body;
     try {

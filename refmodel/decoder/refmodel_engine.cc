@@ -9,9 +9,12 @@
 #include <unordered_map>
 
 #include "kvshare/mapping.h"
+#include "kvshare/region/backend.h"
+#include "kvshare/share/decoder_share.h"
 #include "kvshare/statefile/state_file_reader.h"
 #include "kvshare/statefile/state_file_writer.h"
 #include "layout/memory_shape.h"
+#include "layout/share_header.h"
 #include "layout/share_layout.h"
 #include "refmodel/engine.h"
 
@@ -27,14 +30,17 @@ struct TensorPlace {
 class RefModelEngine final : public SlotEngine {
  public:
   RefModelEngine(std::shared_ptr<const refmodel::Model> model, std::unique_ptr<refmodel::Context> context,
-                 refmodel::KvMemory kv, std::vector<std::vector<std::byte>> buffers, ModelInfo info,
-                 ShareAvailability share)
+                 refmodel::KvMemory kv, std::vector<std::vector<std::byte>> buffers,
+                 std::unique_ptr<DecoderShare> shared, ModelInfo info, ShareAvailability share,
+                 std::string share_failure)
       : model_(std::move(model)),
         context_(std::move(context)),
         kv_(std::move(kv)),
         buffers_(std::move(buffers)),
+        shared_(std::move(shared)),
         info_(std::move(info)),
-        share_(share) {}
+        share_(share),
+        share_failure_(std::move(share_failure)) {}
 
   const ModelInfo& info() const override { return info_; }
   int32_t n_ctx() const override { return context_->n_ctx(); }
@@ -65,11 +71,47 @@ class RefModelEngine final : public SlotEngine {
   Result<RestoredState> restore_state(const std::filesystem::path& path, uint32_t max_tokens) override;
 
   ShareAvailability share_availability() const override { return share_; }
-  Result<ShareReply> share(const std::string& socket_path) override {
-    return fail(ENOTSUP, "share over {}: this build of kvshare-decoder has no share support yet", socket_path);
+  std::string share_refusal() const override {
+    if (share_ == ShareAvailability::cannot_export) return share_failure_;
+    return SlotEngine::share_refusal();
   }
-  tl::expected<void, AdoptError> adopt(std::span<const int32_t>, uint64_t) override {
-    return tl::unexpected(AdoptError{AdoptRefusal::other, Error(ENOTSUP, "adopt: no share support yet")});
+
+  Result<ShareReply> share(const std::string& socket_path) override {
+    if (shared_ == nullptr || !shared_->can_share()) return fail(ENOTSUP, "{}", share_refusal());
+    auto id = shared_->share(socket_path);
+    if (!id) return fail(id.error());
+    sent_share_id_ = *id;
+    ShareReply reply;
+    reply.share_id = *id;
+    reply.backend = std::string(region_backend_name(shared_->regions().front().backend));
+    reply.n_fds = static_cast<uint32_t>(shared_->regions().size());
+    reply.region_bytes = shared_->header().layout.total_bytes();
+    return reply;
+  }
+
+  // No data moves: the provider wrote cells 0..n-1 of the region the context reads.
+  tl::expected<void, AdoptError> adopt(std::span<const int32_t> tokens, uint64_t share_id) override {
+    if (shared_ == nullptr || !shared_->can_share()) {
+      return tl::unexpected(AdoptError{AdoptRefusal::other, Error(ENOTSUP, share_refusal())});
+    }
+    if (share_id != sent_share_id_ || sent_share_id_ == 0) {
+      // A share whose message never reached a broker has no provider: nothing to adopt.
+      return tl::unexpected(AdoptError{
+          AdoptRefusal::stale_share_id,
+          Error(ESTALE, sent_share_id_ == 0
+                            ? fmt::format("share_id {}: no share has been sent to a broker yet", share_id)
+                            : fmt::format("share_id {} is not the latest share sent to a broker ({})", share_id,
+                                          sent_share_id_))});
+    }
+    auto plan = shared_->adopt(tokens.size(), share_id);
+    if (!plan) {
+      const int e = plan.error().errno_value();
+      const AdoptRefusal kind = e == ESTALE                    ? AdoptRefusal::stale_share_id
+                                : e == ERANGE || e == EINVAL ? AdoptRefusal::too_many_tokens
+                                                               : AdoptRefusal::other;
+      return tl::unexpected(AdoptError{kind, plan.error()});
+    }
+    return {};
   }
 
  private:
@@ -102,8 +144,11 @@ class RefModelEngine final : public SlotEngine {
   std::unique_ptr<refmodel::Context> context_;
   refmodel::KvMemory kv_;
   std::vector<std::vector<std::byte>> buffers_;  // the private cache (empty when exported)
+  std::unique_ptr<DecoderShare> shared_;         // the exported cache (null when private)
   ModelInfo info_;
   ShareAvailability share_;
+  std::string share_failure_;                    // why export failed, for the 501
+  uint64_t sent_share_id_ = 0;                   // the latest share that reached a broker
   mutable std::mutex control_mutex_;
   mutable std::unordered_map<int32_t, bool> control_cache_;
 };
@@ -229,20 +274,44 @@ Result<std::unique_ptr<SlotEngine>> load_refmodel_engine(const RefEngineOptions&
   }
 
   refmodel::KvMemory kv;
-  kv.memory = *memory;
-  kv.layout = layout::share_layout(*memory);
   std::vector<std::vector<std::byte>> buffers;
+  std::unique_ptr<DecoderShare> shared;
   ShareAvailability share = ShareAvailability::flag_not_set;
-  for (const auto& chunk : kv.layout.chunks) buffers.emplace_back(chunk.size_bytes);
-  for (auto& b : buffers) kv.chunks.emplace_back(b);
+  std::string share_failure;
   if (options.share_requested) {
-    share = ShareAvailability::cannot_export;
-    std::fprintf(stderr,
-                 "kvshare-decoder: share_degrade: ONEBIT_KV_SHARE is set but this build cannot export its KV cache; "
-                 "?action=share answers 501 and handoffs take the state-file route\n");
-  } else {
-    std::fprintf(stderr, "kvshare-decoder: KV cache: private buffer, %llu bytes (ONEBIT_KV_SHARE unset)\n",
-                 static_cast<unsigned long long>(kv.layout.total_bytes()));
+    // The cache lives in the regions a share hands over: the header is built from the
+    // same shape and params, so a provider's layout is this cache's layout byte for byte.
+    const auto fingerprint = layout::model_fingerprint((*model)->metadata(), (*model)->tensor_infos());
+    auto header = layout::make_share_header(fingerprint, (*model)->shape(), params);
+    if (!header) return fail(header.error().with_context(fmt::format("model {}", options.model_path.string())));
+    auto export_options = ExportOptions::from_env();
+    if (!export_options) return fail(export_options.error());
+    shared = std::make_unique<DecoderShare>(DecoderShare::start(*header, true, *export_options));
+    if (shared->can_share()) {
+      share = ShareAvailability::enabled;
+      kv.memory = shared->header().memory;
+      kv.layout = shared->header().layout;
+      for (auto bytes : shared->chunk_bytes()) kv.chunks.push_back(bytes);
+      std::fprintf(stderr, "kvshare-decoder: KV cache: exported region, %llu bytes in %zu chunk(s), backend %s\n",
+                   static_cast<unsigned long long>(kv.layout.total_bytes()), kv.chunks.size(),
+                   shared->backend_description().c_str());
+    } else {
+      share = ShareAvailability::cannot_export;
+      // DecoderShare's own refusal text: both causes, with why no backend exported.
+      share_failure = shared->view("cache_k_l0").error().message();
+      std::fprintf(stderr, "kvshare-decoder: %s\n", shared->startup_warning().c_str());
+      shared.reset();
+    }
+  }
+  if (share != ShareAvailability::enabled) {
+    kv.memory = *memory;
+    kv.layout = layout::share_layout(*memory);
+    for (const auto& chunk : kv.layout.chunks) buffers.emplace_back(chunk.size_bytes);
+    for (auto& b : buffers) kv.chunks.emplace_back(b);
+    if (share == ShareAvailability::flag_not_set) {
+      std::fprintf(stderr, "kvshare-decoder: KV cache: private buffer, %llu bytes (ONEBIT_KV_SHARE unset)\n",
+                   static_cast<unsigned long long>(kv.layout.total_bytes()));
+    }
   }
 
   const int n_threads =
@@ -263,7 +332,8 @@ Result<std::unique_ptr<SlotEngine>> load_refmodel_engine(const RefEngineOptions&
   info.n_embd = static_cast<int32_t>((*model)->shape().n_embd);
   info.size_bytes = owned->size();
   return std::unique_ptr<SlotEngine>(new RefModelEngine(*model, std::move(*context), std::move(kv), std::move(buffers),
-                                                        std::move(info), share));
+                                                        std::move(shared), std::move(info), share,
+                                                        std::move(share_failure)));
 }
 
 }  // namespace kvshare::decoder

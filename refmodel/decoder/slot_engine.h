@@ -91,6 +91,9 @@ class SlotEngine {
   virtual Result<RestoredState> restore_state(const std::filesystem::path& path, uint32_t max_tokens) = 0;
 
   virtual ShareAvailability share_availability() const = 0;
+  // Why share is refused when share_availability() is not `enabled`: names both causes
+  // (flag not set; the KV backend cannot export), as kvshare::share_unavailable_reason.
+  virtual std::string share_refusal() const;
   // Connects to the AF_UNIX socket at `socket_path`, sends the layout header and the
   // region's fds, and returns the new share_id (every share makes the earlier one stale).
   virtual Result<ShareReply> share(const std::string& socket_path) = 0;

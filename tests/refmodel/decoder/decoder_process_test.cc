@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 
+#include "kvshare/share/broker.h"
 #include "live_server.h"
 #include "refmodel/decoder/http_client.h"
 #include "support/test_support.h"
@@ -277,6 +278,92 @@ TEST_P(DecoderProcess, ExitsCleanlyOnSigterm) {
 
 INSTANTIATE_TEST_SUITE_P(Backends, DecoderProcess, ::testing::Values("kvshare-decoder", "llama-server"),
                          [](const auto& info) { return info.param == "llama-server" ? "LlamaServer" : "KvshareDecoder"; });
+
+}  // namespace
+}  // namespace kvshare::decoder
+
+namespace kvshare::decoder {
+namespace {
+
+// The shared route with kvshare-prefill as the provider, in its own process: the test
+// plays the broker (listen, ask for the share, receive the fds, run the provider with
+// them, adopt), as kvshare-serve does.
+class SharedRoute : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!std::filesystem::exists(tool_path("kvshare-prefill"))) GTEST_SKIP() << "kvshare-prefill is not built";
+    backend_ = std::make_unique<Backend>("kvshare-decoder", std::vector<std::string>{"ONEBIT_KV_SHARE=1"});
+    if (!backend_->ready()) GTEST_FAIL() << "kvshare-decoder did not start";
+    if (!backend_->owns_slot_dir()) GTEST_SKIP() << "KVSHARE_DECODER_URL: the server's environment is not ours";
+  }
+
+  // share -> receive -> provider writes `head` into the region -> returns the share_id.
+  uint64_t prefill_through_share(const std::vector<int32_t>& head) {
+    auto broker = ShareBroker::listen(backend_->slots());
+    EXPECT_TRUE(broker) << broker.error().what();
+    if (!broker) return 0;
+    const Json shared = backend_->post_json("/slots/0?action=share", {{"socket", broker->socket_path()}});
+    EXPECT_TRUE(shared.contains("share_id")) << shared.dump();
+    auto share = broker->receive(10000);
+    EXPECT_TRUE(share) << share.error().what();
+    if (!share) return 0;
+    EXPECT_EQ(share->share_id, shared["share_id"].get<uint64_t>());
+    const auto ids = backend_->slots() / "ids.txt";
+    {
+      std::ofstream out(ids);
+      for (int32_t id : head) out << id << "\n";
+    }
+    auto run = broker->run_provider(*share,
+                                    {tool_path("kvshare-prefill").string(), "--tokens", ids.string(), "--model",
+                                     backend_->model().string(), "--layout", "{layout}", "--fds", "{fds}"},
+                                    60000);
+    EXPECT_TRUE(run) << run.error().what();
+    return share->share_id;
+  }
+
+  std::unique_ptr<Backend> backend_;
+};
+
+TEST_F(SharedRoute, DecodesCellsAKvsharePrefillProcessWroteLikeItsOwnPrefillWithOneEvaluatedToken) {
+  const Backend& b = *backend_;
+  const std::vector<int32_t> prompt = b.tokenize(kText);
+  const Json own = b.greedy(prompt, 12, false);
+  b.post_json("/slots/0?action=erase", Json::object());
+
+  const std::vector<int32_t> head(prompt.begin(), prompt.end() - 1);
+  const uint64_t share_id = prefill_through_share(head);
+  ASSERT_NE(share_id, 0u);
+  const Json adopted = b.post_json("/slots/0?action=adopt", {{"tokens", head}, {"share_id", share_id}});
+  EXPECT_EQ(adopted["n_adopted"], static_cast<int>(head.size()));
+  const Json reply = b.greedy(prompt, 12);
+  EXPECT_EQ(reply["tokens"], own["tokens"]);
+  EXPECT_EQ(reply["timings"]["prompt_n"], 1);
+  EXPECT_EQ(reply["timings"]["cache_n"], static_cast<int>(head.size()));
+}
+
+TEST_F(SharedRoute, RefusesAStaleShareIdAndTooManyTokensWith400) {
+  const Backend& b = *backend_;
+  const std::vector<int32_t> prompt = b.tokenize(kText);
+  const std::vector<int32_t> head(prompt.begin(), prompt.end() - 1);
+  const uint64_t first = prefill_through_share(head);
+  const uint64_t second = prefill_through_share(head);
+  ASSERT_NE(first, second);
+  expect_error(b.post("/slots/0?action=adopt", {{"tokens", head}, {"share_id", first}}), 400, "invalid_request_error");
+  expect_error(b.post("/slots/0?action=adopt", {{"tokens", std::vector<int32_t>(kCtx, 1)}, {"share_id", second}}), 400,
+               "invalid_request_error");
+  // The refusals left the latest share adoptable.
+  EXPECT_EQ(b.post_json("/slots/0?action=adopt", {{"tokens", head}, {"share_id", second}})["n_adopted"],
+            static_cast<int>(head.size()));
+}
+
+TEST_F(SharedRoute, AnswersShareWith500NamingTheSocketWhenNoBrokerListens) {
+  const HttpReply reply = backend_->post("/slots/0?action=share", {{"socket", (backend_->slots() / "none.sock").string()}});
+  expect_error(reply, 500, "server_error");
+  EXPECT_NE(reply.body.find("none.sock"), std::string::npos);
+  // A share that reached no broker leaves nothing to adopt.
+  expect_error(backend_->post("/slots/0?action=adopt", {{"tokens", {1, 2}}, {"share_id", 1}}), 400,
+               "invalid_request_error");
+}
 
 }  // namespace
 }  // namespace kvshare::decoder
