@@ -7,7 +7,7 @@
 #include "layout/half.h"
 #include "refmodel/model_impl.h"
 #include "refmodel/quant.h"
-#include "tiny_model.h"
+#include "refmodel/tiny_model.h"
 
 namespace kvshare::refmodel {
 namespace {

@@ -3,7 +3,7 @@
 #include "layout/gguf_reader.h"
 #include "refmodel/engine.h"
 #include "refmodel/model_generator.h"
-#include "tiny_model.h"
+#include "refmodel/tiny_model.h"
 
 namespace kvshare::refmodel {
 namespace {

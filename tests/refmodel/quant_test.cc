@@ -13,7 +13,7 @@
 #include "layout/ggml_type.h"
 #include "layout/half.h"
 #include "refmodel/quant.h"
-#include "test_support.h"
+#include "support/test_support.h"
 
 namespace kvshare::refmodel {
 namespace {

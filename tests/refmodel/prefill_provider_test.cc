@@ -1,0 +1,291 @@
+// kvshare-prefill, the reference provider: its ids file, its refusals, and the claim the
+// route rests on: greedy decoding from the KV it made equals the model's own greedy
+// decoding of the same prompt, token for token (state file, and shared region).
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "layout/share_header.h"
+#include "refmodel/decoder/refmodel_engine.h"
+#include "refmodel/model_generator.h"
+#include "refmodel/provider/prefill_provider.h"
+#include "support/test_support.h"
+#include "refmodel/tiny_model.h"
+
+namespace kvshare::refmodel {
+namespace {
+
+using kvshare::testing::run_command;
+using kvshare::testing::TempDir;
+using kvshare::testing::tool_path;
+
+void write_text(const std::filesystem::path& p, const std::string& s) { std::ofstream(p) << s; }
+
+std::string ids_lines(const std::vector<int32_t>& ids) {
+  std::string s;
+  for (int32_t id : ids) s += std::to_string(id) + "\n";
+  return s;
+}
+
+std::filesystem::path write_model(const TempDir& dir, const GeneratorOptions& o, const std::string& name = "m.gguf") {
+  auto bytes = generate_model_bytes(o);
+  EXPECT_TRUE(bytes);
+  kvshare::testing::write_file_bytes(dir / name, *bytes);
+  return dir / name;
+}
+
+std::string last_line(const std::string& s) {
+  std::string t = s;
+  while (!t.empty() && t.back() == '\n') t.pop_back();
+  const size_t nl = t.rfind('\n');
+  return nl == std::string::npos ? t : t.substr(nl + 1);
+}
+
+// The prompt: a ChatML conversation, tokenized as llama-server would.
+std::vector<int32_t> chat_prompt(const Model& model) {
+  auto text = model.apply_chat_template({{"user", "Hello, how is the system?"}}, true);
+  return *model.tokenizer().tokenize(*text, true, true);
+}
+
+std::vector<int32_t> greedy_continue(Context& ctx, std::vector<float> logits, int32_t pos, int n) {
+  std::vector<int32_t> out;
+  for (int i = 0; i < n; ++i) {
+    const int32_t id = sample_greedy(logits);
+    out.push_back(id);
+    auto next = ctx.decode(std::span(&out.back(), 1), pos++);
+    EXPECT_TRUE(next) << next.error().what();
+    logits = *next;
+  }
+  return out;
+}
+
+std::vector<int32_t> own_greedy(std::shared_ptr<const Model> model, const layout::KvParams& params,
+                                const std::vector<int32_t>& prompt, int n) {
+  auto kv = testing::make_buffer_kv(*model, params);
+  auto ctx = Context::create(model, kv->kv, 1);
+  EXPECT_TRUE(ctx);
+  auto logits = (*ctx)->decode(prompt, 0);
+  EXPECT_TRUE(logits);
+  return greedy_continue(**ctx, *logits, static_cast<int32_t>(prompt.size()), n);
+}
+
+TEST(TokenIds, AcceptsOneIdPerLineAndAJsonArray) {
+  EXPECT_EQ(*parse_token_ids("1\n 22 \r\n\n333\n", "ids"), (std::vector<int32_t>{1, 22, 333}));
+  EXPECT_EQ(*parse_token_ids(" [1, 22,333]\n", "ids"), (std::vector<int32_t>{1, 22, 333}));
+}
+
+TEST(TokenIds, NamesTheLineOfANonNumber) {
+  auto r = parse_token_ids("1\n2x\n", "p.txt");
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.error().message().find("p.txt: line 2 is \"2x\""), std::string::npos) << r.error().message();
+}
+
+TEST(TokenIds, NamesTheElementOfANonIntegerInAJsonArray) {
+  auto r = parse_token_ids("[1, \"a\"]", "p.json");
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.error().message().find("element 1 is \"a\""), std::string::npos) << r.error().message();
+}
+
+TEST(TokenIds, RefusesNegativeIdsAndAnEmptyFile) {
+  EXPECT_FALSE(parse_token_ids("-3\n", "p"));
+  EXPECT_FALSE(parse_token_ids("[-3]", "p"));
+  auto r = parse_token_ids("\n \n", "p");
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.error().message().find("no token ids"), std::string::npos);
+}
+
+TEST(FdList, ParsesCommaSeparatedDescriptorsAndRefusesDuplicates) {
+  EXPECT_EQ(*parse_fd_list("3,4,10"), (std::vector<int>{3, 4, 10}));
+  EXPECT_FALSE(parse_fd_list("3,3"));
+  EXPECT_FALSE(parse_fd_list("3,,4"));
+  EXPECT_FALSE(parse_fd_list("x"));
+}
+
+class PrefillTool : public ::testing::Test {
+ protected:
+  TempDir dir;
+  std::filesystem::path model = write_model(dir, {});
+  kvshare::testing::CommandResult run(const std::string& ids, const std::string& extra) {
+    write_text(dir / "ids.txt", ids);
+    return run_command(fmt::format("{} --tokens {} --model {} {}", tool_path("kvshare-prefill").string(),
+                                   (dir / "ids.txt").string(), model.string(), extra));
+  }
+};
+
+TEST_F(PrefillTool, RefusesANonNumberInTheIdsFile) {
+  auto r = run("5\nhello\n", fmt::format("--out {}", (dir / "s.bin").string()));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("line 2 is \"hello\", not a decimal token id"), std::string::npos) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "s.bin"));
+}
+
+TEST_F(PrefillTool, RefusesAnIdOutsideTheVocabulary) {
+  auto r = run("5\n100000\n", fmt::format("--out {}", (dir / "s.bin").string()));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("id 100000 (entry 2) is outside the vocabulary"), std::string::npos) << r.err;
+}
+
+TEST_F(PrefillTool, RefusesMoreTokensThanTheContext) {
+  auto r = run(ids_lines(std::vector<int32_t>(300, 7)), fmt::format("--out {} -c 256", (dir / "s.bin").string()));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("300 tokens do not fit the context of 256 cells"), std::string::npos) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "s.bin"));
+}
+
+TEST_F(PrefillTool, RefusesAModelOfAnUnknownArchitecture) {
+  write_text(dir / "bad.gguf", "not a gguf file at all");
+  model = dir / "bad.gguf";
+  auto r = run("1\n", fmt::format("--out {}", (dir / "s.bin").string()));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("bad.gguf"), std::string::npos) << r.err;
+}
+
+TEST_F(PrefillTool, RefusesAnUnknownCacheTypeAsBadUsage) {
+  auto r = run("1\n", fmt::format("--out {} -ctk q9_9", (dir / "s.bin").string()));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("q9_9"), std::string::npos) << r.err;
+}
+
+TEST_F(PrefillTool, PrintsPrefillMsAsItsLastLine) {
+  auto r = run("[1, 2, 3]", fmt::format("--out {}", (dir / "s.bin").string()));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string line = last_line(r.out);
+  EXPECT_EQ(line.rfind("{\"prefill_ms\": ", 0), 0u) << line;
+  EXPECT_TRUE(std::filesystem::exists(dir / "s.bin"));
+}
+
+// The seed's handoff: the provider gets the prompt minus its last token, the decoder
+// restores the file and evaluates that last token itself.
+void expect_state_file_decode_matches(const GeneratorOptions& o, const std::string& ctk, bool flash_attn) {
+  TempDir dir;
+  const auto model_path = write_model(dir, o);
+  auto model = testing::load_generated(o);
+  const auto prompt = chat_prompt(*model);
+  const std::vector<int32_t> handed(prompt.begin(), prompt.end() - 1);
+  write_text(dir / "ids.txt", ids_lines(handed));
+  auto r = run_command(fmt::format("{} --tokens {} --model {} --out {} -c 512 -ctk {} -ctv {} -fa {}",
+                                   tool_path("kvshare-prefill").string(), (dir / "ids.txt").string(),
+                                   model_path.string(), (dir / "slot.bin").string(), ctk, ctk,
+                                   flash_attn ? "on" : "off"));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+
+  decoder::RefEngineOptions eo;
+  eo.model_path = model_path;
+  eo.model_name = "m.gguf";
+  eo.params = testing::small_params(512, *layout::parse_cache_type(ctk), *layout::parse_cache_type(ctk), flash_attn);
+  eo.n_threads = 1;
+  auto engine = decoder::load_refmodel_engine(eo);
+  ASSERT_TRUE(engine) << engine.error().what();
+  auto restored = (*engine)->restore_state(dir / "slot.bin", 512);
+  ASSERT_TRUE(restored) << restored.error().what();
+  auto logits = (*engine)->eval(std::span(&prompt.back(), 1), static_cast<int32_t>(handed.size()));
+  ASSERT_TRUE(logits) << logits.error().what();
+  std::vector<int32_t> reply;
+  int32_t pos = static_cast<int32_t>(prompt.size());
+  for (int i = 0; i < 12; ++i) {
+    reply.push_back(sample_greedy(*logits));
+    logits = (*engine)->eval(std::span(&reply.back(), 1), pos++);
+    ASSERT_TRUE(logits);
+  }
+  EXPECT_EQ(reply, own_greedy(model, eo.params, prompt, 12)) << o.arch << " " << ctk;
+}
+
+TEST(PrefillStateFile, GreedyDecodeFromTheFileEqualsOwnGreedyDecodeQwen3F16) {
+  expect_state_file_decode_matches({}, "f16", true);
+}
+
+TEST(PrefillStateFile, GreedyDecodeFromTheFileEqualsOwnGreedyDecodeLlamaQ80WeightsQ80Cache) {
+  GeneratorOptions o;
+  o.arch = "llama";
+  o.wtype = layout::GgmlType::Q8_0;
+  expect_state_file_decode_matches(o, "q8_0", true);
+}
+
+TEST(PrefillStateFile, GreedyDecodeFromTheFileEqualsOwnGreedyDecodeWithTransposedV) {
+  GeneratorOptions o;
+  o.wtype = layout::GgmlType::F16;
+  expect_state_file_decode_matches(o, "f16", false);
+}
+
+// The shared route: the region is a sealed memfd (what a CPU decoder exports), handed to
+// the provider as an inherited descriptor; a Context over the same bytes then decodes.
+class SharedRegion : public kvshare::testing::FdLeakCheck {};
+
+TEST_F(SharedRegion, GreedyDecodeFromAdoptedCellsEqualsOwnGreedyDecode) {
+  TempDir dir;
+  GeneratorOptions o;
+  const auto model_path = write_model(dir, o);
+  auto model = testing::load_generated(o);
+  const auto params = testing::small_params(512, layout::GgmlType::Q8_0, layout::GgmlType::Q8_0, true);
+  auto header = layout::make_share_header(layout::model_fingerprint(model->metadata(), model->tensor_infos()),
+                                          model->shape(), params);
+  ASSERT_TRUE(header) << header.error().what();
+  write_text(dir / "layout.json", layout::to_json(*header));
+
+  std::vector<int> fds;
+  std::vector<std::span<std::byte>> chunks;
+  for (const auto& chunk : header->layout.chunks) {
+    // Inheritable on purpose (no MFD_CLOEXEC): the provider receives it across exec.
+    const int fd = memfd_create("kvshare-test-kv", MFD_ALLOW_SEALING);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(ftruncate(fd, static_cast<off_t>(chunk.size_bytes)), 0);
+    ASSERT_EQ(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+    void* p = mmap(nullptr, chunk.size_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ASSERT_NE(p, MAP_FAILED);
+    fds.push_back(fd);
+    chunks.emplace_back(static_cast<std::byte*>(p), chunk.size_bytes);
+  }
+  const auto prompt = chat_prompt(*model);
+  const std::vector<int32_t> handed(prompt.begin(), prompt.end() - 1);
+  write_text(dir / "ids.json", "[" + [&] {
+    std::string s;
+    for (size_t i = 0; i < handed.size(); ++i) s += (i ? "," : "") + std::to_string(handed[i]);
+    return s;
+  }() + "]");
+  std::string fd_list;
+  for (size_t i = 0; i < fds.size(); ++i) fd_list += (i ? "," : "") + std::to_string(fds[i]);
+  auto r = run_command(fmt::format("{} --tokens {} --model {} --layout {} --fds {}", tool_path("kvshare-prefill").string(),
+                                   (dir / "ids.json").string(), model_path.string(), (dir / "layout.json").string(),
+                                   fd_list));
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(last_line(r.out).rfind("{\"prefill_ms\": ", 0), 0u) << r.out;
+
+  if (r.exit_code == 0) {
+    KvMemory kv{header->memory, header->layout, chunks};
+    auto ctx = Context::create(model, kv, 1);
+    ASSERT_TRUE(ctx) << ctx.error().what();
+    auto logits = (*ctx)->decode(std::span(&prompt.back(), 1), static_cast<int32_t>(handed.size()));
+    ASSERT_TRUE(logits) << logits.error().what();
+    const auto reply = greedy_continue(**ctx, *logits, static_cast<int32_t>(prompt.size()), 12);
+    EXPECT_EQ(reply, own_greedy(model, params, prompt, 12));
+  }
+  for (size_t i = 0; i < fds.size(); ++i) {
+    munmap(chunks[i].data(), chunks[i].size());
+    close(fds[i]);
+  }
+}
+
+TEST_F(SharedRegion, RefusesALayoutHeaderOfAnotherModel) {
+  TempDir dir;
+  const auto model_path = write_model(dir, {});
+  GeneratorOptions other;
+  other.n_layer = 3;
+  auto other_model = testing::load_generated(other);
+  auto header = layout::make_share_header(
+      layout::model_fingerprint(other_model->metadata(), other_model->tensor_infos()), other_model->shape(),
+      testing::small_params(256));
+  ASSERT_TRUE(header);
+  write_text(dir / "layout.json", layout::to_json(*header));
+  write_text(dir / "ids.txt", "1\n2\n");
+  auto r = run_command(fmt::format("{} --tokens {} --model {} --layout {} --fds 0", tool_path("kvshare-prefill").string(),
+                                   (dir / "ids.txt").string(), model_path.string(), (dir / "layout.json").string()));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("layout.json"), std::string::npos) << r.err;
+}
+
+}  // namespace
+}  // namespace kvshare::refmodel
