@@ -111,7 +111,10 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
   // it by itself; waiting here keeps any decoder honest).
   context.slot->wait_idle(provider_timeout(config));
   const Json body = {{"filename", state_name}, {"leave_one_token", true}};
+  const auto restore_start = std::chrono::steady_clock::now();
   auto restored = context.decoder->slot_action("restore", body);
+  const double restore_wall_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - restore_start).count();
   if (!restored) return forward_because("restore_failed", restored.error().what());
   if (!restored->ok())
     return forward_because("restore_failed", fmt::format("POST /slots/0?action=restore answered {}: {}",
@@ -123,7 +126,7 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
                                                         "(the prompt less its last token)",
                                                         n_restored.dump(), handoff_ids.size()));
   }
-  report.handoff_ms = restored->timings_ms().value_or(0.0);
+  report.handoff_ms = restored->timings_ms().value_or(restore_wall_ms);
   return {Step::handed_off, "", ""};
 }
 
