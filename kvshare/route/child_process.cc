@@ -30,7 +30,8 @@ ExitStatus decode_wait_status(int status) {
 }
 
 // In the child between fork and exec: only async-signal-safe calls.
-[[noreturn]] void exec_child(char* const* argv, const SpawnOptions& options, int stdout_write, int error_write) {
+[[noreturn]] void exec_child(char* const* argv, const SpawnOptions& options, int stdout_write, int stderr_file,
+                             int error_write) {
   ::setpgid(0, 0);
   if (options.die_with_parent) ::prctl(PR_SET_PDEATHSIG, SIGTERM);
   // Signals blocked by serve's signal thread must not stay blocked in the child.
@@ -41,6 +42,7 @@ ExitStatus decode_wait_status(int status) {
   struct sigaction default_action {};
   default_action.sa_handler = SIG_DFL;
   ::sigaction(SIGPIPE, &default_action, nullptr);
+  if (stderr_file >= 0) ::dup2(stderr_file, STDERR_FILENO);
   if (stdout_write >= 0) ::dup2(stdout_write, STDOUT_FILENO);
   else if (options.stdout_to_stderr) ::dup2(STDERR_FILENO, STDOUT_FILENO);
   // Two passes: a target number may be another source's current number.
@@ -86,9 +88,15 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
     out_write.reset(out_pipe[1]);
   }
 
+  Fd stderr_file;
+  if (!options.stderr_path.empty()) {
+    stderr_file.reset(::open(options.stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+    if (!stderr_file) return fail(errno, "spawn {}: opening {} for its stderr", argv[0], options.stderr_path);
+  }
+
   const pid_t pid = ::fork();
   if (pid < 0) return fail(errno, "spawn {}: fork", argv[0]);
-  if (pid == 0) exec_child(cargv.data(), options, out_write.get(), error_write.get());
+  if (pid == 0) exec_child(cargv.data(), options, out_write.get(), stderr_file.get(), error_write.get());
   // Also from the parent: whichever runs first, the group exists before anyone signals it.
   ::setpgid(pid, pid);
   error_write.reset();

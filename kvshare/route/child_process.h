@@ -23,6 +23,7 @@ struct SpawnOptions {
   bool capture_stdout = false;   // stdout into a pipe read by wait_for(); else serve's stdout
   bool stdout_to_stderr = false; // child stdout joins serve's stderr (the decoder's chatter)
   bool die_with_parent = false;  // PR_SET_PDEATHSIG SIGTERM (the decoder)
+  std::string stderr_path;       // non-empty: the child's stderr goes to this file (created 0600)
 };
 
 // How a child ended.
