@@ -458,40 +458,48 @@ ParseResult<StateBlock> parse_recurrent_block(Cursor& in, const RecurrentShape* 
     stream.sections.insert(stream.sections.end(), s_sections.begin(), s_sections.end());
   } else {
     // Layers without recurrent tensors write nothing, so the section count is not in the
-    // file: it is the reading with k R sections and k S sections, k <= n_layer, that ends
-    // the file (the recurrent block is always last). Prefer the largest such k.
-    std::optional<ParseError> last_error;
-    std::optional<std::pair<Cursor, std::vector<StateSection>>> fallback;
-    bool found = false;
-    for (uint32_t k = std::min<uint64_t>(n_layer, in.remaining() / (2 * kStateSectionHeaderBytes)) + 1; k-- > 0;) {
-      Cursor attempt = in;
-      auto r_sections = parse_sections(attempt, "recurrent", TensorKind::r, k, false, cell_count, nullptr);
-      if (!r_sections) {
-        last_error = r_sections.error();
-        continue;
-      }
-      auto s_sections = parse_sections(attempt, "recurrent", TensorKind::s, k, false, cell_count, nullptr);
-      if (!s_sections) {
-        last_error = s_sections.error();
-        continue;
-      }
-      r_sections->insert(r_sections->end(), s_sections->begin(), s_sections->end());
-      if (attempt.remaining() == 0) {
-        stream.sections = std::move(*r_sections);
-        in = attempt;
-        found = true;
+    // file: it is the reading with k R sections and then k S sections, k <= n_layer, that
+    // ends the file (the recurrent block is always last). Parse the run of sections once
+    // (linear, whatever the counts claim), then pick the largest k that ends the file, else
+    // the largest k that parses (trailing bytes are legal: llama.cpp ignores them).
+    std::vector<StateSection> run;
+    std::optional<ParseError> stop;
+    const uint64_t max_sections = std::min<uint64_t>(uint64_t{n_layer} * 2, in.remaining() / kStateSectionHeaderBytes);
+    std::vector<uint64_t> end_after;  // cursor position after run[i]
+    Cursor walker = in;
+    for (uint64_t i = 0; i < max_sections; ++i) {
+      auto section = parse_section(walker, "recurrent", TensorKind::r, static_cast<uint32_t>(i), false, cell_count,
+                                   nullptr);
+      if (!section) {
+        stop = section.error();
         break;
       }
-      // Trailing bytes are legal (llama.cpp ignores them): keep the largest reading in case
-      // none ends the file.
-      if (!fallback) fallback.emplace(attempt, std::move(*r_sections));
+      run.push_back(*section);
+      end_after.push_back(walker.pos());
     }
-    if (!found && fallback) {
-      in = fallback->first;
-      stream.sections = std::move(fallback->second);
-    } else if (!found) {
-      if (last_error) return tl::unexpected(*last_error);
+    const uint64_t file_end = in.pos() + in.remaining();
+    uint64_t chosen = run.size() / 2;
+    bool exact = false;
+    for (uint64_t k = run.size() / 2; k > 0; --k)
+      if (end_after[2 * k - 1] == file_end) {
+        chosen = k;
+        exact = true;
+        break;
+      }
+    if (chosen == 0 && n_layer > 0 && in.remaining() > 0 && !exact) {
+      if (stop) return tl::unexpected(*stop);
       return in.error_at(in.pos(), "no R/S section list fits after the recurrent header");
+    }
+    for (uint64_t i = 0; i < 2 * chosen; ++i) {
+      StateSection section = run[i];
+      section.kind = i < chosen ? TensorKind::r : TensorKind::s;
+      section.il = static_cast<uint32_t>(i < chosen ? i : i - chosen);
+      stream.sections.push_back(section);
+    }
+    if (chosen > 0) {
+      Cursor advanced = in;
+      (void)advanced.skip(1, end_after[2 * chosen - 1] - in.pos(), "recurrent sections");
+      in = advanced;
     }
   }
   block.streams.push_back(std::move(stream));
@@ -733,7 +741,7 @@ Result<StateLayout> decode_state_layout(std::span<const std::byte> file, const M
 
 std::vector<int32_t> decode_state_tokens(std::span<const std::byte> file, const StateLayout& layout) {
   std::vector<int32_t> tokens(layout.n_token);
-  if (layout.tokens_offset + uint64_t{4} * layout.n_token <= file.size())
+  if (layout.n_token > 0 && layout.tokens_offset + uint64_t{4} * layout.n_token <= file.size())
     std::memcpy(tokens.data(), file.data() + layout.tokens_offset, tokens.size() * 4);
   return tokens;
 }
