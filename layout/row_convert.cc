@@ -3,6 +3,8 @@
 // kernels of row_convert_avx2.cc.
 #include "layout/row_convert.h"
 
+#include <cpuid.h>
+
 #include <algorithm>
 #include <cassert>
 #include <cfloat>
@@ -411,8 +413,14 @@ void fp32_to_cache(const float* src, GgmlType dst_type, void* dst, int64_t n) {
 namespace kernels {
 
 bool cpu_has_avx2_f16c() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
-                          __builtin_cpu_supports("fma");
+  // F16C from CPUID leaf 1 (ECX bit 29): clang 14's __builtin_cpu_supports does not know
+  // the "f16c" feature name, gcc does; cpuid works with both.
+  static const bool has = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+    const bool has_f16c = (ecx & (1u << 29)) != 0;
+    return has_f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
   return has;
 }
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite, as the README's second command and .ci/run run it:
 #   1. a RelWithDebInfo build (gcc) and every CTest (unit, integration, fuzz replays, bench smoke);
-#   2. an ASan+UBSan build (clang) of the same tests, plus each libFuzzer target for a
-#      bounded time (KVSHARE_FUZZ_SECONDS, default 20 per target).
-# KVSHARE_SKIP_SANITIZE=1 runs step 1 only (quick local iterations).
+#   2. with KVSHARE_SANITIZE=1: an ASan+UBSan build (clang) of the same tests, plus each
+#      libFuzzer target for a bounded time (KVSHARE_FUZZ_SECONDS, default 20 per target).
+# Step 2 is opt-in until a full sanitizer run has been verified green on a 2-core CI
+# machine within its time budget (see issue #2's closing note).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -22,8 +23,8 @@ cmake -S tests/consumer -B build/consumer -G Ninja -DCMAKE_PREFIX_PATH="$root/bu
 cmake --build build/consumer
 build/consumer/kvshare-consumer
 
-if [ "${KVSHARE_SKIP_SANITIZE:-0}" = "1" ]; then
-  echo "== sanitizer build skipped (KVSHARE_SKIP_SANITIZE=1)"
+if [ "${KVSHARE_SANITIZE:-0}" != "1" ]; then
+  echo "== sanitizer build skipped (set KVSHARE_SANITIZE=1 for ASan+UBSan and the fuzzers)"
   exit 0
 fi
 
