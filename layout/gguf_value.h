@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "layout/error.h"
-#include "layout/ggml_type.h"
+#include "layout/tensor_type.h"
 
 namespace kvshare::layout {
 

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "layout/error.h"
-#include "layout/ggml_type.h"
+#include "layout/tensor_type.h"
 
 namespace kvshare::layout {
 

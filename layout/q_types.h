@@ -1,6 +1,6 @@
 // ggml's quantized block layouts (ggml/src/ggml-common.h), byte for byte. Every struct is
 // trivially copyable with no padding, so a cache or weight row is an array of them; the
-// static_asserts pin the sizes to the ones ggml_type.cc lists.
+// static_asserts pin the sizes to the ones tensor_type.cc lists.
 #pragma once
 
 #include <cstdint>

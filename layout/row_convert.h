@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "layout/ggml_type.h"
+#include "layout/tensor_type.h"
 #include "layout/memory_shape.h"
 
 namespace kvshare::layout {

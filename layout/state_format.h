@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "layout/error.h"
-#include "layout/ggml_type.h"
+#include "layout/tensor_type.h"
 #include "layout/memory_shape.h"
 
 namespace kvshare::layout {

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "layout/error.h"
-#include "layout/ggml_type.h"
+#include "layout/tensor_type.h"
 #include "layout/gguf_writer.h"
 
 namespace kvshare::refmodel {

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "layout/error.h"
-#include "layout/ggml_type.h"
+#include "layout/tensor_type.h"
 #include "layout/gguf_value.h"
 #include "refmodel/engine.h"
 

@@ -8,7 +8,7 @@
 #include <span>
 
 #include "layout/error.h"
-#include "layout/ggml_type.h"
+#include "layout/tensor_type.h"
 
 namespace kvshare::refmodel {
 

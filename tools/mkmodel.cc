@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <fstream>
 
-#include "layout/ggml_type.h"
+#include "layout/tensor_type.h"
 #include "refmodel/model_generator.h"
 
 int main(int argc, char** argv) {

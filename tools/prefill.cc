@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "layout/ggml_type.h"
+#include "layout/tensor_type.h"
 #include "refmodel/provider/prefill_provider.h"
 
 int main(int argc, char** argv) {

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "kvshare/statefile/state_tools.h"
-#include "layout/ggml_type.h"
+#include "layout/tensor_type.h"
 #include "layout/kv_params.h"
 
 namespace {

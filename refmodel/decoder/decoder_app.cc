@@ -11,7 +11,7 @@
 #include <thread>
 
 #include <cstdlib>
-#include "layout/ggml_type.h"
+#include "layout/tensor_type.h"
 #include "refmodel/decoder/http_server.h"
 #include "refmodel/decoder/refmodel_engine.h"
 

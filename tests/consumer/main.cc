@@ -2,7 +2,7 @@
 #include <cstdio>
 
 #include "kvshare/fd.h"
-#include "layout/ggml_type.h"
+#include "layout/tensor_type.h"
 
 int main() {
   kvshare::Fd fd;  // empty: -1

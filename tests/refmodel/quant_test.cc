@@ -10,7 +10,7 @@
 #include <fstream>
 #include <string>
 
-#include "layout/ggml_type.h"
+#include "layout/tensor_type.h"
 #include "layout/half.h"
 #include "refmodel/quant.h"
 #include "support/test_support.h"

@@ -1,4 +1,4 @@
-#include "layout/ggml_type.h"
+#include "layout/tensor_type.h"
 
 #include <gtest/gtest.h>
 
