@@ -692,6 +692,10 @@ Result<ShareHeader> parse_share_header(std::string_view json, std::string_view s
   return parse_document(root, source);
 }
 
+Result<ShareHeader> parse_share_header_document(const Json& document, std::string_view source) {
+  return parse_document(document, source);
+}
+
 Result<void> check_compatible(const ShareHeader& ours, const ShareHeader& theirs, std::string_view peer) {
   Comparison cmp;
   cmp.field("format_version", theirs.format_version, ours.format_version);

@@ -9,6 +9,8 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "layout/error.h"
 #include "layout/gguf_value.h"
 #include "layout/kv_params.h"
@@ -49,6 +51,10 @@ std::string to_json(const ShareHeader& header, bool pretty = true);
 // (offsets 4096-aligned, tensors inside their chunk, hashes recomputed from the tensors).
 // Errors name `source` (a file path or "handshake from pid N") and the JSON field.
 Result<ShareHeader> parse_share_header(std::string_view json, std::string_view source);
+// The same checks on a header already parsed as part of a larger document (the handshake
+// message carries it as an object): the JSON is parsed once per handshake, not twice.
+// The caller bounds its size and nesting (the handshake caps the whole message).
+Result<ShareHeader> parse_share_header_document(const nlohmann::ordered_json& document, std::string_view source);
 
 // Refuses a peer whose header differs from ours in anything that changes the bytes: the
 // error names the first differing field and both values, e.g.

@@ -114,7 +114,7 @@ Result<FdEntry> parse_fd_entry(const Json& entry, std::string_view source, size_
   return fd;
 }
 
-Result<Message> parse_object(const Json& json, std::string_view source) {
+Result<Message> parse_object(Json& json, std::string_view source) {
   if (!json.is_object())
     return fail(EINVAL, "handshake from {}: message is {}, expected a JSON object", source,
                 std::string(json.type_name()));
@@ -162,7 +162,7 @@ Result<Message> parse_object(const Json& json, std::string_view source) {
   if (!(*header)->is_object())
     return fail(EINVAL, "handshake from {}: field \"header\" is {}, expected the layout header object", source,
                 std::string((*header)->type_name()));
-  message.header_json = dump(**header);
+  message.header = std::move(json["header"]);  // moved, not copied: the message owns it now
   return message;
 }
 
@@ -191,10 +191,17 @@ std::string encode_json(const Message& message) {
     fds.push_back(std::move(entry));
   }
   json["fds"] = std::move(fds);
-  // The header goes in as the object it is; an unparsable header_json is a caller bug,
-  // sent as null so the peer refuses it by name instead of this side throwing.
-  json["header"] = Json::parse(message.header_json, nullptr, false);
-  return dump(json);
+  // "header" is the last key: the envelope is dumped without it and the header's text is
+  // spliced in, so a 20-40 KB header is neither parsed nor re-serialized per share.
+  // header_json must be one JSON object (layout::to_json's); if it is not, the peer's
+  // parse refuses the message by name.
+  std::string text = dump(json);
+  text.pop_back();  // the envelope's closing brace
+  text += ",\"header\":";
+  if (!message.header_json.empty()) text += message.header_json;
+  else text += dump(message.header);
+  text += '}';
+  return text;
 }
 
 Result<std::vector<std::byte>> encode_frame(const Message& message) {

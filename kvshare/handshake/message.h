@@ -14,6 +14,8 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "layout/error.h"
 
 namespace kvshare::handshake {
@@ -42,7 +44,13 @@ struct Message {
   uint64_t share_id = 0;      // share: fresh per share; refuse: the share refused (0: none)
   // share only:
   std::vector<FdEntry> fds;   // exactly the SCM_RIGHTS fds, same order
-  std::string header_json;    // the layout header (docs/layout.md) as compact JSON text
+  // The layout header (docs/layout.md). A sender sets `header_json` to its compact text
+  // (layout::to_json), spliced into the message verbatim: a decoder serializes its header
+  // once at start, not per share. A parsed message has the object in `header` (the JSON
+  // is parsed once per handshake; layout::parse_share_header takes it as it is) and an
+  // empty `header_json`. encode_json uses `header_json` when set, else `header`.
+  std::string header_json;
+  nlohmann::ordered_json header;
   // refuse only:
   std::string field;          // the JSON field that differs ("params.type_k"), "" if none
   std::string reason;         // a sentence a human acts on

@@ -88,10 +88,9 @@ Result<ReceivedShare> ShareBroker::receive(int timeout_ms) {
   ReceivedShare share;
   share.share_id = received->message.share_id;
   share.peer = peer;
-  share.header_json = std::move(received->message.header_json);
   share.entries = std::move(received->message.fds);
   share.fds = std::move(received->fds);
-  auto header = layout::parse_share_header(share.header_json, fmt::format("handshake from {}", who));
+  auto header = layout::parse_share_header_document(received->message.header, fmt::format("handshake from {}", who));
   if (!header) return fail(header.error());
   share.header = std::move(*header);
   if (auto checked = check_entries(share, who); !checked) return fail(checked.error());
@@ -100,17 +99,18 @@ Result<ReceivedShare> ShareBroker::receive(int timeout_ms) {
 
 Result<std::filesystem::path> ShareBroker::write_header_file(const ReceivedShare& share) {
   const auto path = listener_.directory() / fmt::format("layout-{}.json", share.share_id);
+  const std::string text = layout::to_json(share.header, true);
   Fd fd(sys::ops().open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
   if (!fd) return fail(errno, "creating the provider's header file {}", path.string());
   size_t written = 0;
-  while (written < share.header_json.size()) {
-    const ssize_t n = sys::ops().write(fd.get(), share.header_json.data() + written, share.header_json.size() - written);
+  while (written < text.size()) {
+    const ssize_t n = sys::ops().write(fd.get(), text.data() + written, text.size() - written);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       const int error = n < 0 ? errno : EIO;
       sys::ops().unlink(path.c_str());
       return fail(error, "writing the provider's header file {} at byte {} of {}", path.string(), written,
-                  share.header_json.size());
+                  text.size());
     }
     written += static_cast<size_t>(n);
   }

@@ -26,7 +26,6 @@ struct ReceivedShare {
   uint64_t share_id = 0;
   handshake::PeerCredentials peer;
   layout::ShareHeader header;              // parsed and validated
-  std::string header_json;                 // as received: what the provider's file holds
   std::vector<handshake::FdEntry> entries; // one per fd
   std::vector<Fd> fds;                     // checked: kind and size match the layout
 };
@@ -53,7 +52,8 @@ class ShareBroker {
   // mismatch is EINVAL naming the field. Every fd is closed on every failure.
   Result<ReceivedShare> receive(int timeout_ms);
 
-  // Writes share.header_json to "layout-<share_id>.json" (0600) in the private directory.
+  // Writes share.header (layout::to_json, the same document the decoder sent, re-emitted
+  // from the validated values) to "layout-<share_id>.json" (0600) in the private directory.
   Result<std::filesystem::path> write_header_file(const ReceivedShare& share);
 
   // Writes the header file, starts the provider from `argv_template` with the share's

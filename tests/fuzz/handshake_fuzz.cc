@@ -12,7 +12,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(data), size);
   auto message = kvshare::handshake::parse_frame(bytes, "fuzz");
   if (message && message->type == kvshare::handshake::MessageType::share) {
-    (void)kvshare::layout::parse_share_header(message->header_json, "fuzz");
+    (void)kvshare::layout::parse_share_header_document(message->header, "fuzz");
     (void)kvshare::handshake::encode_frame(*message);
   }
   // The same bytes as bare JSON (the body without a prefix) reach the field checks more often.

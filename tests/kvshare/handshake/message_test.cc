@@ -41,7 +41,8 @@ TEST(HandshakeMessage, RoundTripsAShareMessageFieldByField) {
   EXPECT_EQ(parsed->type, MessageType::share);
   EXPECT_EQ(parsed->share_id, 7u);
   EXPECT_EQ(parsed->fds, message.fds);
-  EXPECT_EQ(parsed->header_json, message.header_json);
+  EXPECT_TRUE(parsed->header_json.empty());  // a received header is the parsed object
+  EXPECT_EQ(parsed->header.dump(), message.header_json);
   EXPECT_EQ(json_of(*parsed), json_of(message));
 }
 

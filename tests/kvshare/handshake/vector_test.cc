@@ -23,7 +23,7 @@ TEST(HandshakeVector, ShareV1DecodesFieldByFieldAndReencodesIdentically) {
   ASSERT_EQ(message->fds.size(), 1u);
   EXPECT_EQ(message->fds[0], (FdEntry{0, "memfd", 0, 262144, 0x2251af64120c772full}));
 
-  auto header = layout::parse_share_header(message->header_json, "handshake-share-v1.bin");
+  auto header = layout::parse_share_header_document(message->header, "handshake-share-v1.bin");
   ASSERT_TRUE(header) << header.error().what();
   EXPECT_EQ(header->model.arch, "llama");
   EXPECT_EQ(header->model.n_layer, 2u);
