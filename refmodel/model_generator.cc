@@ -92,6 +92,8 @@ Result<void> validate(const GeneratorOptions& o) {
   if (o.n_head % o.n_head_kv != 0)
     return fail(EINVAL, "--heads {} is not a multiple of --heads-kv {}", o.n_head, o.n_head_kv);
   if (o.head_dim % 2 != 0) return fail(EINVAL, "--head-dim {} must be even (RoPE rotates pairs)", o.head_dim);
+  if (!(o.residual_gain > 0.0f) || !std::isfinite(o.residual_gain))
+    return fail(EINVAL, "--residual-gain {}: must be a positive finite number", o.residual_gain);
   if (o.wtype != GgmlType::F32 && o.wtype != GgmlType::F16 && o.wtype != GgmlType::BF16 && o.wtype != GgmlType::Q8_0)
     return fail(EINVAL, "--wtype {}: not one of f32, f16, bf16, q8_0", layout::ggml_type_name(o.wtype));
   for (auto [what, n] : {std::pair{"--embd", o.n_embd}, std::pair{"--ff", o.n_ff},
@@ -187,7 +189,7 @@ Result<layout::GgufWriter> make_model_writer(const GeneratorOptions& o) {
       results.push_back(add(p + "attn_k.bias", {nkv}, 0.1f, 0.0f, true));
       results.push_back(add(p + "attn_v.bias", {nkv}, 0.1f, 0.0f, true));
     }
-    results.push_back(add(p + "attn_output.weight", {nq, E}, proj(nq), 0.0f, false));
+    results.push_back(add(p + "attn_output.weight", {nq, E}, o.residual_gain * proj(nq), 0.0f, false));
     if (o.arch == "qwen3") {
       results.push_back(add(p + "attn_q_norm.weight", {HD}, 0.1f, 1.0f, true));
       results.push_back(add(p + "attn_k_norm.weight", {HD}, 0.1f, 1.0f, true));
@@ -195,7 +197,7 @@ Result<layout::GgufWriter> make_model_writer(const GeneratorOptions& o) {
     results.push_back(add(p + "ffn_norm.weight", {E}, 0.1f, 1.0f, true));
     results.push_back(add(p + "ffn_gate.weight", {E, F}, proj(E), 0.0f, false));
     results.push_back(add(p + "ffn_up.weight", {E, F}, proj(E), 0.0f, false));
-    results.push_back(add(p + "ffn_down.weight", {F, E}, proj(F), 0.0f, false));
+    results.push_back(add(p + "ffn_down.weight", {F, E}, o.residual_gain * proj(F), 0.0f, false));
   }
   for (auto& r : results)
     if (!r) return fail(r.error().with_context("generating the model"));

@@ -25,6 +25,12 @@ struct GeneratorOptions {
   uint32_t n_ctx_train = 4096; // {arch}.context_length
   layout::GgmlType wtype = layout::GgmlType::F32;  // 2-D weights: f32, f16, bf16 or q8_0
   uint64_t seed = 1;
+  // Multiplies the scale of attn_output and ffn_down, the two projections that write into
+  // the residual stream. At 1 the token's own embedding dominates and a tied (qwen3) model
+  // greedily repeats the prompt's last token, with wide logit margins; near 3 the reply
+  // depends on the whole prompt (attention matters), with margins around 0.3: what a test
+  // that must notice wrong KV uses.
+  float residual_gain = 1.0f;
   bool shape_only = false;     // metadata and tensor infos, no data section
   // Tied embeddings (no output.weight). Default: tied for qwen3, separate otherwise.
   std::optional<bool> tie_embeddings;

@@ -25,6 +25,10 @@ int main(int argc, char** argv) {
   app.add_option("--ctx", o.n_ctx_train, "context_length written to the model")->capture_default_str();
   app.add_option("--wtype", wtype, "type of the 2-D weights: f32, f16, bf16 or q8_0")->capture_default_str();
   app.add_option("--seed", o.seed, "random seed")->capture_default_str();
+  app.add_option("--residual-gain", o.residual_gain,
+                 "scale of the projections into the residual stream: 1 = replies echo the last token, "
+                 "~3 = replies depend on the whole prompt")
+      ->check(CLI::Range(0.01f, 100.0f))->capture_default_str();
   app.add_flag("--shape-only", o.shape_only, "metadata and tensor infos only, no weights");
   CLI11_PARSE(app, argc, argv);
 
