@@ -80,7 +80,9 @@ Result<StateFile> read_state_file(const std::filesystem::path& path, const layou
   const int base_flags = O_RDONLY | O_CLOEXEC;
   bool is_direct = false;
   int raw = -1;
-  if (options.allow_direct) {
+  struct stat before {};
+  const bool large = ::stat(path.c_str(), &before) == 0 && static_cast<uint64_t>(before.st_size) >= options.direct_min_bytes;
+  if (options.allow_direct && large) {
     raw = sys::ops().open(path.c_str(), base_flags | O_DIRECT, 0);
     is_direct = raw >= 0;
     if (raw < 0 && errno != EINVAL) return fail(errno, "state file {}: open for reading", path.string());

@@ -49,6 +49,12 @@ struct StateFileWriterOptions {
   FsyncPolicy fsync = FsyncPolicy::none;
   bool allow_io_uring = true;     // false: pwrite only (also KVSHARE_NO_IO_URING=1)
   bool allow_direct = true;       // try O_DIRECT, fall back to buffered on EINVAL
+  // O_DIRECT only for files of at least this size. A smaller file goes through the page
+  // cache: the write is faster there than to the device, and the decoder's restore, which
+  // reads it moments later with buffered reads, finds it in memory. A larger one would
+  // evict the page cache and stall in dirty-page writeback, which O_DIRECT avoids.
+  // docs/state-file.md has the measurements behind the default.
+  uint64_t direct_min_bytes = uint64_t{1} << 30;
   size_t chunk_bytes = 4u << 20;  // staging buffer size, a multiple of kIoAlign
   unsigned queue_depth = 4;       // writes in flight
   // Head sizes, for the Hadamard rotation llama.cpp applies to quantized caches

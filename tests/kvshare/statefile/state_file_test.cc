@@ -160,6 +160,7 @@ TEST_F(StateFileWriterTest, WritesTheBytesLlamaCppWouldForEveryKindThroughEveryI
   for (const IoMode mode : {IoMode{"io_uring direct", true, true}, IoMode{"pwrite buffered", false, false}}) {
     options.allow_io_uring = mode.allow_io_uring;
     options.allow_direct = mode.allow_direct;
+    options.direct_min_bytes = 0;  // these files are small: take the O_DIRECT path anyway
     for (const auto& c : cases()) {
       SCOPED_TRACE(std::string(mode.name) + " / " + c.name);
       const auto tokens = token_ids(c.n_tokens);
@@ -176,12 +177,22 @@ TEST_F(StateFileWriterTest, WritesTheBytesLlamaCppWouldForEveryKindThroughEveryI
   }
 }
 
-TEST_F(StateFileWriterTest, UsesIoUringWhenTheKernelAllowsIt) {
-  auto writer = StateFileWriter::create(dir_ / "a.bin", dense_shape(), token_ids(3), 3);
-  ASSERT_TRUE(writer);
-  const auto provider = make_provider(writer->layout(), 3);
-  auto info = write_all(*writer, provider);
+TEST_F(StateFileWriterTest, WritesBufferedFilesWithPwriteAndODirectFilesWithIoUring) {
+  // Small file, default threshold: page cache, written from this thread.
+  auto buffered = StateFileWriter::create(dir_ / "a.bin", dense_shape(), token_ids(3), 3);
+  ASSERT_TRUE(buffered);
+  auto info = write_all(*buffered, make_provider(buffered->layout(), 3));
   ASSERT_TRUE(info) << info.error().what();
+  EXPECT_FALSE(info->is_direct);
+  EXPECT_STREQ(info->io_backend, "pread/pwrite");
+
+  StateFileWriterOptions options;
+  options.direct_min_bytes = 0;
+  auto direct = StateFileWriter::create(dir_ / "b.bin", dense_shape(), token_ids(3), 3, options);
+  ASSERT_TRUE(direct);
+  info = write_all(*direct, make_provider(direct->layout(), 3));
+  ASSERT_TRUE(info) << info.error().what();
+  if (!info->is_direct) GTEST_SKIP() << "this filesystem refuses O_DIRECT";
   if (std::string(info->io_backend) != "io_uring") GTEST_SKIP() << "io_uring is not available here (seccomp/ENOSYS)";
   EXPECT_STREQ(info->io_backend, "io_uring");
 }
@@ -329,6 +340,7 @@ StateFileWriterOptions pwrite_only() {
   StateFileWriterOptions options;
   options.allow_io_uring = false;
   options.chunk_bytes = 4096;
+  options.direct_min_bytes = 0;  // O_DIRECT whatever the size: the edge cases live there
   return options;
 }
 
@@ -398,7 +410,9 @@ TEST_F(StateFileWriterTest, FallsBackToBufferedWhenTheFilesystemRefusesODirect) 
   sys::Ops ops = sys::real_ops();
   ops.open = DirectRefusal::open;
   sys::ScopedOverride scoped(ops);
-  auto writer = StateFileWriter::create(dir_ / "slot0.bin", dense_shape(), token_ids(9), 9);
+  StateFileWriterOptions options;
+  options.direct_min_bytes = 0;
+  auto writer = StateFileWriter::create(dir_ / "slot0.bin", dense_shape(), token_ids(9), 9, options);
   ASSERT_TRUE(writer);
   const auto provider = make_provider(writer->layout(), 9);
   auto info = write_all(*writer, provider);
@@ -407,6 +421,40 @@ TEST_F(StateFileWriterTest, FallsBackToBufferedWhenTheFilesystemRefusesODirect) 
   auto file = read_state_file(dir_ / "slot0.bin", nullptr);
   ASSERT_TRUE(file) << file.error().what();
   EXPECT_EQ(file->layout().content_bytes, info->size_bytes);
+}
+
+struct DirectOpenCounter {
+  static inline int direct_opens = 0;
+  static int open(const char* path, int flags, mode_t mode) {
+    if (flags & O_DIRECT) ++direct_opens;
+    return sys::real_ops().open(path, flags, mode);
+  }
+};
+
+TEST_F(StateFileWriterTest, UsesODirectOnlyForFilesOfAtLeastDirectMinBytes) {
+  sys::Ops ops = sys::real_ops();
+  ops.open = DirectOpenCounter::open;
+  sys::ScopedOverride scoped(ops);
+  DirectOpenCounter::direct_opens = 0;
+  StateFileWriterOptions options;  // default threshold (1 GiB): this small file stays buffered
+  auto small = StateFileWriter::create(dir_ / "small.bin", dense_shape(), token_ids(9), 9, options);
+  ASSERT_TRUE(small);
+  auto info = write_all(*small, make_provider(small->layout(), 9));
+  ASSERT_TRUE(info) << info.error().what();
+  EXPECT_EQ(DirectOpenCounter::direct_opens, 0);
+  EXPECT_FALSE(info->is_direct);
+  ASSERT_TRUE(read_state_file(dir_ / "small.bin", nullptr));
+  EXPECT_EQ(DirectOpenCounter::direct_opens, 0);
+
+  options.direct_min_bytes = info->size_bytes;  // exactly its size: O_DIRECT is tried
+  auto large = StateFileWriter::create(dir_ / "large.bin", dense_shape(), token_ids(9), 9, options);
+  ASSERT_TRUE(large);
+  EXPECT_EQ(DirectOpenCounter::direct_opens, 1);
+  ASSERT_TRUE(write_all(*large, make_provider(large->layout(), 9)));
+  StateFileReadOptions read_options;
+  read_options.direct_min_bytes = info->size_bytes;
+  ASSERT_TRUE(read_state_file(dir_ / "large.bin", nullptr, read_options));
+  EXPECT_EQ(DirectOpenCounter::direct_opens, 2);
 }
 
 struct TransferRefusal {
