@@ -158,7 +158,7 @@ const bool registered = add_group({
         for (auto [name, kind] : {std::pair{"forward", Sink::none}, std::pair{"scatter", Sink::scatter},
                                   std::pair{"statefile", Sink::state_file}}) {
           auto* b = benchmark::RegisterBenchmark(fmt::format("prefill/{}/{}", name, n).c_str(),
-                                                 [kind, smoke](benchmark::State& st) { bm_prefill(st, kind, smoke); });
+                                                 [sink = kind, smoke](benchmark::State& st) { bm_prefill(st, sink, smoke); });
           b->Arg(n)->Unit(benchmark::kMillisecond)->UseRealTime();
           if (smoke) b->Iterations(1);
           else b->MinTime(2.0);
