@@ -7,6 +7,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "layout/json_depth.h"
+
 namespace kvshare::layout {
 namespace {
 
@@ -416,27 +418,6 @@ Result<SharedTensor> parse_tensor(const Field& f) {
 #undef KVSHARE_FIELD
 #undef KVSHARE_CHILD
 
-// Deepest [ / { nesting, counted outside strings, so a hostile document is refused before
-// the JSON library builds (and later destroys) a tower of nested values.
-int nesting_depth(std::string_view text) {
-  int depth = 0, deepest = 0;
-  bool in_string = false, escaped = false;
-  for (char c : text) {
-    if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      deepest = std::max(deepest, ++depth);
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return deepest;
-}
-
 std::string describe_value(const std::string& value) { return fmt::format("\"{}\"", value); }
 std::string describe_value(bool value) { return value ? "true" : "false"; }
 template <class T>
@@ -681,7 +662,7 @@ std::string to_json(const ShareHeader& header, bool pretty) {
 Result<ShareHeader> parse_share_header(std::string_view json, std::string_view source) {
   if (json.size() > kMaxHeaderBytes)
     return fail(EMSGSIZE, "{}: layout header is {} bytes, more than the {} a header may have", source, json.size(), kMaxHeaderBytes);
-  if (const int depth = nesting_depth(json); depth > kMaxDepth)
+  if (const int depth = json_nesting_depth(json); depth > kMaxDepth)
     return fail(EINVAL, "{}: layout header nests {} levels deep, at most {} are allowed", source, depth, kMaxDepth);
   Json root;
   try {

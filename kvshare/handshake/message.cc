@@ -4,6 +4,8 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
+#include "layout/json_depth.h"
+
 namespace kvshare::handshake {
 namespace {
 
@@ -21,24 +23,6 @@ std::string hash_text(uint64_t hash) { return fmt::format("0x{:016x}", hash); }
 
 bool is_known_kind(std::string_view kind) {
   return kind == "memfd" || kind == "udmabuf" || kind == "dmaheap" || kind == "device";
-}
-
-// Depth of [ and { outside strings; cheap, and bounds what the parser will build.
-int max_depth(std::string_view text) {
-  int depth = 0, deepest = 0;
-  bool in_string = false, escaped = false;
-  for (char c : text) {
-    if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
-      continue;
-    }
-    if (c == '"') in_string = true;
-    else if (c == '[' || c == '{') deepest = std::max(deepest, ++depth);
-    else if (c == ']' || c == '}') --depth;
-  }
-  return deepest;
 }
 
 // Field readers: each names the field and what it should have been.
@@ -219,7 +203,7 @@ Result<Message> parse_json(std::string_view text, std::string_view source) {
   if (text.size() > kMaxMessageBytes)
     return fail(EMSGSIZE, "handshake from {}: message is {} bytes, the limit is {}", source, text.size(),
                 kMaxMessageBytes);
-  if (max_depth(text) > kMaxDepth)
+  if (layout::json_nesting_depth(text) > kMaxDepth)
     return fail(EINVAL, "handshake from {}: JSON nests deeper than {} levels", source, kMaxDepth);
   Json json;
   try {

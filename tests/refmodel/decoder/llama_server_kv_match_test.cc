@@ -22,12 +22,9 @@
 namespace kvshare::decoder {
 namespace {
 
-using ::kvshare::testing::run_command;
-using ::kvshare::testing::TempDir;
-using ::kvshare::testing::tool_path;
-using testing::LiveServer;
+namespace support = ::kvshare::testing;
 
-constexpr int kCtx = 512;
+constexpr int kContextSize = 512;
 constexpr int kReplyTokens = 16;
 const char* const kText = "<|im_start|>user\nName three colours of the sea at dusk.<|im_end|>\n<|im_start|>assistant\n";
 
@@ -59,11 +56,11 @@ class LlamaServerKvMatch : public ::testing::TestWithParam<Case> {
     model_ = dir_ / "model.gguf";
     slots_ = dir_ / "slots";
     std::filesystem::create_directories(slots_);
-    const auto made = run_command(tool_path("kvshare-mkmodel").string() + " --arch " + arch + " --wtype " + wtype +
+    const auto made = support::run_command(support::tool_path("kvshare-mkmodel").string() + " --arch " + arch + " --wtype " + wtype +
                                   " --residual-gain 3 --seed 5 " + model_.string());
     ASSERT_EQ(made.exit_code, 0) << made.err;
-    server_ = std::make_unique<LiveServer>(server, std::vector<std::string>{"-m", model_.string(), "-c",
-                                                                            std::to_string(kCtx), "-np", "1", "-fa",
+    server_ = std::make_unique<testing::LiveServer>(server, std::vector<std::string>{"-m", model_.string(), "-c",
+                                                                            std::to_string(kContextSize), "-np", "1", "-fa",
                                                                             "on", "-ctk", cache, "-ctv", cache,
                                                                             "--slot-save-path", slots_.string()},
                                            dir_ / "server.log");
@@ -82,10 +79,10 @@ class LlamaServerKvMatch : public ::testing::TestWithParam<Case> {
                                 {"cache_prompt", cache_prompt}, {"return_tokens", true}});
   }
 
-  TempDir dir_;
+  support::TempDir dir_;
   std::filesystem::path model_;
   std::filesystem::path slots_;
-  std::unique_ptr<LiveServer> server_;
+  std::unique_ptr<testing::LiveServer> server_;
 };
 
 TEST_P(LlamaServerKvMatch, PrefillKvEqualsLlamaServersOwnAndRestoresToTheSameReply) {
@@ -109,12 +106,12 @@ TEST_P(LlamaServerKvMatch, PrefillKvEqualsLlamaServersOwnAndRestoresToTheSameRep
     std::ofstream out(ids);
     for (int32_t id : head) out << id << "\n";
   }
-  const auto prefilled = run_command(tool_path("kvshare-prefill").string() + " --tokens " + ids.string() +
+  const auto prefilled = support::run_command(support::tool_path("kvshare-prefill").string() + " --tokens " + ids.string() +
                                      " --out " + (slots_ / "ours.bin").string() + " --model " + model_.string() +
-                                     " -c " + std::to_string(kCtx) + " -ctk " + cache + " -ctv " + cache + " -fa on");
+                                     " -c " + std::to_string(kContextSize) + " -ctk " + cache + " -ctv " + cache + " -fa on");
   ASSERT_EQ(prefilled.exit_code, 0) << prefilled.err;
 
-  const auto diff = run_command(tool_path("kvshare-state").string() + " diff " + (slots_ / "theirs.bin").string() +
+  const auto diff = support::run_command(support::tool_path("kvshare-state").string() + " diff " + (slots_ / "theirs.bin").string() +
                                 " " + (slots_ / "ours.bin").string() + " --head-dim 64 --tolerance " +
                                 std::to_string(tolerance(wtype, cache)));
   // kvshare-state diff's last line ("max abs difference X, tolerance T: within"), for the record.
