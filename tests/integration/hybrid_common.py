@@ -5,6 +5,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -208,6 +209,17 @@ class Runner:
             print("%d failed: %s" % (len(self.failed), ", ".join(self.failed)))
             sys.exit(1)
         print("all passed")
+
+
+def run_tests(namespace, work_dir):
+    """Runs every test_* function of a script's globals(), in name order, then removes its
+    work directory and exits non-zero if any failed."""
+    runner = Runner()
+    for name, function in sorted(namespace.items()):
+        if name.startswith("test_") and callable(function):
+            runner.run(name, function)
+    shutil.rmtree(work_dir, ignore_errors=True)
+    runner.finish()
 
 
 def temp_dir():

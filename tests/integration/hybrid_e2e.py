@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import sys
 
-from hybrid_common import Runner, Serve, check, temp_dir, wait_until
+from hybrid_common import Serve, check, run_tests, temp_dir, wait_until
 
 BIN = os.path.abspath(sys.argv[1])
 TOOLS = {name: os.path.join(BIN, name) for name in ("kvshare-serve", "kvshare-decoder", "kvshare-prefill",
@@ -217,12 +217,7 @@ def test_real_llama_server_on_the_file_route():
 
 def main():
     CPU_REPLIES.update(baseline())
-    runner = Runner()
-    for name, function in sorted(globals().items()):
-        if name.startswith("test_") and callable(function):
-            runner.run(name, function)
-    shutil.rmtree(WORK, ignore_errors=True)
-    runner.finish()
+    run_tests(globals(), WORK)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,10 @@ usage: hybrid_kvshare_route.py BIN_DIR
 import json
 import os
 import re
-import shutil
 import sys
 
-from hybrid_common import (FAKE_DECODER, FAKE_PROVIDER, HERE, Runner, Serve, chat, check, events,
-                           expected_chat_ids, expected_reply, read_log, temp_dir)
+from hybrid_common import (FAKE_DECODER, FAKE_PROVIDER, HERE, Serve, chat, check, events,
+                           expected_chat_ids, expected_reply, read_log, run_tests, temp_dir)
 
 BIN = os.path.abspath(sys.argv[1])
 SERVE = os.path.join(BIN, "kvshare-serve")
@@ -185,12 +184,7 @@ def test_failed_adopt_forwards_as_it_came():
 
 
 def main():
-    runner = Runner()
-    for name, function in sorted(globals().items()):
-        if name.startswith("test_") and callable(function):
-            runner.run(name, function)
-    shutil.rmtree(WORK, ignore_errors=True)
-    runner.finish()
+    run_tests(globals(), WORK)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,9 @@ import subprocess
 import sys
 import time
 
-from hybrid_common import (FAKE_DECODER, FAKE_PROVIDER, Failure, Runner, Serve, chat, check, events,
+from hybrid_common import (FAKE_DECODER, FAKE_PROVIDER, Failure, Serve, chat, check, events,
                            expected_chat_ids, expected_reply, pid_alive, read_log, state_file_bytes, temp_dir,
-                           wait_until)
+                           run_tests, wait_until)
 import fake_decoder
 
 BIN = os.path.abspath(sys.argv[1])
@@ -361,12 +361,7 @@ def test_concurrent_requests():
 
 
 def main():
-    runner = Runner()
-    for name, function in sorted(globals().items()):
-        if name.startswith("test_") and callable(function):
-            runner.run(name, function)
-    shutil.rmtree(WORK, ignore_errors=True)
-    runner.finish()
+    run_tests(globals(), WORK)
 
 
 if __name__ == "__main__":
