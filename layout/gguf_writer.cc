@@ -6,6 +6,7 @@
 #include <unordered_set>
 
 #include "layout/half.h"
+#include "layout/row_convert.h"
 
 namespace kvshare::layout {
 namespace {
@@ -97,24 +98,6 @@ void put_value(ByteBuffer& out, const GgufValue& value) {
 
 }  // namespace
 
-void quantize_row_q8_0(const float* x, std::byte* y, int64_t k) {
-  constexpr int64_t kBlock = 32;
-  for (int64_t i = 0; i < k / kBlock; ++i) {
-    const float* block = x + i * kBlock;
-    std::byte* out = y + i * 34;
-    float amax = 0.0f;
-    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(block[j]));
-    const float d = amax / ((1 << 7) - 1);
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    const uint16_t d_half = fp32_to_fp16(d);
-    std::memcpy(out, &d_half, sizeof d_half);
-    for (int64_t j = 0; j < kBlock; ++j) {
-      const auto q = static_cast<int8_t>(std::roundf(block[j] * id));
-      out[2 + j] = static_cast<std::byte>(q);
-    }
-  }
-}
-
 Result<std::vector<std::byte>> encode_f32_as(GgmlType type, std::span<const float> values) {
   for (size_t i = 0; i < values.size(); ++i)
     if (!std::isfinite(values[i]))
@@ -127,19 +110,14 @@ Result<std::vector<std::byte>> encode_f32_as(GgmlType type, std::span<const floa
       if (!values.empty()) std::memcpy(bytes.data(), values.data(), bytes.size());
       return bytes;
     case GgmlType::F16:
-    case GgmlType::BF16: {
-      bytes.resize(values.size() * sizeof(uint16_t));
-      for (size_t i = 0; i < values.size(); ++i) {
-        const uint16_t half = type == GgmlType::F16 ? fp32_to_fp16(values[i]) : fp32_to_bf16(values[i]);
-        std::memcpy(bytes.data() + i * sizeof half, &half, sizeof half);
-      }
-      return bytes;
-    }
+    case GgmlType::BF16:
     case GgmlType::Q8_0:
-      if (values.size() % 32 != 0)
-        return fail(EINVAL, "{} values cannot be encoded as q8_0: not a multiple of its block size 32", values.size());
-      bytes.resize(values.size() / 32 * 34);
-      quantize_row_q8_0(values.data(), bytes.data(), static_cast<int64_t>(values.size()));
+      // The cache types' encoders (layout/row_convert) are ggml's, byte for byte.
+      if (values.size() % static_cast<size_t>(ggml_traits(type).block_size) != 0)
+        return fail(EINVAL, "{} values cannot be encoded as {}: not a multiple of its block size {}", values.size(),
+                    ggml_type_name(type), ggml_traits(type).block_size);
+      bytes.resize(ggml_row_size(type, static_cast<int64_t>(values.size())));
+      convert_row(GgmlType::F32, values.data(), type, bytes.data(), static_cast<int64_t>(values.size()));
       return bytes;
     default:
       break;

@@ -119,8 +119,4 @@ class GgufWriter {
 // multiple of 32 values. EINVAL for another type, a bad count or a non-finite value.
 Result<std::vector<std::byte>> encode_f32_as(GgmlType type, std::span<const float> values);
 
-// ggml's quantize_row_q8_0_ref: per block of 32, d = amax/127 stored as f16,
-// q[j] = roundf(x[j] * (1/d)). `k` a multiple of 32, finite inputs; writes k/32*34 bytes.
-void quantize_row_q8_0(const float* x, std::byte* y, int64_t k);
-
 }  // namespace kvshare::layout

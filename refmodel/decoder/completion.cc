@@ -3,6 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <type_traits>
 #include <functional>
 #include <limits>
 
@@ -39,10 +42,25 @@ ApiResult<void> read_field(const json& body, std::initializer_list<const char*> 
   return {};
 }
 
+// value.get<T>() of a JSON float casts it, which is undefined behaviour when it does not fit
+// T (1e30 as an int): such a value is refused instead, by name.
+template <class T>
+T number_as(const json& value) {
+  if (value.is_number_float()) {
+    const double d = value.get<double>();
+    if (!std::isfinite(d) || d < static_cast<double>(std::numeric_limits<T>::lowest()) ||
+        d > static_cast<double>(std::numeric_limits<T>::max()))
+      throw std::out_of_range(fmt::format("{} is out of the range of a {}-bit {}", d, sizeof(T) * 8,
+                                          std::is_integral_v<T> ? "integer" : "float"));
+    return static_cast<T>(d);
+  }
+  return value.get<T>();
+}
+
 template <class T>
 std::function<void(const json&)> hard_limited(T& out, T min, T max) {
   return [&out, min, max](const json& value) {
-    const T v = value.get<T>();
+    const T v = number_as<T>(value);
     if (v < min || v > max) {
       throw std::invalid_argument("Value must be between " + std::to_string(min) + " <= value <= " +
                                   std::to_string(max) + ", but got " + std::to_string(v));
@@ -84,9 +102,11 @@ ApiResult<CompletionParams> parse_completion_params(const json& body) {
   results.push_back(read_field(body, {"n_keep"}, hard_limited<int32_t>(p.n_keep, -1, kMax)));
   results.push_back(read_field(body, {"temperature"}, [&](const json& value) {
     // set_limits, not set_hard_limits: out-of-range temperatures are clamped.
-    p.temperature = std::max(0.0f, value.get<float>());
+    // Clamped in double first: a float cannot hold 1e300.
+    const double t = value.get<double>();
+    p.temperature = std::isnan(t) ? 0.0f : static_cast<float>(std::clamp(t, 0.0, double(std::numeric_limits<float>::max())));
   }));
-  results.push_back(read_field(body, {"seed"}, [&](const json& value) { p.seed = value.get<uint32_t>(); }));
+  results.push_back(read_field(body, {"seed"}, [&](const json& value) { p.seed = number_as<uint32_t>(value); }));
   results.push_back(read_field(body, {"ignore_eos"}, boolean(p.ignore_eos)));
   results.push_back(read_field(body, {"stop"}, [&](const json& value) {
     p.stop.clear();

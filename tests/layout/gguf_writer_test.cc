@@ -236,8 +236,10 @@ TEST(GgufWriter, QuantizesQ8_0AsGgmlsReferenceWithRoundHalfAwayFromZero) {
   block[3] = 0.5f;
   block[4] = -0.49f;
   block[5] = -127.0f;
-  std::vector<std::byte> out(34);
-  quantize_row_q8_0(block.data(), out.data(), 32);
+  auto encoded = encode_f32_as(GgmlType::Q8_0, block);
+  ASSERT_TRUE(encoded) << encoded.error().what();
+  ASSERT_EQ(encoded->size(), 34u);
+  const std::vector<std::byte>& out = *encoded;
   uint16_t d_bits = 0;
   std::memcpy(&d_bits, out.data(), 2);
   EXPECT_EQ(d_bits, 0x3C00);  // 1.0 in f16

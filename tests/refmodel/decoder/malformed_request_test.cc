@@ -58,6 +58,8 @@ const char* const kBodies[] = {
     "{\"prompt\": [1.5]}", "{\"prompt\": [-1]}", "{\"prompt\": true}", "{\"prompt\": \"x\", \"stop\": 3}",
     "{\"prompt\": \"x\", \"stream\": \"yes\"}", "{\"prompt\": \"x\", \"n_predict\": 1e30}",
     "{\"prompt\": \"x\", \"temperature\": -5, \"n_predict\": 2}", "{\"prompt\": \"x\", \"seed\": -1, \"n_predict\": 1}",
+    "{\"prompt\": \"x\", \"temperature\": 1e300, \"n_predict\": 1}", "{\"prompt\": \"x\", \"seed\": -1e30}",
+    "{\"prompt\": \"x\", \"n_keep\": -1e300}", "{\"prompt\": \"x\", \"n_predict\": 2.5}",
     "{\"prompt\": \"x\", \"stream_options\": 7, \"stream\": true, \"n_predict\": 1}",
     "{\"messages\": [{\"role\": 1, \"content\": 2}]}", "{\"messages\": [null]}", "{\"messages\": [{\"content\": [1]}]}",
     "{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image_url\"}]}]}",
