@@ -33,6 +33,7 @@ Result<AlignedBuffer> AlignedBuffer::allocate(size_t size_bytes) {
   AlignedBuffer buffer;
   buffer.data_.reset(static_cast<std::byte*>(memory));
   buffer.size_ = size_bytes;
+  buffer.capacity_ = rounded;
   return buffer;
 }
 

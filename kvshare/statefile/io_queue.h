@@ -34,6 +34,13 @@ class AlignedBuffer {
   static Result<AlignedBuffer> allocate(size_t size_bytes);
   std::byte* data() const { return data_.get(); }
   size_t size() const { return size_; }
+  size_t capacity() const { return capacity_; }  // bytes allocated (size rounded up)
+  // Takes `size_bytes` as the new size when the allocation holds it; false otherwise.
+  bool reuse_for(size_t size_bytes) {
+    if (!data_ || size_bytes > capacity_) return false;
+    size_ = size_bytes;
+    return true;
+  }
 
  private:
   struct Free {
@@ -41,6 +48,7 @@ class AlignedBuffer {
   };
   std::unique_ptr<std::byte, Free> data_;
   size_t size_ = 0;
+  size_t capacity_ = 0;
 };
 
 struct IoRequest {

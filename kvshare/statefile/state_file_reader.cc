@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <mutex>
 
 #include "kvshare/fd.h"
 #include "kvshare/sys.h"
@@ -72,6 +73,37 @@ Result<StateFile> parse_state_bytes(std::vector<std::byte> bytes, const layout::
   return file;
 }
 
+namespace {
+
+// One kept read buffer (see kKeptReadBufferBytes), shared by every reader in the process.
+class ReadBufferCache {
+ public:
+  static ReadBufferCache& instance() {
+    static ReadBufferCache cache;
+    return cache;
+  }
+  Result<AlignedBuffer> take(size_t size_bytes) {
+    {
+      std::lock_guard lock(mutex_);
+      if (kept_.reuse_for(size_bytes)) return std::move(kept_);
+    }
+    return AlignedBuffer::allocate(size_bytes);
+  }
+  void give(AlignedBuffer buffer) {
+    if (buffer.data() == nullptr || buffer.capacity() > kKeptReadBufferBytes) return;
+    std::lock_guard lock(mutex_);
+    if (buffer.capacity() >= kept_.capacity()) kept_ = std::move(buffer);
+  }
+
+ private:
+  std::mutex mutex_;
+  AlignedBuffer kept_;
+};
+
+}  // namespace
+
+StateFile::~StateFile() { ReadBufferCache::instance().give(std::move(buffer_)); }
+
 Result<StateFile> read_state_file(const std::filesystem::path& path, const layout::MemoryShape* expect,
                                   const StateFileReadOptions& options) {
   if (options.chunk_bytes == 0 || options.chunk_bytes % kIoAlign != 0)
@@ -97,7 +129,7 @@ Result<StateFile> read_state_file(const std::filesystem::path& path, const layou
   const auto size = static_cast<uint64_t>(st.st_size);
 
   // The allocation follows the file's real size, never a field inside it.
-  auto buffer = AlignedBuffer::allocate(size);
+  auto buffer = ReadBufferCache::instance().take(size);
   if (!buffer) return fail(buffer.error().with_context(fmt::format("state file {}", path.string())));
   auto queue = IoQueue::create(fd.get(), path.string(), is_direct, options.queue_depth, options.allow_io_uring);
   if (!queue) return fail(queue.error());

@@ -416,9 +416,9 @@ struct StateFileWriter::Impl {
   }
 
   Result<void> open_and_plan(std::span<const int32_t> tokens) {
-    if (options.chunk_bytes == 0 || options.chunk_bytes % kIoAlign != 0)
-      return fail(EINVAL, "state file writer: chunk_bytes {} is not a positive multiple of {}", options.chunk_bytes,
-                  kIoAlign);
+    if (options.chunk_bytes % kIoAlign != 0)
+      return fail(EINVAL, "state file writer: chunk_bytes {} is not 0 (automatic) or a multiple of {}",
+                  options.chunk_bytes, kIoAlign);
     if (tokens.size() != layout.n_token)
       return fail(EINVAL, "{}: {} tokens given, the layout has {}", file_label(), tokens.size(), layout.n_token);
     pieces = layout::encode_state_metadata(layout, tokens);
@@ -497,9 +497,14 @@ struct StateFileWriter::Impl {
     }
     fd.reset(raw);
     // io_uring for O_DIRECT only: a buffered write to a regular file is punted to io_uring's
-    // worker threads, and on the CI VM that made the writer 10-15% slower than pwrite from
-    // this thread (kvshare-bench statefile, paired runs: 0.66-0.71 vs 0.75-0.80 of plain
-    // write()). Writes already in the page cache gain nothing from being asynchronous.
+    // own worker threads, and on the CI VM that made the writer 10-15% slower than pwrite
+    // from this thread (kvshare-bench statefile, paired runs: 0.66-0.71 vs 0.75-0.80 of a
+    // plain write()). A worker thread of our own doing the pwrites was slower still
+    // (0.67-0.76): the copy into the page cache then reads staging bytes another core wrote.
+    // Buffered staging chunks are small enough to stay in L2 between the conversion that
+    // writes them and the pwrite that copies them out (256 KiB: 0.85-0.92 of plain write()
+    // against 0.79-0.86 with 4 MiB); O_DIRECT wants large transfers.
+    if (options.chunk_bytes == 0) options.chunk_bytes = opened_direct ? kDirectChunkBytes : kBufferedChunkBytes;
     auto created = IoQueue::create(fd.get(), temp_path.string(), opened_direct, options.queue_depth,
                                    options.allow_io_uring && opened_direct);
     if (!created) return fail(created.error());

@@ -45,6 +45,9 @@ struct RowsView {
 // has the measured cost).
 enum class FsyncPolicy : uint8_t { none, data, data_and_directory };
 
+inline constexpr size_t kBufferedChunkBytes = 256u << 10;
+inline constexpr size_t kDirectChunkBytes = 4u << 20;
+
 struct StateFileWriterOptions {
   FsyncPolicy fsync = FsyncPolicy::none;
   bool allow_io_uring = true;     // false: pwrite only (also KVSHARE_NO_IO_URING=1)
@@ -55,7 +58,10 @@ struct StateFileWriterOptions {
   // evict the page cache and stall in dirty-page writeback, which O_DIRECT avoids.
   // docs/state-file.md has the measurements behind the default.
   uint64_t direct_min_bytes = uint64_t{1} << 30;
-  size_t chunk_bytes = 4u << 20;  // staging buffer size, a multiple of kIoAlign
+  // Staging buffer size, a multiple of kIoAlign; 0 = automatic: kBufferedChunkBytes for a
+  // file in the page cache (it stays in L2 between conversion and copy-out),
+  // kDirectChunkBytes with O_DIRECT (large device transfers).
+  size_t chunk_bytes = 0;
   unsigned queue_depth = 4;       // writes in flight
   // Head sizes, for the Hadamard rotation llama.cpp applies to quantized caches
   // (layout::kv_rotation_group). 0 = unknown: quantizing a cache from f32/f16/bf16 rows then

@@ -198,8 +198,10 @@ TEST_F(StateFileWriterTest, WritesBufferedFilesWithPwriteAndODirectFilesWithIoUr
 }
 
 TEST_F(StateFileWriterTest, HonoursKvshareNoIoUring) {
+  StateFileWriterOptions options;
+  options.direct_min_bytes = 0;  // where io_uring would be used (O_DIRECT) without the variable
   ::setenv(kNoIoUringEnv, "1", 1);
-  auto writer = StateFileWriter::create(dir_ / "a.bin", dense_shape(), token_ids(3), 3);
+  auto writer = StateFileWriter::create(dir_ / "a.bin", dense_shape(), token_ids(3), 3, options);
   ::unsetenv(kNoIoUringEnv);
   ASSERT_TRUE(writer);
   auto info = write_all(*writer, make_provider(writer->layout(), 3));
@@ -551,6 +553,35 @@ TEST_F(StateFileReaderTest, ReadsThroughPreadWhenIoUringIsOff) {
   EXPECT_EQ(file->bytes().size(), std::filesystem::file_size(path));
   EXPECT_EQ(std::vector<std::byte>(file->bytes().begin(), file->bytes().end()),
             kvshare::testing::read_file_bytes(path));
+}
+
+TEST_F(StateFileReaderTest, ReusesTheLastFilesBufferForTheNextReadAndKeepsBytesApart) {
+  const auto big = dir_ / "big.bin";
+  const auto small = dir_ / "small.bin";
+  for (const auto& [path, n] : {std::pair{big, 60}, std::pair{small, 20}}) {
+    auto writer = StateFileWriter::create(path, dense_shape(), token_ids(n), n);
+    ASSERT_TRUE(writer);
+    ASSERT_TRUE(write_all(*writer, make_provider(writer->layout(), n)));
+  }
+  const std::byte* first_data = nullptr;
+  {
+    auto first = read_state_file(big, nullptr);
+    ASSERT_TRUE(first) << first.error().what();
+    first_data = first->bytes().data();
+  }
+  // The big file's buffer went back when its StateFile died; the smaller file fits it.
+  auto second = read_state_file(small, nullptr);
+  ASSERT_TRUE(second) << second.error().what();
+  EXPECT_EQ(second->bytes().data(), first_data);
+  EXPECT_EQ(std::vector<std::byte>(second->bytes().begin(), second->bytes().end()),
+            kvshare::testing::read_file_bytes(small));
+  // While `second` lives, its buffer is its own: another read gets different memory.
+  auto third = read_state_file(big, nullptr);
+  ASSERT_TRUE(third) << third.error().what();
+  EXPECT_NE(third->bytes().data(), second->bytes().data());
+  EXPECT_EQ(std::vector<std::byte>(third->bytes().begin(), third->bytes().end()),
+            kvshare::testing::read_file_bytes(big));
+  EXPECT_EQ(second->tokens(), token_ids(20));
 }
 
 TEST_F(StateFileReaderTest, RefusesATruncatedFileNamingTheOffset) {
