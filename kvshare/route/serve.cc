@@ -189,7 +189,6 @@ int Server::run() {
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGUSR2);  // our own wake-up at shutdown
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
 
@@ -267,21 +266,25 @@ int Server::run() {
                        decoder_->port(), config_.prefill_provider.empty() ? "none" : config_.prefill_provider,
                        !hybrid_active() ? "relay" : (config_.kv_share ? "shared" : "file")));
 
-  std::atomic<bool> stopping{false};
+  // httplib's stop() does nothing until listen_after_bind() has started its loop, so a
+  // SIGTERM (or the decoder's death) that lands just before it would be lost and serve
+  // would run on: the signal thread repeats stop() until the loop has ended. (Seen under
+  // ASan, where start-up is slow enough for the test's SIGTERM to hit that window.)
+  std::atomic<bool> listen_ended{false};
   std::thread signal_thread([&] {
-    int received = 0;
-    while (sigwait(&signals, &received) == 0) {
-      if (received == SIGUSR2 && stopping) return;
-      if (received == SIGINT || received == SIGTERM) {
+    bool signalled = false;
+    while (!listen_ended) {
+      const timespec tick{0, 20 * 1000 * 1000};
+      const int received = sigtimedwait(&signals, nullptr, &tick);
+      if ((received == SIGINT || received == SIGTERM) && !signalled) {
+        signalled = true;
         log_line(fmt::format("kvshare-serve: {} received, stopping", received == SIGINT ? "SIGINT" : "SIGTERM"));
-        http_.stop();
-        return;
       }
+      if (signalled || decoder_died_) http_.stop();
     }
   });
   http_.listen_after_bind();
-  stopping = true;
-  pthread_kill(signal_thread.native_handle(), SIGUSR2);
+  listen_ended = true;
   signal_thread.join();
   decoder_->stop();
   return decoder_died_ ? 1 : 0;

@@ -318,6 +318,24 @@ def test_sigterm_stops_everything():
         check(not os.path.exists(start["slot_dir"]), "slot directory left behind")
 
 
+def test_sigterm_at_any_moment_of_startup_stops_serve():
+    # A SIGTERM that lands while serve starts (before its signal mask, around its
+    # "listening" line, before the HTTP loop runs) must still end it: killed by the signal
+    # itself (-15) before the mask is set, exit 0 after. It used to be lost right before
+    # the HTTP loop started, and serve ran on.
+    for delay in (0.0, 0.005, 0.02, 0.05, 0.1, 0.2, 0.4):
+        with Case("sigterm_%d" % int(delay * 1000), expect_listen=False) as case:
+            time.sleep(delay)
+            code = case.serve.stop(signal.SIGTERM, timeout=15)
+            check(code in (0, -signal.SIGTERM), "exit code %s after SIGTERM at +%ss" % (code, delay))
+    # The narrowest window: right after the "listening" line, before the HTTP loop runs.
+    for attempt in range(5):
+        with Case("sigterm_listening_%d" % attempt, expect_listen=False) as case:
+            case.serve.wait_line(r"kvshare-serve: listening on", timeout=30)
+            code = case.serve.stop(signal.SIGTERM, timeout=15)
+            check(code == 0, "exit code %s after SIGTERM at the listening line" % code)
+
+
 def test_decoder_not_ready_in_time_is_clear():
     # A backend that exits at once: serve says so, naming the command, and exits 1.
     result = subprocess.run([SERVE, "-m", MODEL, "--backend", "/bin/false", "--port", "0"], capture_output=True,
