@@ -6,8 +6,10 @@
 #include <vector>
 
 #include "refmodel/decoder/decoder_app.h"
+#include "refmodel/blas_kernels.h"
 
 int main(int argc, char** argv) {
+  kvshare::refmodel::reexec_with_best_blas_kernels(argv);  // before any work: it may exec
   using kvshare::decoder::DecoderOptions;
   DecoderOptions o;
   CLI::App app{"kvshare-decoder: a one-slot llama-server subset (completion, chat, tokenize, slots save/restore/"

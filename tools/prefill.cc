@@ -7,8 +7,10 @@
 
 #include "layout/tensor_type.h"
 #include "refmodel/provider/prefill_provider.h"
+#include "refmodel/blas_kernels.h"
 
 int main(int argc, char** argv) {
+  kvshare::refmodel::reexec_with_best_blas_kernels(argv);  // before any work: it may exec
   CLI::App app{"The reference prefill provider: computes a prompt's KV cache on the CPU and writes a llama.cpp "
                "sequence-state file (--out) or scatters it into a decoder's shared region (--layout/--fds). "
                "Prints {\"prefill_ms\": X} as its last line."};
