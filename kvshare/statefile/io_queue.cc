@@ -71,6 +71,31 @@ Result<std::unique_ptr<IoQueue>> IoQueue::create(int fd, std::string name, bool 
   return queue;
 }
 
+Result<AlignedBuffer> AlignedBufferPool::take(size_t size_bytes) {
+  {
+    std::lock_guard lock(mutex_);
+    size_t best = kept_.size();
+    for (size_t i = 0; i < kept_.size(); ++i)
+      if (kept_[i].capacity() >= size_bytes && (best == kept_.size() || kept_[i].capacity() < kept_[best].capacity()))
+        best = i;
+    if (best < kept_.size()) {
+      AlignedBuffer buffer = std::move(kept_[best]);
+      kept_.erase(kept_.begin() + static_cast<std::ptrdiff_t>(best));
+      buffer.reuse_for(size_bytes);
+      return buffer;
+    }
+  }
+  return AlignedBuffer::allocate(size_bytes);
+}
+
+void AlignedBufferPool::give(AlignedBuffer buffer) {
+  if (buffer.data() == nullptr || buffer.capacity() > max_buffer_bytes_) return;
+  std::lock_guard lock(mutex_);
+  if (max_kept_ == 0) return;
+  if (kept_.size() == max_kept_) kept_.erase(kept_.begin());  // the most recent ones stay
+  kept_.push_back(std::move(buffer));
+}
+
 bool IoQueue::uses_io_uring() const { return ring_ != nullptr; }
 
 Result<void> IoQueue::turn_off_direct(const IoRequest& request, int error) {

@@ -8,7 +8,9 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "layout/error.h"
 
@@ -49,6 +51,25 @@ class AlignedBuffer {
   std::unique_ptr<std::byte, Free> data_;
   size_t size_ = 0;
   size_t capacity_ = 0;
+};
+
+// Buffers kept for reuse, bounded in count and size, shared by threads: faulting in a
+// fresh multi-megabyte buffer costs a page fault and a page of zeroes per page before the
+// first byte, as much as writing or reading a small state file (kvshare-bench statefile).
+class AlignedBufferPool {
+ public:
+  AlignedBufferPool(size_t max_kept, size_t max_buffer_bytes) : max_kept_(max_kept), max_buffer_bytes_(max_buffer_bytes) {}
+  // The smallest kept buffer that holds `size_bytes` (resized to it), else a new one.
+  Result<AlignedBuffer> take(size_t size_bytes);
+  // Keeps `buffer` unless it is over the size limit (then frees it); when the pool is full
+  // the buffer kept longest goes.
+  void give(AlignedBuffer buffer);
+
+ private:
+  const size_t max_kept_;
+  const size_t max_buffer_bytes_;
+  std::mutex mutex_;
+  std::vector<AlignedBuffer> kept_;
 };
 
 struct IoRequest {

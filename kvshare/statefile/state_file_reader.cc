@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <mutex>
 
 #include "kvshare/fd.h"
 #include "kvshare/sys.h"
@@ -75,34 +74,15 @@ Result<StateFile> parse_state_bytes(std::vector<std::byte> bytes, const layout::
 
 namespace {
 
-// One kept read buffer (see kKeptReadBufferBytes), shared by every reader in the process.
-class ReadBufferCache {
- public:
-  static ReadBufferCache& instance() {
-    static ReadBufferCache cache;
-    return cache;
-  }
-  Result<AlignedBuffer> take(size_t size_bytes) {
-    {
-      std::lock_guard lock(mutex_);
-      if (kept_.reuse_for(size_bytes)) return std::move(kept_);
-    }
-    return AlignedBuffer::allocate(size_bytes);
-  }
-  void give(AlignedBuffer buffer) {
-    if (buffer.data() == nullptr || buffer.capacity() > kKeptReadBufferBytes) return;
-    std::lock_guard lock(mutex_);
-    if (buffer.capacity() >= kept_.capacity()) kept_ = std::move(buffer);
-  }
-
- private:
-  std::mutex mutex_;
-  AlignedBuffer kept_;
-};
+// The last file's buffer, for the next read (see kKeptReadBufferBytes).
+AlignedBufferPool& read_buffers() {
+  static AlignedBufferPool pool(1, kKeptReadBufferBytes);
+  return pool;
+}
 
 }  // namespace
 
-StateFile::~StateFile() { ReadBufferCache::instance().give(std::move(buffer_)); }
+StateFile::~StateFile() { read_buffers().give(std::move(buffer_)); }
 
 Result<StateFile> read_state_file(const std::filesystem::path& path, const layout::MemoryShape* expect,
                                   const StateFileReadOptions& options) {
@@ -129,7 +109,7 @@ Result<StateFile> read_state_file(const std::filesystem::path& path, const layou
   const auto size = static_cast<uint64_t>(st.st_size);
 
   // The allocation follows the file's real size, never a field inside it.
-  auto buffer = ReadBufferCache::instance().take(size);
+  auto buffer = read_buffers().take(size);
   if (!buffer) return fail(buffer.error().with_context(fmt::format("state file {}", path.string())));
   auto queue = IoQueue::create(fd.get(), path.string(), is_direct, options.queue_depth, options.allow_io_uring);
   if (!queue) return fail(queue.error());

@@ -9,7 +9,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <vector>
 
 #include "kvshare/fd.h"
@@ -40,36 +39,11 @@ std::filesystem::path temporary_path_for(const std::filesystem::path& path) {
   return path.parent_path().empty() ? std::filesystem::path(name) : path.parent_path() / name;
 }
 
-// Staging buffers outlive a writer: a provider writes one file per prompt, and faulting in
-// fresh buffers for each costs as much as a small file's copy. Bounded, process-wide.
-class BufferRecycler {
- public:
-  static BufferRecycler& instance() {
-    static BufferRecycler recycler;
-    return recycler;
-  }
-  Result<AlignedBuffer> take(size_t size_bytes) {
-    {
-      std::lock_guard lock(mutex_);
-      for (size_t i = 0; i < free_.size(); ++i)
-        if (free_[i].size() == size_bytes) {
-          AlignedBuffer buffer = std::move(free_[i]);
-          free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(i));
-          return buffer;
-        }
-    }
-    return AlignedBuffer::allocate(size_bytes);
-  }
-  void give(AlignedBuffer buffer) {
-    std::lock_guard lock(mutex_);
-    if (free_.size() < kMaxKept) free_.push_back(std::move(buffer));
-  }
-
- private:
-  static constexpr size_t kMaxKept = 16;
-  std::mutex mutex_;
-  std::vector<AlignedBuffer> free_;
-};
+// Staging buffers outlive a writer: a provider writes one file per prompt.
+AlignedBufferPool& staging_buffers() {
+  static AlignedBufferPool pool(16, kDirectChunkBytes);
+  return pool;
+}
 
 }  // namespace
 
@@ -117,7 +91,7 @@ struct StateFileWriter::Impl {
 
   ~Impl() {
     abandon();
-    for (auto& buffer : pool) BufferRecycler::instance().give(std::move(buffer));
+    for (auto& buffer : pool) staging_buffers().give(std::move(buffer));
   }
 
   // Removes the temporary file; used on failure and when a writer is dropped uncommitted.
@@ -140,7 +114,7 @@ struct StateFileWriter::Impl {
   Result<int> acquire_buffer() {
     while (free_buffers.empty()) {
       if (queue->in_flight() == 0) {
-        auto buffer = BufferRecycler::instance().take(options.chunk_bytes);
+        auto buffer = staging_buffers().take(options.chunk_bytes);
         if (!buffer) return fail(buffer.error());
         pool.push_back(std::move(*buffer));
         free_buffers.push_back(static_cast<int>(pool.size() - 1));
