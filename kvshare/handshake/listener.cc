@@ -96,7 +96,8 @@ Result<Fd> Listener::accept(int timeout_ms, PeerCredentials* peer_out) {
   }
 }
 
-Result<ReceivedMessage> Listener::accept_and_receive(int timeout_ms, PeerCredentials* peer_out) {
+Result<ReceivedMessage> Listener::accept_and_receive(int timeout_ms, PeerCredentials* peer_out,
+                                                     std::string_view known_header) {
   const auto start = std::chrono::steady_clock::now();
   PeerCredentials peer;
   auto connection = accept(timeout_ms, &peer);
@@ -104,7 +105,7 @@ Result<ReceivedMessage> Listener::accept_and_receive(int timeout_ms, PeerCredent
   if (peer_out != nullptr) *peer_out = peer;
   const auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
   const int left = std::max(0, timeout_ms - static_cast<int>(spent.count()));
-  return receive_message(connection->get(), left, fmt::format("pid {}", peer.pid));
+  return receive_message(connection->get(), left, fmt::format("pid {}", peer.pid), known_header);
 }
 
 }  // namespace kvshare::handshake

@@ -35,7 +35,9 @@ class Listener {
   Result<Fd> accept(int timeout_ms, PeerCredentials* peer = nullptr);
 
   // accept() then receive_message() on it, within one `timeout_ms` budget overall.
-  Result<ReceivedMessage> accept_and_receive(int timeout_ms, PeerCredentials* peer = nullptr);
+  // `known_header`: see parse_json.
+  Result<ReceivedMessage> accept_and_receive(int timeout_ms, PeerCredentials* peer = nullptr,
+                                             std::string_view known_header = {});
 
  private:
   Listener() = default;

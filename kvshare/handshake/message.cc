@@ -98,7 +98,7 @@ Result<FdEntry> parse_fd_entry(const Json& entry, std::string_view source, size_
   return fd;
 }
 
-Result<Message> parse_object(Json& json, std::string_view source) {
+Result<Message> parse_object(Json& json, std::string_view source, bool header_is_known) {
   if (!json.is_object())
     return fail(EINVAL, "handshake from {}: message is {}, expected a JSON object", source,
                 std::string(json.type_name()));
@@ -140,6 +140,10 @@ Result<Message> parse_object(Json& json, std::string_view source) {
     auto entry = parse_fd_entry((**fds)[i], source, i);
     if (!entry) return fail(entry.error());
     message.fds.push_back(std::move(*entry));
+  }
+  if (header_is_known) {
+    message.header_is_known = true;
+    return message;
   }
   auto header = field(json, source, "", "header");
   if (!header) return fail(header.error());
@@ -199,10 +203,34 @@ Result<std::vector<std::byte>> encode_frame(const Message& message) {
   return frame;
 }
 
-Result<Message> parse_json(std::string_view text, std::string_view source) {
+namespace {
+
+// The envelope of `text` when it ends with `,"header":` + known_header + `}`; empty otherwise.
+std::string_view envelope_before_known_header(std::string_view text, std::string_view known_header) {
+  constexpr std::string_view kKey = ",\"header\":";
+  if (known_header.empty() || text.size() < kKey.size() + known_header.size() + 2) return {};
+  const size_t header_at = text.size() - 1 - known_header.size();
+  if (text.back() != '}' || text.substr(header_at, known_header.size()) != known_header) return {};
+  if (text.substr(header_at - kKey.size(), kKey.size()) != kKey) return {};
+  return text.substr(0, header_at - kKey.size());
+}
+
+}  // namespace
+
+Result<Message> parse_json(std::string_view text, std::string_view source, std::string_view known_header) {
   if (text.size() > kMaxMessageBytes)
     return fail(EMSGSIZE, "handshake from {}: message is {} bytes, the limit is {}", source, text.size(),
                 kMaxMessageBytes);
+  if (const auto envelope = envelope_before_known_header(text, known_header); !envelope.empty()) {
+    std::string object(envelope);
+    object += '}';
+    if (layout::json_nesting_depth(object) <= kMaxDepth) {
+      Json json = Json::parse(object, nullptr, false);
+      // A whole object of its own, with no "header" of its own: then the full text is that
+      // object plus the known header, and parsing it in full would give the same message.
+      if (!json.is_discarded() && json.is_object() && !json.contains("header")) return parse_object(json, source, true);
+    }
+  }
   if (layout::json_nesting_depth(text) > kMaxDepth)
     return fail(EINVAL, "handshake from {}: JSON nests deeper than {} levels", source, kMaxDepth);
   Json json;
@@ -211,10 +239,11 @@ Result<Message> parse_json(std::string_view text, std::string_view source) {
   } catch (const Json::exception& error) {
     return fail(EINVAL, "handshake from {}: message is not valid JSON: {}", source, error.what());
   }
-  return parse_object(json, source);
+  return parse_object(json, source, false);
 }
 
-Result<Message> parse_frame(std::span<const std::byte> frame, std::string_view source) {
+Result<Message> parse_frame(std::span<const std::byte> frame, std::string_view source,
+                            std::string_view known_header) {
   if (frame.size() < kLengthBytes)
     return fail(EPROTO, "handshake from {}: frame is {} bytes, shorter than its 4-byte length", source, frame.size());
   uint32_t length = 0;
@@ -225,7 +254,8 @@ Result<Message> parse_frame(std::span<const std::byte> frame, std::string_view s
   if (frame.size() - kLengthBytes != length)
     return fail(EPROTO, "handshake from {}: length prefix says {} bytes, the frame carries {}", source, length,
                 frame.size() - kLengthBytes);
-  return parse_json(std::string_view(reinterpret_cast<const char*>(frame.data()) + kLengthBytes, length), source);
+  return parse_json(std::string_view(reinterpret_cast<const char*>(frame.data()) + kLengthBytes, length), source,
+                    known_header);
 }
 
 Message make_refusal(uint64_t share_id, std::string field, std::string reason) {

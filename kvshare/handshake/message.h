@@ -51,6 +51,9 @@ struct Message {
   // empty `header_json`. encode_json uses `header_json` when set, else `header`.
   std::string header_json;
   nlohmann::ordered_json header;
+  // Set by parse_json instead of `header` when the message's header is, byte for byte, the
+  // `known_header` text the caller passed (a header it validated before).
+  bool header_is_known = false;
   // refuse only:
   std::string field;          // the JSON field that differs ("params.type_k"), "" if none
   std::string reason;         // a sentence a human acts on
@@ -65,9 +68,16 @@ Result<std::vector<std::byte>> encode_frame(const Message& message);
 // name), type, share_id, and for share the fds (chunks 0..n-1 in order, known kinds,
 // positive sizes, at most kMaxFds) and a header object. Does NOT interpret the header:
 // layout::parse_share_header does that. Errors name `source` and the field.
-Result<Message> parse_json(std::string_view json, std::string_view source);
+//
+// `known_header`: the compact text of a header the caller already validated (the broker's
+// last one; a decoder sends the same 20-40 KB header on every share). When the message
+// ends with `,"header":` + exactly that text + `}`, only the envelope before it is parsed
+// (it must be a whole object without a "header" key of its own) and `header_is_known` is
+// set: the header is neither parsed nor checked again. Anything else is parsed in full.
+Result<Message> parse_json(std::string_view json, std::string_view source, std::string_view known_header = {});
 // The whole frame (prefix + JSON, nothing after): for vectors and the fuzzer.
-Result<Message> parse_frame(std::span<const std::byte> frame, std::string_view source);
+Result<Message> parse_frame(std::span<const std::byte> frame, std::string_view source,
+                            std::string_view known_header = {});
 
 // A refusal naming the field that differs.
 Message make_refusal(uint64_t share_id, std::string field, std::string reason);

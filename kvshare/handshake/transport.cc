@@ -142,7 +142,8 @@ Result<void> send_message(int socket_fd, const Message& message, std::span<const
   return {};
 }
 
-Result<ReceivedMessage> receive_message(int socket_fd, int timeout_ms, std::string_view peer) {
+Result<ReceivedMessage> receive_message(int socket_fd, int timeout_ms, std::string_view peer,
+                                        std::string_view known_header) {
   ReceivedMessage received;
   const Deadline deadline(timeout_ms);
   alignas(cmsghdr) unsigned char control[kControlBytes];
@@ -200,7 +201,8 @@ Result<ReceivedMessage> receive_message(int socket_fd, int timeout_ms, std::stri
     }
   }
 
-  auto message = parse_json(std::string_view(reinterpret_cast<const char*>(body.data()), body.size()), peer);
+  auto message =
+      parse_json(std::string_view(reinterpret_cast<const char*>(body.data()), body.size()), peer, known_header);
   if (!message) return fail(message.error());
   const size_t declared = message->type == MessageType::share ? message->fds.size() : 0;
   if (received.fds.size() > declared)

@@ -49,6 +49,8 @@ struct ReceivedMessage {
 // after the first read, a short read (the peer closed mid-frame, with the offset reached),
 // more or fewer fds than the JSON declares or any past kMaxFds; EMSGSIZE for a length
 // over kMaxMessageBytes; ETIMEDOUT after `timeout_ms`; parse errors from parse_json.
-Result<ReceivedMessage> receive_message(int socket_fd, int timeout_ms, std::string_view peer);
+// `known_header`: see parse_json.
+Result<ReceivedMessage> receive_message(int socket_fd, int timeout_ms, std::string_view peer,
+                                        std::string_view known_header = {});
 
 }  // namespace kvshare::handshake

@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <memory>
+#include <mutex>
 
 #include "kvshare/region/fd_inspect.h"
 #include "kvshare/sys.h"
@@ -75,9 +77,42 @@ Result<ShareBroker> ShareBroker::listen(const std::filesystem::path& parent) {
   return ShareBroker(std::move(*listener));
 }
 
+namespace {
+
+// The last layout header a handshake carried and passed every check, with its compact text
+// (the form decoders send). A decoder sends the same header on every
+// share, so the next handshake that carries these exact bytes skips parsing and checking
+// it (handshake::parse_json's known_header). Process-wide: kvshare-serve makes a broker per
+// request.
+struct KnownHeader {
+  std::mutex mutex;
+  std::shared_ptr<const std::string> text;
+  std::shared_ptr<const layout::ShareHeader> header;
+};
+
+KnownHeader& known_header() {
+  static KnownHeader known;
+  return known;
+}
+
+}  // namespace
+
+void ShareBroker::forget_known_header() {
+  std::lock_guard lock(known_header().mutex);
+  known_header().text.reset();
+  known_header().header.reset();
+}
+
 Result<ReceivedShare> ShareBroker::receive(int timeout_ms) {
+  std::shared_ptr<const std::string> known_text;
+  std::shared_ptr<const layout::ShareHeader> known;
+  {
+    std::lock_guard lock(known_header().mutex);
+    known_text = known_header().text;
+    known = known_header().header;
+  }
   handshake::PeerCredentials peer;
-  auto received = listener_.accept_and_receive(timeout_ms, &peer);
+  auto received = listener_.accept_and_receive(timeout_ms, &peer, known_text ? std::string_view(*known_text) : "");
   if (!received) return fail(received.error());
   const std::string who = fmt::format("pid {}", peer.pid);
   if (received->message.type == handshake::MessageType::refuse) {
@@ -90,9 +125,22 @@ Result<ReceivedShare> ShareBroker::receive(int timeout_ms) {
   share.peer = peer;
   share.entries = std::move(received->message.fds);
   share.fds = std::move(received->fds);
-  auto header = layout::parse_share_header_document(received->message.header, fmt::format("handshake from {}", who));
-  if (!header) return fail(header.error());
-  share.header = std::move(*header);
+  if (received->message.header_is_known) {
+    share.header = *known;
+    share.header_was_known = true;
+  } else {
+    auto header = layout::parse_share_header_document(received->message.header, fmt::format("handshake from {}", who));
+    if (!header) return fail(header.error());
+    share.header = std::move(*header);
+    // The parsed object's compact dump: the bytes of any message header that parses to
+    // this same object (nlohmann's parse and dump round-trip), i.e. what the decoder sent.
+    auto text = std::make_shared<const std::string>(
+        received->message.header.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
+    auto parsed = std::make_shared<const layout::ShareHeader>(share.header);
+    std::lock_guard lock(known_header().mutex);
+    known_header().text = std::move(text);
+    known_header().header = std::move(parsed);
+  }
   if (auto checked = check_entries(share, who); !checked) return fail(checked.error());
   return share;
 }

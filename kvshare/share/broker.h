@@ -26,6 +26,7 @@ struct ReceivedShare {
   uint64_t share_id = 0;
   handshake::PeerCredentials peer;
   layout::ShareHeader header;              // parsed and validated
+  bool header_was_known = false;           // its bytes were the last validated header's: not parsed again
   std::vector<handshake::FdEntry> entries; // one per fd
   std::vector<Fd> fds;                     // checked: kind and size match the layout
 };
@@ -51,6 +52,9 @@ class ShareBroker {
   // hashes, fd kind and size). A decoder's refusal is ENOTSUP carrying its reason; a
   // mismatch is EINVAL naming the field. Every fd is closed on every failure.
   Result<ReceivedShare> receive(int timeout_ms);
+  // Drops the process-wide memory of the last validated header (receive() then parses the
+  // next one in full): for tests and the benchmark's first-handoff figure.
+  static void forget_known_header();
 
   // Writes share.header (layout::to_json, the same document the decoder sent, re-emitted
   // from the validated values) to "layout-<share_id>.json" (0600) in the private directory.

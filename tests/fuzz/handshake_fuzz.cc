@@ -16,6 +16,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     (void)kvshare::handshake::encode_frame(*message);
   }
   // The same bytes as bare JSON (the body without a prefix) reach the field checks more often.
-  (void)kvshare::handshake::parse_json(std::string_view(reinterpret_cast<const char*>(data), size), "fuzz");
+  const std::string_view text(reinterpret_cast<const char*>(data), size);
+  (void)kvshare::handshake::parse_json(text, "fuzz");
+  // And with a known header, so messages ending in it take the envelope-only path.
+  (void)kvshare::handshake::parse_json(text, "fuzz", R"({"format":"kvshare-layout"})");
   return 0;
 }

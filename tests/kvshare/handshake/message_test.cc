@@ -46,6 +46,44 @@ TEST(HandshakeMessage, RoundTripsAShareMessageFieldByField) {
   EXPECT_EQ(json_of(*parsed), json_of(message));
 }
 
+TEST(HandshakeMessage, SkipsAHeaderWhoseBytesAreTheKnownOnesAndParsesAnyOtherInFull) {
+  const Message message = share_message();
+  const std::string json = json_of(message);
+  // The known header: only the envelope is parsed.
+  auto known = parse_json(json, "test", message.header_json);
+  ASSERT_TRUE(known) << known.error().what();
+  EXPECT_TRUE(known->header_is_known);
+  EXPECT_TRUE(known->header.is_null());
+  EXPECT_EQ(known->share_id, 7u);
+  EXPECT_EQ(known->fds, message.fds);
+  // A different known header: parsed in full.
+  auto other = parse_json(json, "test", R"({"format_version":1})");
+  ASSERT_TRUE(other) << other.error().what();
+  EXPECT_FALSE(other->header_is_known);
+  EXPECT_EQ(other->header.dump(), message.header_json);
+  // An envelope with a "header" of its own before the known one: the full parse decides
+  // (the last "header" wins in nlohmann, as in any full parse), never the shortcut.
+  std::string twice = json;
+  twice.insert(1, R"("header":{"format_version":2},)");
+  auto doubled = parse_json(twice, "test", message.header_json);
+  ASSERT_TRUE(doubled) << doubled.error().what();
+  EXPECT_FALSE(doubled->header_is_known);
+  // The known bytes at the end of a message whose envelope is not a whole object (an open
+  // string swallows them): refused as invalid JSON, exactly as without the shortcut.
+  const std::string open_string =
+      R"({"kvshare_handshake":1,"type":"share","share_id":7,"x":")" + std::string(",\"header\":") +
+      message.header_json + "}";
+  auto broken = parse_json(open_string, "test", message.header_json);
+  ASSERT_FALSE(broken);
+  EXPECT_EQ(broken.error().errno_value(), EINVAL);
+  // A refusal whose envelope parses: the shortcut gives what the full parse gives.
+  auto refused = parse_json(R"({"kvshare_handshake":1,"type":"share","share_id":0,"fds":[],"header":)" +
+                                message.header_json + "}",
+                            "test", message.header_json);
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message().find("share_id"), std::string::npos) << refused.error().message();
+}
+
 TEST(HandshakeMessage, WritesTheLayoutHashAsSixteenHexDigits) {
   EXPECT_NE(json_of(share_message()).find(R"("layout_hash":"0x0123456789abcdef")"), std::string::npos);
 }

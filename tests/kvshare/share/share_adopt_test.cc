@@ -7,6 +7,8 @@
 #include <cerrno>
 #include <filesystem>
 
+#include <optional>
+
 #include "kvshare/share/broker.h"
 #include "kvshare/share/decoder_share.h"
 #include "share_fixtures.h"
@@ -73,6 +75,33 @@ TEST_F(ShareAdopt, DecoderReadsTheProvidersWritesThroughItsOwnMappingAfterAdopt)
       EXPECT_EQ(view.row(kTokens)[0], std::byte{0}) << "row past the prompt was touched in " << view.name();
     }
   }
+}
+
+TEST_F(ShareAdopt, ParsesADecodersHeaderOnceAndKnowsItsBytesAfterwards) {
+  ShareBroker::forget_known_header();
+  auto decoder = DecoderShare::start(testing::small_share_header(), true, memfd_only());
+  ASSERT_TRUE(decoder.can_share()) << decoder.startup_warning();
+  std::optional<layout::ShareHeader> first_header;
+  for (int round = 0; round < 3; ++round) {
+    auto broker = ShareBroker::listen();
+    ASSERT_TRUE(broker) << broker.error().what();
+    ASSERT_TRUE(decoder.share(broker->socket_path(), 2000));
+    auto share = broker->receive(2000);
+    ASSERT_TRUE(share) << share.error().what();
+    EXPECT_EQ(share->header_was_known, round > 0) << "round " << round;
+    EXPECT_EQ(layout::to_json(share->header), layout::to_json(decoder.header())) << "round " << round;
+    EXPECT_EQ(share->fds.size(), share->header.layout.chunks.size());
+  }
+  // Another decoder's header (other KV params) is not the known one: parsed in full.
+  auto other_decoder = DecoderShare::start(testing::small_share_header(512), true, memfd_only());
+  ASSERT_TRUE(other_decoder.can_share()) << other_decoder.startup_warning();
+  auto broker = ShareBroker::listen();
+  ASSERT_TRUE(broker) << broker.error().what();
+  ASSERT_TRUE(other_decoder.share(broker->socket_path(), 2000));
+  auto share = broker->receive(2000);
+  ASSERT_TRUE(share) << share.error().what();
+  EXPECT_FALSE(share->header_was_known);
+  EXPECT_EQ(share->header.params.n_ctx, 512u);
 }
 
 TEST_F(ShareAdopt, PassesOnlyTheToldDescriptorsToTheProvider) {
