@@ -85,34 +85,29 @@ namespace {
 // it (handshake::parse_json's known_header). Process-wide: kvshare-serve makes a broker per
 // request.
 struct KnownHeader {
-  std::mutex mutex;
-  std::shared_ptr<const std::string> text;
-  std::shared_ptr<const layout::ShareHeader> header;
+  std::string text;            // the parsed header dumped compactly: the bytes a decoder sends
+  layout::ShareHeader header;  // parsed and checked
 };
 
-KnownHeader& known_header() {
-  static KnownHeader known;
-  return known;
-}
+// Replaced whole, never changed in place: a receive() keeps the one it read.
+std::mutex known_mutex;
+std::shared_ptr<const KnownHeader> known_header;
 
 }  // namespace
 
 void ShareBroker::forget_known_header() {
-  std::lock_guard lock(known_header().mutex);
-  known_header().text.reset();
-  known_header().header.reset();
+  std::lock_guard lock(known_mutex);
+  known_header.reset();
 }
 
 Result<ReceivedShare> ShareBroker::receive(int timeout_ms) {
-  std::shared_ptr<const std::string> known_text;
-  std::shared_ptr<const layout::ShareHeader> known;
+  std::shared_ptr<const KnownHeader> known;
   {
-    std::lock_guard lock(known_header().mutex);
-    known_text = known_header().text;
-    known = known_header().header;
+    std::lock_guard lock(known_mutex);
+    known = known_header;
   }
   handshake::PeerCredentials peer;
-  auto received = listener_.accept_and_receive(timeout_ms, &peer, known_text ? std::string_view(*known_text) : "");
+  auto received = listener_.accept_and_receive(timeout_ms, &peer, known ? std::string_view(known->text) : "");
   if (!received) return fail(received.error());
   const std::string who = fmt::format("pid {}", peer.pid);
   if (received->message.type == handshake::MessageType::refuse) {
@@ -126,7 +121,7 @@ Result<ReceivedShare> ShareBroker::receive(int timeout_ms) {
   share.entries = std::move(received->message.fds);
   share.fds = std::move(received->fds);
   if (received->message.header_is_known) {
-    share.header = *known;
+    share.header = known->header;
     share.header_was_known = true;
   } else {
     auto header = layout::parse_share_header_document(received->message.header, fmt::format("handshake from {}", who));
@@ -134,12 +129,10 @@ Result<ReceivedShare> ShareBroker::receive(int timeout_ms) {
     share.header = std::move(*header);
     // The parsed object's compact dump: the bytes of any message header that parses to
     // this same object (nlohmann's parse and dump round-trip), i.e. what the decoder sent.
-    auto text = std::make_shared<const std::string>(
-        received->message.header.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
-    auto parsed = std::make_shared<const layout::ShareHeader>(share.header);
-    std::lock_guard lock(known_header().mutex);
-    known_header().text = std::move(text);
-    known_header().header = std::move(parsed);
+    auto remembered = std::make_shared<const KnownHeader>(KnownHeader{
+        received->message.header.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace), share.header});
+    std::lock_guard lock(known_mutex);
+    known_header = std::move(remembered);
   }
   if (auto checked = check_entries(share, who); !checked) return fail(checked.error());
   return share;
