@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 
-from hybrid_common import (FAKE_DECODER, FAKE_PROVIDER, HERE, Failure, Serve, chat, check, events, read_log,
+from hybrid_common import (FAKE_DECODER, descendants, FAKE_PROVIDER, HERE, Failure, Serve, chat, check, events, read_log,
                            pid_alive, run_tests, temp_dir, wait_until)
 
 BIN = os.path.abspath(sys.argv[1])
@@ -76,25 +76,6 @@ def metric(serve, name, labels):
         if line.startswith("%s{%s} " % (name, labels)):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
-
-
-def descendants(root):
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open("/proc/%s/stat" % entry) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if fields[0] != "Z":
-                parents[int(entry)] = int(fields[1])
-        except (OSError, IndexError):
-            pass
-    found, frontier = set(), {root}
-    while frontier:
-        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
-        found |= frontier
-    return found
 
 
 class Row:

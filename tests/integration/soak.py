@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from hybrid_common import (FAKE_DECODER, FAKE_PROVIDER, HERE, Failure, Serve, chat, check, events,
+from hybrid_common import (FAKE_DECODER, descendants, FAKE_PROVIDER, HERE, Failure, Serve, chat, check, events,
                            expected_chat_ids, expected_reply, temp_dir, wait_until)
 
 parser = argparse.ArgumentParser()
@@ -34,24 +34,6 @@ with open(MODEL, "w") as f:
     f.write("not read by the fakes")
 # What RSS may grow by over the run (allocator arenas of 64 server threads settle late).
 RSS_MARGIN_KB = 16 * 1024
-
-
-def descendants(root):
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open("/proc/%s/stat" % entry) as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if fields[0] != "Z":
-                    parents[int(entry)] = int(fields[1])
-            except (OSError, IndexError):
-                pass
-    found, frontier = set(), {root}
-    while frontier:
-        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
-        found |= frontier
-    return found
 
 
 class Target:

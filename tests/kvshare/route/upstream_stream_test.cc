@@ -63,17 +63,21 @@ class BulkServer {
   std::thread thread_;
 };
 
-// Regression: every piece the decoder sent was queued however slowly the client read, so a
-// long reply to a stalled client grew serve's memory without limit.
-TEST(UpstreamStream, StopsReadingTheDecoderWhileTheClientIsBehind) {
-  constexpr size_t kBody = 64u << 20;
-  BulkServer server(kBody);
+std::shared_ptr<UpstreamStream> get_bulk(const BulkServer& server) {
   UpstreamStream::Request request;
   request.host = "127.0.0.1";
   request.port = server.port();
   request.method = "GET";
   request.path = "/bulk";
-  auto stream = UpstreamStream::start(std::move(request), nullptr);
+  return UpstreamStream::start(std::move(request), nullptr);
+}
+
+// Regression: every piece the decoder sent was queued however slowly the client read, so a
+// long reply to a stalled client grew serve's memory without limit.
+TEST(UpstreamStream, StopsReadingTheDecoderWhileTheClientIsBehind) {
+  constexpr size_t kBody = 64u << 20;
+  BulkServer server(kBody);
+  auto stream = get_bulk(server);
   ASSERT_TRUE(stream->wait_head());
   // Nobody calls next() for a while: the queue must stop at its bound.
   std::this_thread::sleep_for(std::chrono::milliseconds(800));
@@ -87,12 +91,7 @@ TEST(UpstreamStream, StopsReadingTheDecoderWhileTheClientIsBehind) {
 
 TEST(UpstreamStream, CancelWakesAReaderThatWaitsForRoom) {
   BulkServer server(16u << 20);
-  UpstreamStream::Request request;
-  request.host = "127.0.0.1";
-  request.port = server.port();
-  request.method = "GET";
-  request.path = "/bulk";
-  auto stream = UpstreamStream::start(std::move(request), nullptr);
+  auto stream = get_bulk(server);
   ASSERT_TRUE(stream->wait_head());
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   const auto start = std::chrono::steady_clock::now();
