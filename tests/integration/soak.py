@@ -192,6 +192,10 @@ def main():
             print("soak: RSS not compared: an ASan build (its quarantine holds freed memory; LeakSanitizer checks "
                   "at exit)")
         check(stats["correct"] > 0, "no request completed")
+        # A clean stop: exit 0 (under ASan, LeakSanitizer runs at this exit).
+        for target in targets:
+            code = target.serve.stop()
+            check(code == 0, "%s serve exited %s after SIGTERM" % (target.name, code))
     finally:
         for target in targets:
             target.serve.kill()
