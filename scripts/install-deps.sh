@@ -25,9 +25,14 @@ if [ "${#missing[@]}" -gt 0 ]; then
   "${sudo_cmd[@]}" apt-get update -qq
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
-# XRT is optional: the NPU import builds against it when Debian has it, and is skipped otherwise.
-if [ "${KVSHARE_WITH_XRT:-0}" = "1" ]; then
-  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends libxrt-dev || \
-    echo "install-deps: libxrt-dev unavailable; building without XRT"
+# XRT (libxrt-dev, Debian bookworm and later) by default, so the xrt::bo import builds and
+# its no-device path is tested everywhere; KVSHARE_WITH_XRT=0 leaves it out. A release
+# without the package builds without XRT and says so.
+if [ "${KVSHARE_WITH_XRT:-1}" = "1" ] && ! dpkg-query -W -f='${Status}' libxrt-dev 2>/dev/null | grep -q "install ok installed"; then
+  if apt-cache policy libxrt-dev 2>/dev/null | grep -q "Candidate: [0-9]"; then
+    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends libxrt-dev
+  else
+    echo "install-deps: this Debian has no libxrt-dev; building without XRT"
+  fi
 fi
 echo "install-deps: all packages present"

@@ -8,6 +8,7 @@
 #include "kvshare/env.h"
 #include "layout/state_format.h"
 #include "layout/tensor_type.h"
+#include "kvshare/share/provider_share.h"
 #include "refmodel/provider/prefill_provider.h"
 #include "refmodel/blas_kernels.h"
 
@@ -21,7 +22,7 @@ int main(int argc, char** argv) {
   app.add_option("--tokens", r.tokens_path, "ids file: one decimal id per line, or a JSON array")->required();
   app.add_option("--model", r.model_path, "GGUF model")->required();
   app.add_option("--out", r.out_path, "state file to write (file route)");
-  app.add_option("--elfs", r.elfs_dir, "NPU kernel directory (accepted; the CPU reference needs none)");
+  app.add_option("--elfs", r.elfs_dir, "NPU kernel directory: accepted for the provider contract and ignored (this reference provider computes on the CPU and runs no NPU kernel)");
   app.add_option("-c,--ctx-size", r.params.n_ctx, "context size, as llama-server's -c")->capture_default_str();
   app.add_option("--ctk,--cache-type-k", ctk, "K cache type, as llama-server's -ctk")->capture_default_str();
   app.add_option("--ctv,--cache-type-v", ctv, "V cache type, as llama-server's -ctv")->capture_default_str();
@@ -66,7 +67,7 @@ int main(int argc, char** argv) {
   }
   r.state_version = state_version;
   if (!fds.empty()) {
-    auto list = kvshare::refmodel::parse_fd_list(fds);
+    auto list = kvshare::parse_fd_list(fds);
     if (!list) {
       fmt::print(stderr, "kvshare-prefill: {}\n", list.error().what());
       return 2;

@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <unistd.h>
 #include <xf86drm.h>
 
 #include <algorithm>
@@ -76,65 +77,69 @@ Result<XdnaDevice> find_device(const std::string& accel_dir) {
               uapi::kDriverName, list);
 }
 
-ImportedBo::ImportedBo(ImportedBo&& other) noexcept
-    : device_fd_(std::exchange(other.device_fd_, -1)),
-      handle_(std::exchange(other.handle_, 0)),
-      size_bytes_(std::exchange(other.size_bytes_, 0)),
-      device_address_(std::exchange(other.device_address_, 0)) {}
-
-ImportedBo& ImportedBo::operator=(ImportedBo&& other) noexcept {
-  if (this != &other) {
-    reset();
-    device_fd_ = std::exchange(other.device_fd_, -1);
-    handle_ = std::exchange(other.handle_, 0);
-    size_bytes_ = std::exchange(other.size_bytes_, 0);
-    device_address_ = std::exchange(other.device_address_, 0);
-  }
-  return *this;
+GemHandle::~GemHandle() {
+  // DRM_IOCTL_GEM_CLOSE drops this file's reference; the dma-buf lives on in its exporter
+  // and in every other importer.
+  drm_gem_close request{};
+  request.handle = handle;
+  sys::ops().ioctl_ptr(device_fd, DRM_IOCTL_GEM_CLOSE, &request);
 }
 
-ImportedBo::~ImportedBo() { reset(); }
-
-void ImportedBo::reset() noexcept {
-  if (device_fd_ >= 0 && handle_ != 0) {
-    // DRM_IOCTL_GEM_CLOSE drops this file's reference; the dma-buf lives on in its
-    // exporter and in every other importer.
-    drm_gem_close request{};
-    request.handle = handle_;
-    sys::ops().ioctl_ptr(device_fd_, DRM_IOCTL_GEM_CLOSE, &request);
-  }
-  device_fd_ = -1;
-  handle_ = 0;
+std::shared_ptr<GemHandle> GemHandles::find(uint32_t handle) {
+  std::lock_guard lock(mutex_);
+  auto it = handles_.find(handle);
+  return it == handles_.end() ? nullptr : it->second.lock();
 }
 
-Result<ImportedBo> import_dmabuf(const XdnaDevice& device, int dmabuf_fd, uint64_t size_bytes,
+void GemHandles::remember(const std::shared_ptr<GemHandle>& handle) {
+  std::lock_guard lock(mutex_);
+  std::erase_if(handles_, [](const auto& entry) { return entry.second.expired(); });
+  handles_[handle->handle] = handle;
+}
+
+Result<ImportedBo> import_dmabuf(const XdnaDevice& device, int dmabuf_fd, uint64_t offset, uint64_t size_bytes,
                                  const std::string& what) {
+  // The range must lie inside the dma-buf (its size is what lseek(SEEK_END) reports).
+  const off_t buffer_bytes = ::lseek(dmabuf_fd, 0, SEEK_END);
+  if (buffer_bytes >= 0 && (offset > static_cast<uint64_t>(buffer_bytes) ||
+                            size_bytes > static_cast<uint64_t>(buffer_bytes) - offset))
+    return fail(EINVAL, "importing {} (dma-buf fd {}) into {}: bytes {}..{} pass its end at {}", what, dmabuf_fd,
+                device.path, offset, offset + size_bytes, buffer_bytes);
   // DRM_IOCTL_PRIME_FD_TO_HANDLE, what drmPrimeFDToHandle issues, through the syscall seam
   // so tests can stand in for the driver.
   drm_prime_handle prime{};
   prime.fd = dmabuf_fd;
   if (sys::ops().ioctl_ptr(device.fd.get(), DRM_IOCTL_PRIME_FD_TO_HANDLE, &prime) != 0)
-    return fail(errno, "importing {} (dma-buf fd {}, {} bytes) into {}: PRIME fd-to-handle failed", what, dmabuf_fd,
-                size_bytes, device.path);
+    return fail(errno, "importing {} (dma-buf fd {}, {} bytes at offset {}) into {}: PRIME fd-to-handle failed", what,
+                dmabuf_fd, size_bytes, offset, device.path);
+  // A dma-buf this file already imported comes back with the same handle: share it.
+  if (auto known = device.handles->find(prime.handle)) return ImportedBo(std::move(known), offset, size_bytes);
   uapi::GetBoInfo info{};
   info.handle = prime.handle;
   if (sys::ops().ioctl_ptr(device.fd.get(), uapi::kIoctlGetBoInfo, &info) != 0) {
     const int error = errno;
-    ImportedBo closes_the_handle(device.fd.get(), prime.handle, size_bytes, 0);
+    GemHandle closes_the_handle(device.fd.get(), prime.handle, 0);
     return fail(error, "importing {} (dma-buf fd {}) into {}: DRM_IOCTL_AMDXDNA_GET_BO_INFO on handle {} failed", what,
                 dmabuf_fd, device.path, prime.handle);
   }
-  return ImportedBo(device.fd.get(), prime.handle, size_bytes, info.xdna_addr);
+  auto handle = std::make_shared<GemHandle>(device.fd.get(), prime.handle, info.xdna_addr);
+  device.handles->remember(handle);
+  return ImportedBo(std::move(handle), offset, size_bytes);
 }
 
 Result<std::vector<ImportedBo>> import_region(const XdnaDevice& device, std::span<const int> chunk_fds,
-                                              std::span<const uint64_t> chunk_sizes) {
+                                              std::span<const uint64_t> chunk_sizes,
+                                              std::span<const uint64_t> chunk_offsets) {
   if (chunk_fds.size() != chunk_sizes.size())
     return fail(EINVAL, "importing a region into {}: {} fds but the layout has {} chunks", device.path,
                 chunk_fds.size(), chunk_sizes.size());
+  if (!chunk_offsets.empty() && chunk_offsets.size() != chunk_fds.size())
+    return fail(EINVAL, "importing a region into {}: {} fds but {} offsets", device.path, chunk_fds.size(),
+                chunk_offsets.size());
   std::vector<ImportedBo> bos;
   for (size_t i = 0; i < chunk_fds.size(); ++i) {
-    auto bo = import_dmabuf(device, chunk_fds[i], chunk_sizes[i], fmt::format("region chunk {}", i));
+    const uint64_t offset = chunk_offsets.empty() ? 0 : chunk_offsets[i];
+    auto bo = import_dmabuf(device, chunk_fds[i], offset, chunk_sizes[i], fmt::format("region chunk {}", i));
     if (!bo) return fail(bo.error());
     bos.push_back(std::move(*bo));
   }
@@ -153,7 +158,9 @@ Result<XrtBuffer> import_xrt(unsigned device_index, int dmabuf_fd, const std::st
   try {
     XrtBuffer buffer;
     xrt::device device(device_index);
-    xrt::bo bo(device, static_cast<xrt::bo::export_handle>(dmabuf_fd));
+    // XRT 2.13 (Debian bookworm) takes the device as its xclDeviceHandle and the dma-buf fd as an
+    // xclBufferExportHandle.
+    xrt::bo bo(static_cast<xclDeviceHandle>(device), static_cast<xclBufferExportHandle>(dmabuf_fd));
     buffer.impl_ = std::make_unique<XrtBuffer::Impl>(XrtBuffer::Impl{std::move(device), std::move(bo)});
     return buffer;
   } catch (const std::exception& e) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <map>
 
 #include "layout/row_convert.h"
 
@@ -105,16 +106,29 @@ Result<DmaPlan> plan_layer_dma(const ScatterTarget& target, const ScatterBatch& 
   const uint64_t k_words = rows.n_embd_k_gqa * es / kWord;
   const uint64_t first_cell = static_cast<uint64_t>(batch.stream) * cache.kv_size + batch.pos0;
 
+  // A tensor's descriptors join the plan only if the tile still has room for all of them.
+  auto take_if_room = [&plan](const std::string& name, std::vector<DmaTransfer>& transfers) {
+    const size_t left = Limits::kBdsPerTile - plan.transfers.size();
+    if (transfers.size() > left) {
+      plan.cpu_fallback.push_back(fmt::format("{}: needs {} buffer descriptors, the shim tile has {} left of {}", name,
+                                              transfers.size(), left, Limits::kBdsPerTile));
+      return false;
+    }
+    plan.transfers.insert(plan.transfers.end(), transfers.begin(), transfers.end());
+    return true;
+  };
+
   const bool k_rotated = !batch.rotation_disabled &&
                          layout::kv_rotation_group(layout::TensorKind::k, k.type, target.n_embd_head_k, false) > 0;
+  std::vector<DmaTransfer> k_transfers;
   if (std::string why = copy_blocker(k, batch.src_type, k_rotated); !why.empty()) {
     plan.cpu_fallback.push_back(why);
-  } else if (std::string why_rows = plan_rows(plan.transfers, 0, DmaBuffer::cache_k, k_words, 0, src_stride,
+  } else if (std::string why_rows = plan_rows(k_transfers, 0, DmaBuffer::cache_k, k_words, 0, src_stride,
                                               first_cell * k_words, k_words, batch.n_tokens);
              !why_rows.empty()) {
     plan.cpu_fallback.push_back(k.name + ": " + why_rows);
   } else {
-    plan.covers_k = true;
+    plan.covers_k = take_if_room(k.name, k_transfers);
   }
 
   if (v_placed == nullptr) return plan;
@@ -125,14 +139,21 @@ Result<DmaPlan> plan_layer_dma(const ScatterTarget& target, const ScatterBatch& 
     plan.cpu_fallback.push_back(why);
     return plan;
   }
+  // Whole words only: a V row of 66 bytes would lose its last 2 (the shim DMA moves words).
+  if ((rows.n_embd_v_gqa * es) % kWord != 0) {
+    plan.cpu_fallback.push_back(fmt::format("{}: a V row of {} bytes is not a whole number of 32-bit words", v.name,
+                                            rows.n_embd_v_gqa * es));
+    return plan;
+  }
   const uint64_t v_words = rows.n_embd_v_gqa * es / kWord;
+  std::vector<DmaTransfer> v_transfers;
   if (!cache.v_trans) {
-    if (std::string why = plan_rows(plan.transfers, 1, DmaBuffer::cache_v, v_words, k_words, src_stride,
+    if (std::string why = plan_rows(v_transfers, 1, DmaBuffer::cache_v, v_words, k_words, src_stride,
                                     first_cell * v_words, v_words, batch.n_tokens);
         !why.empty())
       plan.cpu_fallback.push_back(v.name + ": " + why);
     else
-      plan.covers_v = true;
+      plan.covers_v = take_if_room(v.name, v_transfers);
     return plan;
   }
 
@@ -171,10 +192,10 @@ Result<DmaPlan> plan_layer_dma(const ScatterTarget& target, const ScatterBatch& 
                             DmaDim{1, 0}};
       transfer.write.offset_words = stream_base + j0 * cache.kv_size + batch.pos0 + t0;
       transfer.write.dims = {DmaDim{count, 1}, DmaDim{rows_here, cache.kv_size}, DmaDim{1, 0}};
-      plan.transfers.push_back(transfer);
+      v_transfers.push_back(transfer);
     }
   }
-  plan.covers_v = true;
+  plan.covers_v = take_if_room(v.name, v_transfers);
   return plan;
 }
 
@@ -224,8 +245,12 @@ Result<void> simulate_dma(const DmaPlan& plan, std::span<const std::byte> rows, 
   auto size_of = [&](DmaBuffer buffer) -> uint64_t {
     return buffer == DmaBuffer::rows ? rows.size() : buffer == DmaBuffer::cache_k ? cache_k.size() : cache_v.size();
   };
+  std::map<uint32_t, size_t> bds_per_tile;
   for (size_t i = 0; i < plan.transfers.size(); ++i) {
     const DmaTransfer& t = plan.transfers[i];
+    if (++bds_per_tile[t.shim_tile] > Limits::kBdsPerTile)
+      return fail(EINVAL, "DMA transfer {}: shim tile {} has only {} buffer descriptors", i, t.shim_tile,
+                  Limits::kBdsPerTile);
     if (t.channel >= Limits::kChannelsPerDirection)
       return fail(EINVAL, "DMA transfer {}: channel {} but a shim tile has {} per direction", i, t.channel,
                   Limits::kChannelsPerDirection);

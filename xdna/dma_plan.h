@@ -26,6 +26,9 @@ struct ShimLimits {
   static constexpr uint32_t kMaxStrideWords = 0xFFFFF;
   static constexpr uint32_t kWordBytes = 4;
   static constexpr uint32_t kChannelsPerDirection = 2;  // per shim tile
+  // Buffer descriptors per shim tile (AIE2: 16, shared by its channels). A plan runs as one
+  // sequence without reprogramming a descriptor, so this bounds its transfers per tile.
+  static constexpr uint32_t kBdsPerTile = 16;
 };
 
 struct DmaDim {
@@ -68,12 +71,13 @@ struct DmaPlan {
 // Plans the scatter of `batch`'s single layer into `target` (same validation as scatter).
 // Destination offsets are relative to the start of cache_k_l<il> / cache_v_l<il>; source
 // offsets to the layer's row pointer. A tensor whose type differs from the source type,
-// that is rotated, whose rows are not whole words, or that is a transposed V of 2-byte
-// elements is left to the CPU with the reason in cpu_fallback.
+// that is rotated, whose rows are not whole words, that is a transposed V of 2-byte
+// elements, or that would need more buffer descriptors than the shim tile has left is
+// left to the CPU with the reason in cpu_fallback (and covers_k / covers_v false).
 Result<DmaPlan> plan_layer_dma(const ScatterTarget& target, const ScatterBatch& batch);
 
-// Executes `plan` with memcpy: checks every transfer against ShimLimits and every address
-// against its buffer before copying anything, then copies word by word in stream order.
+// Executes `plan` with memcpy: checks every transfer against ShimLimits (the descriptors
+// per shim tile included) and every address against its buffer before copying anything, then copies word by word in stream order.
 // Fails with EINVAL naming the transfer and the limit or bound it breaks.
 Result<void> simulate_dma(const DmaPlan& plan, std::span<const std::byte> rows, std::span<std::byte> cache_k,
                           std::span<std::byte> cache_v);

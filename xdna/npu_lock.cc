@@ -1,6 +1,7 @@
 #include "xdna/npu_lock.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/file.h>
 #include <unistd.h>
 
@@ -48,9 +49,15 @@ pid_t npu_lock_holder(const std::string& path) {
 }
 
 Result<NpuLock> acquire_npu_lock(const std::string& path, int timeout_ms) {
-  // 0666 and no umask games: every user of the NPU must be able to open the same file.
   Fd fd(sys::ops().open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666));
   if (!fd) return fail(errno, "NPU lock {}: cannot open", path);
+  // Every user of the NPU must be able to open the same file, and open's mode passes
+  // through the umask (0022 makes it 0644): whoever owns the file sets 0666 explicitly.
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) return fail(errno, "NPU lock {}: fstat", path);
+  if (st.st_uid == ::geteuid() && (st.st_mode & 0777) != 0666 && ::fchmod(fd.get(), 0666) != 0)
+    return fail(errno, "NPU lock {}: fchmod 0666 (it is {:o}; other users could not take the lock)", path,
+                st.st_mode & 0777);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max(0, timeout_ms));
   while (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
     if (errno == EINTR) continue;

@@ -13,14 +13,21 @@
 #include <thread>
 #include <vector>
 
-#include "kvshare/route/child_process.h"
+#include "kvshare/share/spawn.h"
 #include "kvshare/route/serve_config.h"
 #include "layout/error.h"
 
 namespace kvshare::route {
 
 // A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read it, close).
+// Another process may take it before the decoder binds it: start() checks who listens.
 Result<int> pick_free_loopback_port();
+
+// The inode of the IPv4 TCP socket listening on `port` of 127.0.0.1 or 0.0.0.0
+// (/proc/net/tcp), 0 when nothing listens there.
+Result<uint64_t> loopback_listener_inode(int port);
+// Whether a process of process group `pgid` holds socket `inode` (/proc/<pid>/fd).
+bool process_group_holds_socket(pid_t pgid, uint64_t inode);
 
 // A fresh private directory (mode 0700, mkdtemp) under $TMPDIR or /tmp, named after `stem`.
 Result<std::filesystem::path> make_private_dir(const std::string& stem);
@@ -28,8 +35,11 @@ Result<std::filesystem::path> make_private_dir(const std::string& stem);
 class DecoderProcess {
  public:
   // Creates the slot directory, picks a port, starts the backend and waits (at most
-  // `ready_timeout`) for GET /health to answer 200. Fails naming the command when the
-  // child exits first or never gets ready (the child is stopped, the directory removed).
+  // `ready_timeout`) for GET /health to answer 200 from a socket the decoder's own process
+  // group listens on: a third process that took the port between the pick and the
+  // decoder's bind is never mistaken for it (the decoder is restarted on a fresh port, up
+  // to three times). Fails naming the command when the child exits first or never gets
+  // ready (the child is stopped, the directory removed).
   // `on_death` runs once, on the watcher thread, if the child exits while serve has not
   // asked it to: serve's cue to stop.
   static Result<std::unique_ptr<DecoderProcess>> start(const ServeConfig& config, const Backend& backend,
@@ -48,6 +58,11 @@ class DecoderProcess {
 
  private:
   DecoderProcess() = default;
+  // One attempt on port_: ready (the decoder answers /health from its own socket), or the
+  // port turned out to be someone else's. An error when the decoder failed otherwise.
+  enum class Readiness { ready, port_taken };
+  Result<Readiness> start_on_port(std::chrono::steady_clock::time_point deadline,
+                                  std::chrono::milliseconds ready_timeout);
   void watch();
 
   std::vector<std::string> command_;

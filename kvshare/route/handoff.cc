@@ -9,6 +9,7 @@
 
 #include "kvshare/env.h"
 #include "kvshare/route/state_version_probe.h"
+#include "kvshare/share/broker.h"
 
 namespace kvshare::route {
 namespace {
@@ -32,10 +33,11 @@ struct StepResult {
   Step step = Step::forward;
   std::string reason;   // metric label
   std::string why;      // the sentence on stderr
+  bool slot_may_be_stale = false;  // slot 0 could not be erased after its cells may have changed
 };
 
-StepResult forward_because(std::string reason, std::string why) {
-  return {Step::forward, std::move(reason), std::move(why)};
+StepResult forward_because(std::string reason, std::string why, bool slot_may_be_stale = false) {
+  return {Step::forward, std::move(reason), std::move(why), slot_may_be_stale};
 }
 
 bool is_text_content(const Json& content) {
@@ -86,13 +88,24 @@ Result<void> write_ids_file(const std::filesystem::path& path, std::span<const i
 
 Json ids_json(std::span<const int32_t> ids) { return Json(std::vector<int32_t>(ids.begin(), ids.end())); }
 
-// The decoder forgets slot 0 (its cached tokens no longer describe its cells).
-void erase_slot(const HandoffContext& context) {
+// The decoder forgets slot 0 (its cached tokens no longer describe its cells). False when
+// it could not: the caller must then keep the decoder from reusing any of slot 0's cells.
+bool erase_slot(const HandoffContext& context) {
   auto erased = context.decoder->slot_action("erase", Json::object());
-  if (!erased || erased->status != 200)
-    context.log(fmt::format("hybrid: warning: POST /slots/0?action=erase failed ({}); the forwarded request may "
-                            "reuse stale cells",
-                            erased ? erased->error_message : erased.error().what()));
+  if (erased && erased->ok()) return true;
+  context.metrics->count_fallback("erase_failed");
+  context.log(fmt::format("hybrid: POST /slots/0?action=erase failed ({}); the request goes to slot 0 with "
+                          "cache_prompt false, so the decoder recomputes every cell instead of reusing stale ones",
+                          erased ? fmt::format("{}: {}", erased->status, erased->error_message)
+                                 : erased.error().what()));
+  return false;
+}
+
+// The provider's own words belong on serve's stderr, on both routes.
+void log_provider_stderr(const HandoffContext& context, const ProviderRun& run) {
+  std::string text = run.err;
+  while (!text.empty() && (text.back() == '\n' || text.back() == '\r')) text.pop_back();
+  if (!text.empty()) context.log(text);
 }
 
 StepResult file_route(const HandoffContext& context, std::span<const int32_t> handoff_ids,
@@ -105,6 +118,7 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
     env.push_back(fmt::format("{}={}", kStateVersionEnv, context.decoder_state_version));
   const ProviderRun run = run_provider(file_provider_command(config, ids_path.string(), state.path.string()), {},
                                        provider_timeout(config), std::move(env));
+  log_provider_stderr(context, run);
   report.prefill_ms = run.prefill_ms();
   if (!run.ok())
     return forward_because(run.timed_out ? "provider_timeout" : "provider_failed",
@@ -127,7 +141,10 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
   }
   // The restore must not land while an earlier request still decodes (llama-server defers
   // it by itself; waiting here keeps any decoder honest).
-  context.slot->wait_idle(provider_timeout(config));
+  if (!context.slot->wait_idle(provider_timeout(config)))
+    return forward_because("decoder_busy", fmt::format("the decoder was still generating an earlier reply {} ms "
+                                                       "after the provider finished; no restore under it",
+                                                       provider_timeout(config).count()));
   const Json body = {{"filename", state_name}, {"leave_one_token", true}};
   const auto restore_start = std::chrono::steady_clock::now();
   auto restored = context.decoder->slot_action("restore", body);
@@ -139,10 +156,11 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
                                                          restored->status, restored->error_message));
   const Json& n_restored = restored->body["n_restored"];
   if (!n_restored.is_number_integer() || n_restored.get<int64_t>() != static_cast<int64_t>(handoff_ids.size())) {
-    erase_slot(context);
-    return forward_because("restore_short", fmt::format("the slot holds {} tokens after the restore, expected {} "
-                                                        "(the prompt less its last token)",
-                                                        n_restored.dump(), handoff_ids.size()));
+    const bool erased = erase_slot(context);
+    return forward_because("restore_short",
+                           fmt::format("the slot holds {} tokens after the restore, expected {} (the prompt less its "
+                                       "last token)", n_restored.dump(), handoff_ids.size()),
+                           !erased);
   }
   report.handoff_ms = restored->timings_ms().value_or(restore_wall_ms);
   return {Step::handed_off, "", ""};
@@ -151,50 +169,56 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
 StepResult shared_route(const HandoffContext& context, std::span<const int32_t> handoff_ids,
                         const std::filesystem::path& ids_path, HandoffReport& report) {
   const ServeConfig& config = *context.config;
-  auto session = context.broker->open();
-  if (!session)
+  auto broker = ShareBroker::listen();
+  if (!broker)
     return {Step::take_file_route, "handshake_failed",
-            fmt::format("the handshake cannot start ({})", session.error().what())};
+            fmt::format("the handshake cannot start ({})", broker.error().what())};
   // The provider writes into the decoder's own cells: nothing may still decode from them.
   if (!context.slot->wait_idle(provider_timeout(config)))
     return {Step::take_file_route, "decoder_busy", "the decoder is still generating an earlier reply"};
   const auto share_start = std::chrono::steady_clock::now();
-  auto shared = context.decoder->slot_action("share", Json{{"socket", (*session)->socket_path()}});
+  auto shared = context.decoder->slot_action("share", Json{{"socket", broker->socket_path()}});
   if (!shared) return {Step::take_file_route, "handshake_failed", shared.error().what()};
   if (!shared->ok())
     return {Step::take_file_route, "share_refused",
             fmt::format("the decoder refused to share ({}: {})", shared->status, shared->error_message)};
-  auto share_id = (*session)->receive(context.handshake_timeout);
-  if (!share_id)
+  auto share = broker->receive(static_cast<int>(context.handshake_timeout.count()));
+  if (!share)
     return {Step::take_file_route, "handshake_failed",
-            fmt::format("receiving the decoder's fds failed ({})", share_id.error().what())};
+            fmt::format("receiving the decoder's fds failed ({})", share.error().what())};
+  const uint64_t share_id = share->share_id;
   const double share_wall_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - share_start).count();
   if (shared->body.contains("share_id") && shared->body["share_id"].is_number_unsigned() &&
-      shared->body["share_id"].get<uint64_t>() != *share_id)
+      shared->body["share_id"].get<uint64_t>() != share_id)
     return {Step::take_file_route, "handshake_failed",
             fmt::format("the share reply says share_id {}, the message on the socket says {}",
-                        shared->body["share_id"].dump(), *share_id)};
+                        shared->body["share_id"].dump(), share_id)};
 
   // From here the provider may write into the region: no file route, only forwarding.
+  std::vector<std::string> argv = shared_provider_command(config, ids_path.string());
+  argv.insert(argv.end(), {"--layout", "{layout}", "--fds", "{fds}"});
   const ProviderRun run =
-      (*session)->run_provider(shared_provider_command(config, ids_path.string()), provider_timeout(config));
+      provider_run_from(broker->run_provider(*share, argv, static_cast<int>(provider_timeout(config).count())));
+  log_provider_stderr(context, run);
   report.prefill_ms = run.prefill_ms();
   if (!run.ok()) {
-    if (run.started) erase_slot(context);
+    const bool erased = !run.started || erase_slot(context);
     return forward_because(run.timed_out ? "provider_timeout" : "provider_failed",
-                           fmt::format("the provider {} ({})", run.describe(), config.prefill_provider));
+                           fmt::format("the provider {} ({})", run.describe(), config.prefill_provider), !erased);
   }
   const auto adopt_start = std::chrono::steady_clock::now();
-  const Json body = {{"tokens", ids_json(handoff_ids)}, {"share_id", *share_id}, {"leave_one_token", true}};
+  const Json body = {{"tokens", ids_json(handoff_ids)}, {"share_id", share_id}, {"leave_one_token", true}};
   auto adopted = context.decoder->slot_action("adopt", body);
   const double adopt_wall_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - adopt_start).count();
   if (!adopted || !adopted->ok()) {
-    erase_slot(context);
-    return forward_because("adopt_failed", adopted ? fmt::format("POST /slots/0?action=adopt answered {}: {}",
-                                                                 adopted->status, adopted->error_message)
-                                                   : adopted.error().what());
+    const bool erased = erase_slot(context);
+    return forward_because("adopt_failed",
+                           adopted ? fmt::format("POST /slots/0?action=adopt answered {}: {}", adopted->status,
+                                                 adopted->error_message)
+                                   : adopted.error().what(),
+                           !erased);
   }
   report.handoff_ms = shared->timings_ms().value_or(share_wall_ms) + adopted->timings_ms().value_or(adopt_wall_ms);
   return {Step::handed_off, "", ""};
@@ -221,6 +245,13 @@ std::string hybrid_line(const HandoffReport& report, double first_byte_ms) {
   }
 }
 
+std::string uncached_body(const Json& body) {
+  Json forwarded = body;
+  forwarded["id_slot"] = 0;
+  forwarded["cache_prompt"] = false;
+  return forwarded.dump();
+}
+
 std::string forward_body(const Json& body) {
   Json forwarded = body;
   forwarded["id_slot"] = 0;
@@ -232,13 +263,15 @@ std::string forward_body(const Json& body) {
 HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, const std::string& body) {
   HandoffReport report;
   report.body = body;
-  auto fall_back = [&](const std::string& reason, const std::string& why) {
+  auto fall_back = [&](const std::string& reason, const std::string& why, bool slot_may_be_stale = false) {
     report.route = HandoffRoute::none;
     report.fallback_reason = reason;
-    report.body = body;
+    report.slot_may_be_stale = slot_may_be_stale;
+    // Only a JSON object reaches a step that can leave the slot stale.
+    report.body = slot_may_be_stale ? uncached_body(Json::parse(body)) : body;
     context.metrics->count_fallback(reason);
-    context.log(fmt::format("hybrid: fallback ({}): {}; forwarding the request as it came (the decoder prefills it)",
-                            reason, why));
+    context.log(fmt::format("hybrid: fallback ({}): {}; forwarding the request {} (the decoder prefills it)", reason,
+                            why, slot_may_be_stale ? "to slot 0 with cache_prompt false" : "as it came"));
     return report;
   };
 
@@ -262,7 +295,7 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
     return fall_back("ids_file_failed", written.error().what());
 
   bool tried_shared = false;
-  if (context.config->kv_share && context.broker) {
+  if (context.config->kv_share) {
     tried_shared = true;
     StepResult shared = shared_route(context, handoff_ids, ids_file.path, report);
     if (shared.step == Step::handed_off) {
@@ -273,7 +306,7 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
     }
     if (shared.step == Step::forward) {
       context.metrics->count_handoff("shared", "forwarded");
-      return fall_back(shared.reason, shared.why);
+      return fall_back(shared.reason, shared.why, shared.slot_may_be_stale);
     }
     context.metrics->count_handoff("shared", "file_fallback");
     context.metrics->count_fallback(shared.reason);
@@ -283,7 +316,7 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
   StepResult file = file_route(context, handoff_ids, ids_file.path, sequence, report);
   if (file.step != Step::handed_off) {
     context.metrics->count_handoff("file", "forwarded");
-    return fall_back(file.reason, file.why);
+    return fall_back(file.reason, file.why, file.slot_may_be_stale);
   }
   report.route = tried_shared ? HandoffRoute::shared_then_file : HandoffRoute::file;
   report.body = forward_body(request);

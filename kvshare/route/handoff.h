@@ -3,7 +3,11 @@
 // the shared route (share -> fds -> provider -> adopt) when ONEBIT_KV_SHARE is on, else
 // (or when the decoder refuses to share) by the state file and a restore. Any failure
 // falls back, says why, and the request is forwarded as it came: the reply is always the
-// decoder's own, so it is always correct.
+// decoder's own, so it is always correct. Where a failed step may have left slot 0's
+// cells changed under tokens that no longer describe them (a provider that wrote and
+// failed, a short restore, a refused adopt), the slot is erased; if even the erase fails
+// the request goes to slot 0 with cache_prompt false, so the decoder recomputes every
+// cell of the prompt instead of reusing any.
 #pragma once
 
 #include <atomic>
@@ -15,8 +19,8 @@
 
 #include "kvshare/route/decoder_client.h"
 #include "kvshare/route/metrics.h"
+#include "kvshare/route/provider_run.h"
 #include "kvshare/route/serve_config.h"
-#include "kvshare/route/share_session.h"
 #include "kvshare/route/slot_queue.h"
 
 namespace kvshare::route {
@@ -33,6 +37,7 @@ struct HandoffReport {
   double prefill_ms = 0;                    // the provider's own figure, else its wall time
   double handoff_ms = 0;                    // the decoder's restore, or share + adopt
   std::string body;                         // what to forward
+  bool slot_may_be_stale = false;           // the erase failed: forwarded with cache_prompt false
   bool handed_off() const { return route != HandoffRoute::none; }
 };
 
@@ -48,6 +53,10 @@ using LogSink = std::function<void(const std::string& line)>;
 // The request body with id_slot 0, cache_prompt true and leave_one_token true: what the
 // decoder gets after a handoff. `body` must be a JSON object.
 std::string forward_body(const nlohmann::json& body);
+// The request body with id_slot 0 and cache_prompt false: slot 0's cells may hold bytes its
+// cached tokens do not describe, and could not be erased; the decoder evaluates the whole
+// prompt again and overwrites them. `body` must be a JSON object.
+std::string uncached_body(const nlohmann::json& body);
 
 struct HandoffContext {
   const ServeConfig* config = nullptr;
@@ -55,7 +64,6 @@ struct HandoffContext {
   std::filesystem::path slot_dir;   // the decoder's --slot-save-path (ids and state files go here)
   SlotQueue* slot = nullptr;
   Metrics* metrics = nullptr;
-  ShareBroker* broker = nullptr;    // null: no shared route in this build/run
   LogSink log;
   std::chrono::milliseconds handshake_timeout{10000};
   // The state-file version the decoder restores (probed at start), 0 when unknown: then a

@@ -1,6 +1,7 @@
 #include "kvshare/route/provider_run.h"
 
 #include <cerrno>
+#include <nlohmann/json.hpp>
 
 namespace kvshare::route {
 
@@ -10,32 +11,44 @@ std::string ProviderRun::describe() const {
   return status.describe();
 }
 
+ProviderRun provider_run_from(Result<Finished> finished) {
+  ProviderRun run;
+  if (!finished) {
+    run.start_error = finished.error();
+    return run;
+  }
+  run.started = true;
+  run.timed_out = finished->timed_out;
+  run.status = finished->status;
+  run.wall_ms = finished->elapsed_ms;
+  run.out = std::move(finished->out);
+  run.err = std::move(finished->err);
+  run.reported_prefill_ms = reported_prefill_ms(run.out);
+  return run;
+}
+
 ProviderRun run_provider(const std::vector<std::string>& argv, const std::vector<std::pair<int, int>>& inherit_fds,
                          std::chrono::milliseconds timeout, std::vector<std::string> env) {
-  ProviderRun run;
   SpawnOptions options;
   options.inherit_fds = inherit_fds;
   options.env = std::move(env);
   options.capture_stdout = true;
-  const auto start = std::chrono::steady_clock::now();
-  auto child = ChildProcess::spawn(argv, options);
-  if (!child) {
-    run.start_error = child.error();
-    return run;
-  }
-  run.started = true;
-  auto finished = child->wait_for(timeout);
-  run.wall_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-  if (!finished) {
-    run.timed_out = true;
-    child->kill_group();
-    return run;
-  }
-  run.status = finished->status;
-  run.out = std::move(finished->out);
-  run.reported_prefill_ms = reported_prefill_ms(run.out);
-  child->kill_group();  // anything the provider left running in its group goes too
-  return run;
+  options.capture_stderr = true;
+  return provider_run_from(run_child(argv, options, timeout));
+}
+
+std::optional<double> reported_prefill_ms(const std::string& out) {
+  size_t end = out.find_last_not_of(" \t\r\n");
+  if (end == std::string::npos) return std::nullopt;
+  size_t begin = out.rfind('\n', end);
+  begin = begin == std::string::npos ? 0 : begin + 1;
+  const nlohmann::json line = nlohmann::json::parse(out.substr(begin, end - begin + 1), nullptr, false);
+  if (!line.is_object()) return std::nullopt;
+  auto it = line.find("prefill_ms");
+  if (it == line.end() || !it->is_number()) return std::nullopt;
+  const double ms = it->get<double>();
+  if (!(ms >= 0)) return std::nullopt;
+  return ms;
 }
 
 }  // namespace kvshare::route

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <mutex>
 #include <thread>
@@ -17,7 +18,6 @@
 #include "kvshare/route/handoff.h"
 #include "kvshare/route/metrics.h"
 #include "kvshare/route/prompt_n_scanner.h"
-#include "kvshare/route/share_session.h"
 #include "kvshare/route/slot_queue.h"
 #include "kvshare/route/state_version_probe.h"
 #include "kvshare/route/upstream_stream.h"
@@ -109,7 +109,6 @@ class Server {
   const ServeRuntime& runtime_;
   std::unique_ptr<DecoderProcess> decoder_;
   std::unique_ptr<DecoderClient> client_;
-  std::unique_ptr<ShareBroker> broker_;
   httplib::Server http_;
   SlotQueue slot_;
   Metrics metrics_;
@@ -210,16 +209,12 @@ int Server::run() {
   }
   decoder_ = std::move(*decoder);
   client_ = std::make_unique<DecoderClient>("127.0.0.1", decoder_->port(), std::chrono::milliseconds(600000));
-  if (hybrid_active() && config_.kv_share) {
-    broker_ = make_kvshare_broker();
-  }
 
   context_.config = &config_;
   context_.decoder = client_.get();
   context_.slot_dir = decoder_->slot_dir();
   context_.slot = &slot_;
   context_.metrics = &metrics_;
-  context_.broker = broker_.get();
   context_.log = log_line;
   context_.handshake_timeout = runtime_.handshake_timeout;
   if (hybrid_active()) {
@@ -256,9 +251,10 @@ int Server::run() {
   // (the options hook sees it before bind) and listen again with a deep queue. SO_REUSEADDR
   // only: httplib's default SO_REUSEPORT would let a second server share the port.
   int listen_fd = -1;
-  http_.set_socket_options([&listen_fd](int fd) {
+  int reuseaddr_errno = 0;
+  http_.set_socket_options([&listen_fd, &reuseaddr_errno](int fd) {
     int yes = 1;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+    if (::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes) != 0) reuseaddr_errno = errno;
     listen_fd = fd;
   });
   int port = config_.port;
@@ -270,7 +266,22 @@ int Server::run() {
     decoder_->stop();
     return 1;
   }
-  if (listen_fd >= 0) ::listen(listen_fd, SOMAXCONN);
+  // A server that cannot take a burst of clients, or that another could bind beside, is
+  // not started half-configured.
+  Error listen_error;
+  if (reuseaddr_errno != 0)
+    listen_error = Error(reuseaddr_errno, fmt::format("setsockopt(SO_REUSEADDR) on the socket for {}:{}",
+                                                      config_.host, port));
+  else if (listen_fd < 0)
+    listen_error = Error(EBADF, fmt::format("no listening socket for {}:{} reached the socket options hook",
+                                            config_.host, port));
+  else if (::listen(listen_fd, SOMAXCONN) != 0)
+    listen_error = Error(errno, fmt::format("listen(fd {}, SOMAXCONN) for {}:{}", listen_fd, config_.host, port));
+  if (listen_error.errno_value() != 0) {
+    log_line(fmt::format("kvshare-serve: {}", listen_error.what()));
+    decoder_->stop();
+    return 1;
+  }
   if (decoder_died_) {
     decoder_->stop();
     return 1;

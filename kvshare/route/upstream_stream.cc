@@ -55,9 +55,12 @@ void UpstreamStream::run(Request request) {
   };
   call.content_receiver = [this](const char* data, size_t length, uint64_t, uint64_t) {
     mark_first_byte();
-    std::lock_guard lock(mutex_);
+    std::unique_lock lock(mutex_);
+    // Backpressure: the decoder waits in TCP while the client catches up.
+    changed_.wait(lock, [&] { return buffered_bytes_ < kMaxBufferedBytes || cancelled_; });
     if (cancelled_) return false;
     pieces_.emplace_back(data, length);
+    buffered_bytes_ += length;
     changed_.notify_all();
     return true;
   };
@@ -89,12 +92,20 @@ bool UpstreamStream::next(std::string& piece) {
   if (pieces_.empty() || cancelled_) return false;
   piece = std::move(pieces_.front());
   pieces_.pop_front();
+  buffered_bytes_ -= piece.size();
+  lock.unlock();
+  changed_.notify_all();  // the reader may be waiting for room
   return true;
 }
 
 std::optional<Error> UpstreamStream::transport_error() {
   std::lock_guard lock(mutex_);
   return error_;
+}
+
+size_t UpstreamStream::buffered_bytes() {
+  std::lock_guard lock(mutex_);
+  return buffered_bytes_;
 }
 
 void UpstreamStream::cancel() {

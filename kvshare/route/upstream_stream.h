@@ -1,6 +1,8 @@
 // One request forwarded to the decoder, read as it arrives: a thread runs the HTTP call
 // and queues each piece of the body the moment the decoder sends it, so serve can write it
-// to its client at once (SSE bytes go out as the decoder sends them, unchanged).
+// to its client at once (SSE bytes go out as the decoder sends them, unchanged). At most
+// kMaxBufferedBytes wait in the queue: past that the call's thread stops reading and the
+// decoder's writes wait in TCP, so a client that reads slowly costs serve no memory.
 #pragma once
 
 #include <chrono>
@@ -24,6 +26,8 @@ struct UpstreamHead {
 
 class UpstreamStream {
  public:
+  static constexpr size_t kMaxBufferedBytes = 1 << 20;
+
   struct Request {
     std::string host;
     int port = 0;
@@ -47,6 +51,9 @@ class UpstreamStream {
   std::optional<Error> transport_error();
   // Stops reading from the decoder (the client left); the call's thread ends soon after.
   void cancel();
+  // Bytes received and not yet taken by next(); never more than kMaxBufferedBytes plus
+  // the one piece that crossed it.
+  size_t buffered_bytes();
 
  private:
   UpstreamStream() = default;
@@ -57,6 +64,7 @@ class UpstreamStream {
   std::condition_variable changed_;
   std::optional<Result<UpstreamHead>> head_;
   std::deque<std::string> pieces_;
+  size_t buffered_bytes_ = 0;
   bool done_ = false;
   bool cancelled_ = false;
   std::optional<Error> error_;

@@ -158,8 +158,8 @@ Result<std::filesystem::path> ShareBroker::write_header_file(const ReceivedShare
   return path;
 }
 
-Result<ChildResult> ShareBroker::run_provider(const ReceivedShare& share, const std::vector<std::string>& argv_template,
-                                              int timeout_ms) {
+Result<Finished> ShareBroker::run_provider(const ReceivedShare& share, const std::vector<std::string>& argv_template,
+                                           int timeout_ms) {
   auto path = write_header_file(share);
   if (!path) return fail(path.error());
   // The header file goes on every path out of here.
@@ -171,7 +171,11 @@ Result<ChildResult> ShareBroker::run_provider(const ReceivedShare& share, const 
   if (!argv) return fail(argv.error());
   std::vector<int> fds;
   for (const auto& fd : share.fds) fds.push_back(fd.get());
-  auto result = run_child(*argv, fds, timeout_ms);
+  SpawnOptions options;
+  options.inherit_fds = inherit_in_order(fds);
+  options.capture_stdout = true;
+  options.capture_stderr = true;
+  auto result = run_child(*argv, options, std::chrono::milliseconds(timeout_ms));
   if (!result) return fail(result.error().with_context(fmt::format("share {}", share.share_id)));
   return result;
 }

@@ -61,11 +61,12 @@ class ShareBroker {
   Result<std::filesystem::path> write_header_file(const ReceivedShare& share);
 
   // Writes the header file, starts the provider from `argv_template` with the share's
-  // fds at 3, 4, ... and nothing else inherited, waits at most `timeout_ms` (then kills
-  // its process group), removes the header file and returns what the provider did. A
-  // provider that exits non-zero is reported in the result, not as an error.
-  Result<ChildResult> run_provider(const ReceivedShare& share, const std::vector<std::string>& argv_template,
-                                   int timeout_ms);
+  // fds at 3, 4, ... and nothing else inherited (kvshare/share/spawn.h), its stdout and
+  // stderr captured, waits at most `timeout_ms` (then kills its process group), removes
+  // the header file and returns what the provider did. A provider that exits non-zero,
+  // is killed or times out is reported in the result, not as an error.
+  Result<Finished> run_provider(const ReceivedShare& share, const std::vector<std::string>& argv_template,
+                                int timeout_ms);
 
  private:
   explicit ShareBroker(handshake::Listener listener) : listener_(std::move(listener)) {}

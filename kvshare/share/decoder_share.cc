@@ -73,9 +73,14 @@ uint64_t DecoderShare::latest_share_id() const {
 }
 
 Result<uint64_t> DecoderShare::share(const std::string& socket_path, int timeout_ms) {
-  std::lock_guard lock(mutex_);
-  const uint64_t share_id = ++latest_share_id_;
-  latest_adopted_ = false;
+  // Only the id under the lock: connect and send may each wait their timeout, and adopt
+  // must not wait behind them. Everything else read below is fixed at start().
+  uint64_t share_id = 0;
+  {
+    std::lock_guard lock(mutex_);
+    share_id = ++latest_share_id_;
+    latest_adopted_ = false;
+  }
   if (!can_share()) {
     const std::string reason = share_unavailable_reason(flag_set_, export_failure_);
     // Tell a waiting broker now rather than let it time out; it may not be listening.

@@ -365,7 +365,8 @@ int32_t Slot::erase() {
 }
 
 ApiResult<Slot::ShareResult> Slot::share(const std::string& socket_path) {
-  std::lock_guard work(work_);
+  // Not under work_: a share only sends the region's fds (the broker may keep it waiting
+  // for its connect/send timeouts), and touches no cell or token of this slot.
   const auto t_start = Clock::now();
   auto shared = engine_.share(socket_path);
   if (!shared) {

@@ -12,6 +12,7 @@
 #include "kvshare/fd.h"
 #include "kvshare/mapping.h"
 #include "kvshare/region/importer.h"
+#include "kvshare/share/provider_share.h"
 #include "kvshare/statefile/state_file_writer.h"
 #include "layout/memory_shape.h"
 #include "layout/share_header.h"
@@ -130,9 +131,9 @@ Result<PrefillReport> run_file_route(const PrefillRequest& r) {
 }
 
 Result<PrefillReport> run_shared_route(const PrefillRequest& r, std::vector<Fd> fds) {
-  auto header_text = read_text_file(r.layout_path, "layout header");
-  if (!header_text) return fail(header_text.error());
-  auto theirs = layout::parse_share_header(*header_text, r.layout_path);
+  // The broker's header gives the KV params to build our own header from; ProviderShare
+  // then checks the two against each other and imports the fds.
+  auto theirs = read_header_file(r.layout_path);
   if (!theirs) return fail(theirs.error());
   auto in = load_inputs(r);
   if (!in) return fail(in.error());
@@ -140,8 +141,6 @@ Result<PrefillReport> run_shared_route(const PrefillRequest& r, std::vector<Fd> 
   auto ours = layout::make_share_header(layout::model_fingerprint(model.metadata(), model.tensor_infos()), model.shape(),
                                         theirs->params);
   if (!ours) return fail(ours.error().with_context(fmt::format("model {}", r.model_path)));
-  if (auto ok = layout::check_compatible(*ours, *theirs, fmt::format("layout header {}", r.layout_path)); !ok)
-    return fail(ok.error().with_context(fmt::format("model {}", r.model_path)));
   const uint32_t kv_size = theirs->memory.kv_caches.empty() ? 0 : theirs->memory.kv_caches[0].kv_size;
   if (in->tokens.size() > kv_size)
     return fail(ERANGE, "ids file {}: {} tokens do not fit the shared cache of {} cells", r.tokens_path,
@@ -149,9 +148,12 @@ Result<PrefillReport> run_shared_route(const PrefillRequest& r, std::vector<Fd> 
   if (fds.size() != theirs->layout.chunks.size())
     return fail(EINVAL, "--fds gives {} descriptors, layout header {} has {} chunks", fds.size(), r.layout_path,
                 theirs->layout.chunks.size());
-  auto share = ImportedShare::import(theirs->layout, std::move(fds), {}, /*writable=*/true);
-  if (!share) return fail(share.error().with_context("importing the shared KV regions"));
-  auto access = share->begin_cpu_access(DmaBufCpuAccess::Mode::write);
+  std::vector<int> fd_numbers;
+  for (Fd& fd : fds) fd_numbers.push_back(fd.release());  // ProviderShare::open owns them from here
+  auto share = ProviderShare::open(r.layout_path, fd_numbers, *ours);
+  if (!share) return fail(share.error().with_context(fmt::format("model {}", r.model_path)));
+  theirs = share->header();
+  auto access = share->begin_write();
   if (!access) return fail(access.error());
 
   const auto n = static_cast<uint32_t>(in->tokens.size());
@@ -160,8 +162,9 @@ Result<PrefillReport> run_shared_route(const PrefillRequest& r, std::vector<Fd> 
   auto ctx = Context::create(in->model, (*own)->kv, r.n_threads);
   if (!ctx) return fail(ctx.error());
 
+  const auto& chunks = share->imported().chunk_bytes();
   xdna::ScatterTarget target{theirs->layout, theirs->memory,
-                             std::vector<std::span<std::byte>>(share->chunk_bytes().begin(), share->chunk_bytes().end()),
+                             std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
                              0, head_k(model), head_v(model)};
   const bool rotation_disabled = statefile::attn_rotation_disabled_by_env();
   double write_ms = 0;
@@ -235,25 +238,6 @@ Result<std::vector<int32_t>> parse_token_ids(std::string_view text, std::string_
   }
   if (ids.empty()) return fail(EINVAL, "ids file {}: holds no token ids", source);
   return ids;
-}
-
-Result<std::vector<int>> parse_fd_list(std::string_view text) {
-  std::vector<int> fds;
-  std::set<int> seen;
-  size_t at = 0;
-  while (at <= text.size()) {
-    size_t end = text.find(',', at);
-    if (end == std::string_view::npos) end = text.size();
-    const std::string_view item = text.substr(at, end - at);
-    int fd = -1;
-    auto [ptr, ec] = std::from_chars(item.data(), item.data() + item.size(), fd);
-    if (item.empty() || ec != std::errc() || ptr != item.data() + item.size() || fd < 0)
-      return fail(EINVAL, "--fds {}: \"{}\" is not a descriptor number", text, item);
-    if (!seen.insert(fd).second) return fail(EINVAL, "--fds {}: descriptor {} is listed twice", text, fd);
-    fds.push_back(fd);
-    at = end + 1;
-  }
-  return fds;
 }
 
 Result<PrefillReport> run_prefill(const PrefillRequest& request) {

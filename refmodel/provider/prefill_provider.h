@@ -34,10 +34,11 @@ struct PrefillRequest {
   std::string out_path;
   layout::KvParams params;        // -c -ctk -ctv -fa, mirroring llama-server's flags
   uint32_t state_version = layout::kStateSeqVersionLatest;  // the decoder's LLAMA_STATE_SEQ_VERSION
-  std::string elfs_dir;           // accepted for the contract; the CPU needs no kernels
+  std::string elfs_dir;           // accepted for the contract and ignored: the CPU runs no NPU kernels
   // Shared route (when layout_path is set).
   std::string layout_path;
-  std::vector<int> fds;           // inherited descriptors, one per chunk, in layout order; taken
+  std::vector<int> fds;           // inherited descriptors, one per chunk, in layout order (parsed by
+                                  // kvshare::parse_fd_list: >= 3, distinct, at most SCM_MAX_FD); taken
   int n_threads = 0;              // 0: all cores
 };
 
@@ -48,9 +49,6 @@ struct PrefillReport {
   double write_ms = 0;            // state-file writes and commit, or the scatter
   std::string route;              // "file" or "shared"
 };
-
-// Parses "3,4,5" into descriptor numbers (non-negative, no duplicates).
-Result<std::vector<int>> parse_fd_list(std::string_view text);
 
 // Runs one prefill. Every failure is an Error naming the file, flag, id or field; on the
 // file route no partial file is left behind. Takes ownership of request.fds (closed

@@ -18,7 +18,7 @@
 #include <thread>
 
 #include "bench_registry.h"
-#include "kvshare/route/child_process.h"
+#include "kvshare/share/spawn.h"
 #include "kvshare/route/decoder_client.h"
 #include "kvshare/route/decoder_process.h"
 #include "kvshare/route/upstream_stream.h"
@@ -27,7 +27,7 @@ namespace kvshare::bench {
 namespace {
 
 namespace fs = std::filesystem;
-using route::ChildProcess;
+using kvshare::ChildProcess;
 using Clock = std::chrono::steady_clock;
 
 fs::path bin(const std::string& name) { return fs::path(KVSHARE_BIN_DIR) / name; }
@@ -60,7 +60,7 @@ std::unique_ptr<ServeUnderTest> start_serve(const std::string& route, const fs::
   if (route != "cpu") argv.insert(argv.end(), {"--prefill-provider", bin("kvshare-prefill").string()});
   if (route == "shared") ::setenv("ONEBIT_KV_SHARE", "1", 1);
   else ::unsetenv("ONEBIT_KV_SHARE");
-  route::SpawnOptions options;
+  SpawnOptions options;
   options.stderr_path = serve->stderr_path.string();
   options.die_with_parent = true;
   auto child = ChildProcess::spawn(argv, options);

@@ -29,6 +29,16 @@ Behaviour switches (environment, inherited from kvshare-serve):
   FAKE_DECODER_UNSEALED=1      share memfds not sealed against shrinking (a broker refuses them)
   FAKE_DECODER_STATE_VERSION=n the state-file version it saves and restores (default 3)
   FAKE_DECODER_SAVE=fail       answer every ?action=save with 500
+  FAKE_DECODER_ERASE=fail      answer every erase with 500
+  FAKE_DECODER_SHARE=noconnect|fewer_fds   answer share 200 but never connect / send one fd
+                               less than the header's chunks
+  FAKE_DECODER_DIE=adopt|completion   exit (code 9) in the middle of an adopt / after the
+                               first chunk of a streamed reply
+
+Stale cells, as a real cache has them: from a share until the adopt, a restore, an erase or a full
+recompute, the shared region may hold bytes the slot's cached tokens do not describe. A
+completion that reuses any cached token then (cache_n > 0) answers a WRONG reply
+("stale cells ..."): the tests' proof that serve never lets that happen.
 """
 import argparse
 import fcntl
@@ -75,6 +85,7 @@ class Slot:
         self.tokens = []
         self.share_id = 0
         self.share_regions = []  # (memfd, size) per chunk of the latest share
+        self.cells_may_be_stale = False  # shared and neither adopted, erased nor recomputed since
 
 
 class State:
@@ -186,6 +197,9 @@ class Handler(BaseHTTPRequestHandler):
         if action == "restore":
             filename = body.get("filename", "")
             full = os.path.join(State.args.slot_save_path, filename)
+            # Whether a completion was still running when the restore arrived (it would land
+            # under a decode on a real server that does not defer it).
+            log("restore_requested", filename=filename, slot_busy=slot.lock.locked())
             with slot.lock:
                 exists = os.path.isfile(full)
                 log("restore", filename=filename, exists=exists, in_slot_dir=os.path.dirname(full) ==
@@ -204,6 +218,7 @@ class Handler(BaseHTTPRequestHandler):
                 if mode == "short":
                     tokens = tokens[:-1]
                 slot.tokens = tokens
+                slot.cells_may_be_stale = False  # the restore wrote the cells of every token it set
                 restore_ms = float(os.environ.get("FAKE_DECODER_RESTORE_MS", "1.25"))
                 self.send_json(200, {"id_slot": 0, "filename": filename, "n_restored": len(tokens),
                                      "n_read": os.path.getsize(full), "timings": {"restore_ms": restore_ms}})
@@ -221,9 +236,14 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_json(200, {"id_slot": 0, "filename": filename, "n_saved": len(slot.tokens),
                                      "n_written": os.path.getsize(full), "timings": {"save_ms": 0.5}})
         elif action == "erase":
+            if os.environ.get("FAKE_DECODER_ERASE") == "fail":
+                log("erase_failed")
+                self.send_error_json(500, "erase failed on demand", "server_error")
+                return
             with slot.lock:
                 n = len(slot.tokens)
                 slot.tokens = []
+                slot.cells_may_be_stale = False
                 self.send_json(200, {"id_slot": 0, "n_erased": n})
         elif action == "share":
             self.share(body)
@@ -245,6 +265,12 @@ class Handler(BaseHTTPRequestHandler):
             header = json.load(open(header_path)) if header_path else {}
             chunks = header.get("chunks") or [{"size_bytes": int(os.environ.get("FAKE_DECODER_SHARE_BYTES", "65536")),
                                                "layout_hash": "0x%016x" % 0}]
+            mode = os.environ.get("FAKE_DECODER_SHARE", "")
+            if mode == "noconnect":
+                log("share_not_connecting")
+                self.send_json(200, {"id_slot": 0, "share_id": slot.share_id, "n_fds": len(chunks),
+                                     "backend": "memfd", "region_bytes": 0, "timings": {"share_ms": 0.5}})
+                return
             for fd, _ in slot.share_regions:
                 os.close(fd)
             slot.share_regions = []
@@ -262,7 +288,12 @@ class Handler(BaseHTTPRequestHandler):
                 log("share_connected", socket=body["socket"], share_id=slot.share_id,
                     socket_dir_mode=oct(os.stat(os.path.dirname(body["socket"])).st_mode & 0o777))
                 frame = share_frame(slot.share_id, chunks, header)
-                socket.send_fds(sock, [frame], [fd for fd, _ in slot.share_regions])
+                fds = [fd for fd, _ in slot.share_regions]
+                if mode == "fewer_fds":
+                    fds = fds[:-1]
+                socket.send_fds(sock, [frame], fds)
+                # A provider may write the regions from now on.
+                slot.cells_may_be_stale = mode != "fewer_fds"
                 log("share_sent", share_id=slot.share_id, n_fds=len(chunks))
             except OSError as error:
                 log("share_failed", reason=str(error))
@@ -287,6 +318,9 @@ class Handler(BaseHTTPRequestHandler):
                     if 0 < n <= (size - 4) // 4:
                         written = list(struct.unpack_from("<%di" % n, region, 4))
             log("adopt", share_id=share_id, n_tokens=len(tokens), region_holds_tokens=(written == tokens), body=body)
+            if os.environ.get("FAKE_DECODER_DIE") == "adopt":
+                log("exiting", code=9)
+                os._exit(9)
             if os.environ.get("FAKE_DECODER_ADOPT") == "fail":
                 self.send_error_json(400, "adopt refused on demand", "invalid_request_error")
                 return
@@ -298,6 +332,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_error_json(400, "the region does not hold the tokens", "invalid_request_error")
                 return
             slot.tokens = list(tokens)
+            slot.cells_may_be_stale = False
             self.send_json(200, {"id_slot": 0, "share_id": share_id, "n_adopted": len(tokens),
                                  "timings": {"adopt_ms": 0.25}})
 
@@ -320,9 +355,12 @@ class Handler(BaseHTTPRequestHandler):
                     cache_n += 1
                 cache_n = min(cache_n, len(ids) - 1)
             prompt_n = len(ids) - cache_n
+            stale = slot.cells_may_be_stale and cache_n > 0
             slot.tokens = list(ids)
-            log("completion", path=path, n_prompt=len(ids), cache_n=cache_n, prompt_n=prompt_n, body=body)
-            words = reply_words(ids)
+            slot.cells_may_be_stale = stale  # a full recompute overwrote every cell
+            log("completion", path=path, n_prompt=len(ids), cache_n=cache_n, prompt_n=prompt_n, body=body,
+                used_stale_cells=stale)
+            words = reply_words(ids) if not stale else ["stale", "cells", "reused", "wrong", "reply"]
             timings = {"cache_n": cache_n, "prompt_n": prompt_n, "prompt_ms": 1.0, "predicted_n": len(words),
                        "predicted_ms": 1.0}
             if body.get("stream"):
@@ -350,6 +388,9 @@ class Handler(BaseHTTPRequestHandler):
         for chunk in sse_chunks(path, words, timings):
             self.wfile.write(chunk)
             self.wfile.flush()
+            if os.environ.get("FAKE_DECODER_DIE") == "completion":
+                log("exiting", code=9)
+                os._exit(9)
             if delay:
                 time.sleep(delay)
 

@@ -13,9 +13,14 @@ header's chunk, and no other descriptor but 0-2), then writes u32 n + i32 ids at
 of the first region: the fake decoder checks those bytes at adopt.
 Prints {"prefill_ms": FAKE_PROVIDER_PREFILL_MS} (default 12.5; "none": prints nothing) last.
 
-FAKE_PROVIDER_MODE: ok (default) | fail (exit 3) | hang (sleep past any timeout, with a
-grandchild in its group) | nofile (exit 0, write nothing) | slow (FAKE_PROVIDER_SLEEP_MS
-then ok). FAKE_PROVIDER_LOG=path: one JSON line per run.
+FAKE_PROVIDER_MODE: ok (default) | fail (exit 3) | exit130 (exit 130, not a signal) | hang
+(sleep past any timeout, with a grandchild in its group) | nofile (exit 0, write nothing) |
+slow (FAKE_PROVIDER_SLEEP_MS then ok) | garbage (binary junk on stdout, no summary line,
+then ok) | short (a state file cut in its token list) | badversion (state-file version 99)
+| wrongcount (one token less than asked) | killed (writes half, then SIGKILL to itself).
+FAKE_PROVIDER_MODE_FILE=path: the mode is read from this file at each run (when it exists),
+so one serve can see a provider that works, then one that fails.
+FAKE_PROVIDER_LOG=path: one JSON line per run.
 """
 import argparse
 import json
@@ -69,6 +74,9 @@ def main():
     parser.add_argument("-ctv")
     args = parser.parse_args()
     mode = os.environ.get("FAKE_PROVIDER_MODE", "ok")
+    mode_file = os.environ.get("FAKE_PROVIDER_MODE_FILE")
+    if mode_file and os.path.exists(mode_file):
+        mode = open(mode_file).read().strip() or mode
     ids = read_ids(args.tokens)
     record = {"argv": sys.argv[1:], "pid": os.getpid(), "pgid": os.getpgid(0), "mode": mode, "n_ids": len(ids),
               "ids": ids, "fds_at_start": {str(k): v for k, v in fds_at_start.items()}, "t_start": time.monotonic(),
@@ -78,6 +86,12 @@ def main():
         log(record)
         print("fake provider: failing on demand", file=sys.stderr)
         sys.exit(3)
+    if mode == "exit130":
+        log(record)
+        print("fake provider: exiting 130 on demand", file=sys.stderr)
+        sys.exit(130)
+    if mode == "wrongcount":
+        ids = ids[:-1]
     if mode == "hang":
         child = subprocess.Popen(["sleep", "60"])
         record["grandchild_pid"] = child.pid
@@ -105,6 +119,10 @@ def main():
         size = os.fstat(numbers[0]).st_size
         with mmap.mmap(numbers[0], size) as region:
             struct.pack_into("<I", region, 0, len(ids))
+            if mode == "killed":
+                record["killed_mid_write"] = True
+                log(record)
+                os.kill(os.getpid(), 9)
             struct.pack_into("<%di" % len(ids), region, 4, *ids)
         record["wrote_region"] = True
     elif mode != "nofile":
@@ -112,14 +130,27 @@ def main():
         if copy:
             shutil.copyfile(copy, args.out)
         else:
+            version = int(os.environ.get("FAKE_PROVIDER_STATE_VERSION") or
+                          os.environ.get("ONEBIT_HYBRID_STATE_VERSION") or 2)
+            data = struct.pack("<III", STATE_MAGIC, 99 if mode == "badversion" else version, len(ids))
+            data += struct.pack("<%di" % len(ids), *ids)
+            if mode == "short":
+                data = data[:len(data) - 6]
             with open(args.out, "wb") as out:
-                version = int(os.environ.get("FAKE_PROVIDER_STATE_VERSION") or
-                              os.environ.get("ONEBIT_HYBRID_STATE_VERSION") or 2)
-                out.write(struct.pack("<III", STATE_MAGIC, version, len(ids)))
-                out.write(struct.pack("<%di" % len(ids), *ids))
+                if mode == "killed":
+                    out.write(data[:len(data) // 2])
+                    out.flush()
+                    record["killed_mid_write"] = True
+                    log(record)
+                    os.kill(os.getpid(), 9)
+                out.write(data)
         record["wrote"] = args.out
     record["t_end"] = time.monotonic()
     log(record)
+    if mode == "garbage":
+        sys.stdout.buffer.write(bytes(range(256)) * 4 + b"\n{not json\n")
+        sys.stdout.flush()
+        return
     prefill = os.environ.get("FAKE_PROVIDER_PREFILL_MS", "12.5")
     print("fake provider: prefilled %d tokens" % len(ids))
     if prefill != "none":

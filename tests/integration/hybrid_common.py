@@ -161,6 +161,26 @@ def pid_alive(pid):
         return False
 
 
+def descendants(root):
+    """The live (non-zombie) processes below `root`, at any depth."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % entry) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                parents[int(entry)] = int(fields[1])
+        except (OSError, IndexError):
+            pass
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
 def wait_until(predicate, timeout, message):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -411,6 +411,10 @@ def test_concurrent_requests():
         not_one = [c for c in case.completions() if c["prompt_n"] != 1]
         check(not not_one, "%d requests re-evaluated their prompt: %s" % (len(not_one), not_one[:2]))
         check(os.listdir(case.decoder_start()["slot_dir"]) == [], "files left in the slot directory")
+        # Other clients' connections were open while each provider ran: none may reach it.
+        inherited = [p["fds_at_start"] for p in read_log(case.provider_log)
+                     if sorted(int(fd) for fd in p["fds_at_start"]) != [0, 1, 2]]
+        check(not inherited, "file-route providers inherited more than 0-2: %s" % inherited[:2])
         wait_until(lambda: len(os.listdir("/proc/%d/fd" % serve_pid)) <= fds_before, 5,
                    "serve holds more fds after the requests (%d before)" % fds_before)
 

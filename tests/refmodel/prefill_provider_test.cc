@@ -98,11 +98,18 @@ TEST(TokenIds, RefusesNegativeIdsAndAnEmptyFile) {
   EXPECT_NE(r.error().message().find("no token ids"), std::string::npos);
 }
 
-TEST(FdList, ParsesCommaSeparatedDescriptorsAndRefusesDuplicates) {
-  EXPECT_EQ(*parse_fd_list("3,4,10"), (std::vector<int>{3, 4, 10}));
-  EXPECT_FALSE(parse_fd_list("3,3"));
-  EXPECT_FALSE(parse_fd_list("3,,4"));
-  EXPECT_FALSE(parse_fd_list("x"));
+// Regression: the provider had its own --fds parser that took 0-2 and any number of fds.
+TEST(PrefillTool, RefusesStandardStreamsAndTooManyDescriptorsInFds) {
+  TempDir dir;
+  std::string many;
+  for (int i = 0; i < 254; ++i) many += (i ? "," : "") + std::to_string(3 + i);
+  for (const std::string& fds : {std::string("0"), std::string("3,3"), many}) {
+    auto r = run_command(fmt::format("{} --tokens {} --model {} --layout {} --fds {}",
+                                     tool_path("kvshare-prefill").string(), (dir / "ids.txt").string(),
+                                     (dir / "m.gguf").string(), (dir / "layout.json").string(), fds));
+    EXPECT_EQ(r.exit_code, 2) << fds << ": " << r.err;
+    EXPECT_NE(r.err.find("--fds"), std::string::npos) << r.err;
+  }
 }
 
 class PrefillTool : public ::testing::Test {
@@ -281,7 +288,7 @@ TEST_F(SharedRegion, RefusesALayoutHeaderOfAnotherModel) {
   ASSERT_TRUE(header);
   write_text(dir / "layout.json", layout::to_json(*header));
   write_text(dir / "ids.txt", "1\n2\n");
-  auto r = run_command(fmt::format("{} --tokens {} --model {} --layout {} --fds 0", tool_path("kvshare-prefill").string(),
+  auto r = run_command(fmt::format("{} --tokens {} --model {} --layout {} --fds 3 3</dev/null", tool_path("kvshare-prefill").string(),
                                    (dir / "ids.txt").string(), model_path.string(), (dir / "layout.json").string()));
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.err.find("layout.json"), std::string::npos) << r.err;

@@ -103,8 +103,9 @@ TEST_F(XdnaDevice_, ImportsADmaBufAndClosesItsHandleOnce) {
   FakeDriver::fail_bo_info = false;
   XdnaDevice device = fake_device();
   Fd buffer(memfd_create("chunk", MFD_CLOEXEC));
+  ASSERT_EQ(::ftruncate(buffer.get(), 4096), 0);
   {
-    auto bo = import_dmabuf(device, buffer.get(), 4096, "region chunk 0");
+    auto bo = import_dmabuf(device, buffer.get(), 0, 4096, "region chunk 0");
     ASSERT_TRUE(bo) << bo.error().what();
     EXPECT_EQ(bo->handle(), 7u);
     EXPECT_EQ(bo->device_address(), 0x40000u);
@@ -123,6 +124,7 @@ TEST_F(XdnaDevice_, ClosesTheHandleAndNamesTheChunkWhenTheDriverRefusesBoInfo) {
   FakeDriver::fail_bo_info = true;
   XdnaDevice device = fake_device();
   Fd buffer(memfd_create("chunk", MFD_CLOEXEC));
+  ASSERT_EQ(::ftruncate(buffer.get(), 8192), 0);
   const int fds[1] = {buffer.get()};
   const uint64_t sizes[1] = {8192};
   auto bos = import_region(device, fds, sizes);
@@ -133,6 +135,42 @@ TEST_F(XdnaDevice_, ClosesTheHandleAndNamesTheChunkWhenTheDriverRefusesBoInfo) {
   EXPECT_EQ(FakeDriver::gem_closes, 1);
 }
 
+// Regression: two chunks of one dma-buf got one GEM handle (PRIME returns the same handle
+// for the same buffer) that was closed twice, and both got the buffer's start as their
+// device address although the second starts at its offset.
+TEST_F(XdnaDevice_, SharesOneHandleBetweenTwoChunksOfOneDmaBufAndAddressesEachAtItsOffset) {
+  sys::Ops ops = sys::real_ops();
+  ops.ioctl_ptr = FakeDriver::ioctl;
+  sys::ScopedOverride override_ops(ops);
+  FakeDriver::gem_closes = 0;
+  FakeDriver::fail_bo_info = false;
+  XdnaDevice device = fake_device();
+  Fd buffer(memfd_create("two-chunks", MFD_CLOEXEC));
+  ASSERT_EQ(::ftruncate(buffer.get(), 3 * 4096), 0);
+  {
+    const int fds[2] = {buffer.get(), buffer.get()};
+    const uint64_t sizes[2] = {4096, 8192};
+    const uint64_t offsets[2] = {0, 4096};
+    auto bos = import_region(device, fds, sizes, offsets);
+    ASSERT_TRUE(bos) << bos.error().what();
+    EXPECT_EQ((*bos)[0].handle(), (*bos)[1].handle());
+    EXPECT_EQ((*bos)[0].device_address(), 0x40000u);
+    EXPECT_EQ((*bos)[1].device_address(), 0x40000u + 4096);
+  }
+  EXPECT_EQ(FakeDriver::gem_closes, 1);
+}
+
+TEST_F(XdnaDevice_, RefusesARangePastTheEndOfTheDmaBuf) {
+  XdnaDevice device = fake_device();
+  Fd buffer(memfd_create("small", MFD_CLOEXEC));
+  ASSERT_EQ(::ftruncate(buffer.get(), 4096), 0);
+  auto bo = import_dmabuf(device, buffer.get(), 4096, 4096, "region chunk 1");
+  ASSERT_FALSE(bo);
+  EXPECT_EQ(bo.error().errno_value(), EINVAL);
+  EXPECT_NE(bo.error().message().find("bytes 4096..8192 pass its end at 4096"), std::string::npos)
+      << bo.error().message();
+}
+
 TEST_F(XdnaDevice_, RefusesARegionWhoseFdsAndSizesDisagree) {
   XdnaDevice device = fake_device();
   const int fds[2] = {3, 4};
@@ -140,6 +178,17 @@ TEST_F(XdnaDevice_, RefusesARegionWhoseFdsAndSizesDisagree) {
   auto bos = import_region(device, fds, sizes);
   ASSERT_FALSE(bos);
   EXPECT_NE(bos.error().message().find("2 fds but the layout has 1 chunks"), std::string::npos);
+}
+
+TEST(XrtImport, RefusesCleanlyWhenThisMachineHasNoXrtDevice) {
+  if (!has_xrt()) GTEST_SKIP() << "built without XRT (libxrt-dev not found)";
+  if (std::filesystem::exists(kAccelDir)) GTEST_SKIP() << kAccelDir << " exists: this machine may have an NPU";
+  Fd buffer(memfd_create("xrt-chunk", MFD_CLOEXEC));
+  auto imported = import_xrt(0, buffer.get(), "region chunk 0");
+  ASSERT_FALSE(imported);
+  EXPECT_EQ(imported.error().errno_value(), EIO);
+  EXPECT_NE(imported.error().message().find("as an xrt::bo on XRT device 0"), std::string::npos)
+      << imported.error().message();
 }
 
 TEST(XrtImport, SaysHowToGetItWhenBuiltWithoutXrt) {

@@ -114,6 +114,41 @@ TEST(DmaPlan, SplitsMoreThan1023TokensOverSeveralDescriptors) {
   EXPECT_EQ(plan->transfers[3].channel, 1u);
 }
 
+// Regression: a V row that is not whole words was truncated to whole words and the plan
+// still claimed to cover V, so the last bytes of every row were never written.
+TEST(DmaPlan, LeavesAVRowThatIsNotWholeWordsToTheCpu) {
+  CacheSpec spec{{64}, {33}, 32, 1, GgmlType::F16, GgmlType::F16, false};
+  Region region(spec);
+  const auto rows = make_rows(4, 64, 33, GgmlType::F16, 5, 2);  // stride 64*2 + 33*2 + 2 = 196 bytes
+  auto plan = plan_layer_dma(region.target(), batch_for(rows, 0, 64, 33, GgmlType::F16, 0, 4));
+  ASSERT_TRUE(plan) << plan.error().what();
+  EXPECT_TRUE(plan->covers_k);
+  EXPECT_FALSE(plan->covers_v);
+  ASSERT_EQ(plan->cpu_fallback.size(), 1u);
+  EXPECT_NE(plan->cpu_fallback[0].find("a V row of 66 bytes is not a whole number of 32-bit words"),
+            std::string::npos)
+      << plan->cpu_fallback[0];
+}
+
+// Regression: past the stride limit the planner made one descriptor per token, without
+// bound, although a shim tile has 16.
+TEST(DmaPlan, NeverPlansMoreDescriptorsThanAShimTileHas) {
+  CacheSpec spec{{64}, {64}, 64};
+  Region region(spec);
+  const auto rows = make_rows(1, 64, 64, GgmlType::F16, 6);
+  ScatterBatch batch = batch_for(rows, 0, 64, 64, GgmlType::F16, 0, 40);
+  batch.row_stride = 8u << 20;  // 8 MiB between tokens: past the 0xFFFFF-word stride limit (planning reads no row)
+  auto plan = plan_layer_dma(region.target(), batch);
+  ASSERT_TRUE(plan) << plan.error().what();
+  EXPECT_LE(plan->transfers.size(), ShimLimits::kBdsPerTile);
+  EXPECT_FALSE(plan->covers_k);
+  EXPECT_FALSE(plan->covers_v);
+  ASSERT_EQ(plan->cpu_fallback.size(), 2u);
+  EXPECT_NE(plan->cpu_fallback[0].find("cache_k_l0: needs 40 buffer descriptors, the shim tile has 16 left of 16"),
+            std::string::npos)
+      << plan->cpu_fallback[0];
+}
+
 TEST(DmaPlan, RefusesABatchOfSeveralLayers) {
   CacheSpec spec{{64, 64}, {64, 64}, 32};
   Region region(spec);
@@ -162,6 +197,16 @@ TEST(DmaSimulator, RefusesAStridePastTheLimit) {
   plan.transfers[0].write.dims[1] = {2, 0x100000};
   plan.transfers[0].read.dims[1] = {2, 4};
   EXPECT_NE(simulate_error(plan).find("stride 1048576 words passes the shim limit 0xfffff"), std::string::npos);
+}
+
+TEST(DmaSimulator, RefusesMoreDescriptorsThanAShimTileHas) {
+  DmaPlan plan;
+  plan.transfers.assign(ShimLimits::kBdsPerTile + 1, one_transfer().transfers[0]);
+  std::vector<std::byte> rows(4096), k(4096), v(4096);
+  auto simulated = simulate_dma(plan, rows, k, v);
+  ASSERT_FALSE(simulated);
+  EXPECT_NE(simulated.error().message().find("shim tile 0 has only 16 buffer descriptors"), std::string::npos)
+      << simulated.error().message();
 }
 
 TEST(DmaSimulator, RefusesAThirdChannel) {

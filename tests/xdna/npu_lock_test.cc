@@ -1,5 +1,6 @@
 #include "xdna/npu_lock.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -24,6 +25,20 @@ TEST_F(NpuLock_, WritesTheHoldersPidIntoTheLockFile) {
   ASSERT_TRUE(lock) << lock.error().what();
   EXPECT_TRUE(lock->held());
   EXPECT_EQ(npu_lock_holder(path), getpid());
+}
+
+// Regression: the file was created with open(..., 0666), which the umask cut to 0644, so
+// only its creator could ever take the lock again.
+TEST_F(NpuLock_, CreatesTheLockFileSoEveryUserCanOpenItWhateverTheUmask) {
+  TempDir dir;
+  const std::string path = (dir / "npu.lock").string();
+  const mode_t previous = ::umask(022);
+  auto lock = acquire_npu_lock(path, 0);
+  ::umask(previous);
+  ASSERT_TRUE(lock) << lock.error().what();
+  struct stat st {};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0666u);
 }
 
 TEST_F(NpuLock_, MakesASecondTakerTimeOutNamingTheHolder) {

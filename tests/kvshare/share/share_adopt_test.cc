@@ -54,7 +54,7 @@ TEST_F(ShareAdopt, DecoderReadsTheProvidersWritesThroughItsOwnMappingAfterAdopt)
 
   auto run = broker->run_provider(*share, provider_argv(kTokens), 20000);  // 4. provider
   ASSERT_TRUE(run) << run.error().what();
-  ASSERT_EQ(run->exit_code, 0) << run->stderr_text;
+  ASSERT_EQ(run->status.describe(), "exit code 0") << run->err;
   EXPECT_EQ(run->last_stdout_line(), "child provider: wrote 5120 bytes into 4 tensors");
 
   auto plan = decoder.adopt(kTokens, *share_id);              // 5. adopt
@@ -118,7 +118,7 @@ TEST_F(ShareAdopt, PassesOnlyTheToldDescriptorsToTheProvider) {
   ASSERT_TRUE(share) << share.error().what();
   auto run = broker->run_provider(*share, provider_argv(1), 20000);
   ASSERT_TRUE(run) << run.error().what();
-  EXPECT_EQ(run->exit_code, 0) << run->stderr_text;
+  EXPECT_EQ(run->status.describe(), "exit code 0") << run->err;
 }
 
 TEST_F(ShareAdopt, CleansUpTheHeaderFileAndTheSocket) {
@@ -153,8 +153,8 @@ TEST_F(ShareAdopt, ProviderRefusesAHeaderWithOtherKvTypesNamingTheField) {
   ASSERT_TRUE(share) << share.error().what();
   auto run = broker->run_provider(*share, provider_argv(1, "q8_0"), 20000);
   ASSERT_TRUE(run) << run.error().what();
-  EXPECT_EQ(run->exit_code, 1);
-  EXPECT_NE(run->stderr_text.find("params.type_k"), std::string::npos) << run->stderr_text;
+  EXPECT_EQ(run->status.describe(), "exit code 1");
+  EXPECT_NE(run->err.find("params.type_k"), std::string::npos) << run->err;
 }
 
 TEST_F(ShareAdopt, ShareFailsWhenNobodyListens) {

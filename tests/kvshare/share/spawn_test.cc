@@ -1,10 +1,13 @@
 #include "kvshare/share/spawn.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <fstream>
 
 #include "kvshare/fd.h"
 #include "kvshare/share/broker.h"
@@ -15,41 +18,163 @@ namespace {
 
 using testing::FdLeakCheck;
 
-class ChildProcess : public FdLeakCheck {};
+class Spawn : public FdLeakCheck {};
 
-TEST_F(ChildProcess, InheritsExactlyTheToldDescriptorsAtThreeOnwards) {
+Finished run(const std::vector<std::string>& argv, SpawnOptions options = {},
+             std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+  options.capture_stdout = true;
+  options.capture_stderr = true;
+  auto finished = run_child(argv, options, timeout);
+  EXPECT_TRUE(finished) << finished.error().what();
+  return finished ? std::move(*finished) : Finished{};
+}
+
+bool process_gone(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  return !std::getline(stat, line) || line.find(") Z") != std::string::npos;
+}
+
+TEST_F(Spawn, InheritsExactlyTheToldDescriptorsAtThreeOnwards) {
   Fd a(::memfd_create("spawn-a", MFD_CLOEXEC)), b(::memfd_create("spawn-b", MFD_CLOEXEC));
   const int fds[] = {b.get(), a.get()};
-  auto result = run_child({"/bin/sh", "-c", "ls /proc/self/fd; readlink /proc/self/fd/3 /proc/self/fd/4"}, fds, 5000);
-  ASSERT_TRUE(result) << result.error().what();
-  ASSERT_EQ(result->exit_code, 0) << result->stderr_text;
+  SpawnOptions options;
+  options.inherit_fds = inherit_in_order(fds);
+  const auto result = run({"/bin/sh", "-c", "ls /proc/self/fd; readlink /proc/self/fd/3 /proc/self/fd/4"}, options);
+  ASSERT_TRUE(result.status.ok()) << result.err;
   // 0-2 are the standard streams, 3 and 4 the told fds, 5 the directory ls itself opens.
-  EXPECT_EQ(result->stdout_text.rfind("0\n1\n2\n3\n4\n5\n/memfd:", 0), 0u) << result->stdout_text;
-  EXPECT_NE(result->stdout_text.find("/memfd:spawn-b"), std::string::npos);
-  EXPECT_LT(result->stdout_text.find("/memfd:spawn-b"), result->stdout_text.find("/memfd:spawn-a"));
+  EXPECT_EQ(result.out.rfind("0\n1\n2\n3\n4\n5\n/memfd:", 0), 0u) << result.out;
+  EXPECT_LT(result.out.find("/memfd:spawn-b"), result.out.find("/memfd:spawn-a"));
 }
 
-TEST_F(ChildProcess, CapturesTheLastStdoutLineAndStderr) {
-  auto result = run_child({"/bin/sh", "-c", "echo one; echo two; echo oops >&2; exit 4"}, {}, 5000);
-  ASSERT_TRUE(result) << result.error().what();
-  EXPECT_EQ(result->exit_code, 4);
-  EXPECT_EQ(result->last_stdout_line(), "two");
-  EXPECT_EQ(result->stderr_text, "oops\n");
+// Regression: the route's spawner relied on close-on-exec, and cpp-httplib accepts client
+// sockets without SOCK_CLOEXEC, so every file-route provider inherited other clients' sockets.
+TEST_F(Spawn, PassesNoOtherDescriptorEvenOneWithoutCloseOnExec) {
+  Fd stray(::socket(AF_INET, SOCK_STREAM, 0));  // no SOCK_CLOEXEC, as httplib's accept()
+  ASSERT_TRUE(stray);
+  Fd told(::memfd_create("spawn-told", MFD_CLOEXEC));
+  SpawnOptions options;
+  options.inherit_fds = {{told.get(), 9}};
+  const auto result = run({"/bin/sh", "-c", "ls /proc/self/fd | tr '\\n' ' '"}, options);
+  ASSERT_TRUE(result.status.ok()) << result.err;
+  // 0-2, 9, and the one ls itself opens (3, the lowest free number).
+  EXPECT_EQ(result.out, "0 1 2 3 9 ") << "stray socket was fd " << stray.get();
 }
 
-TEST_F(ChildProcess, KillsTheProcessGroupAtTheDeadline) {
-  auto result = run_child({"/bin/sh", "-c", "sleep 30 & sleep 30"}, {}, 200);
-  ASSERT_TRUE(result) << result.error().what();
-  EXPECT_TRUE(result->timed_out);
-  EXPECT_LT(result->elapsed_ms, 5000);
+// Regression: the route's spawner had room for 64 inherited descriptors, the broker's for 253.
+TEST_F(Spawn, PassesTwoHundredFiftyThreeDescriptors) {
+  std::vector<Fd> owned;
+  std::vector<int> fds;
+  for (int i = 0; i < 253; ++i) {
+    owned.emplace_back(::memfd_create("spawn-many", MFD_CLOEXEC));
+    fds.push_back(owned.back().get());
+  }
+  SpawnOptions options;
+  options.inherit_fds = inherit_in_order(fds);
+  const auto result = run({"/bin/sh", "-c", "ls /proc/self/fd | wc -l"}, options);
+  ASSERT_TRUE(result.status.ok()) << result.err;
+  EXPECT_EQ(result.out, "257\n");  // 0-2, 253 told, and ls's own
 }
 
-TEST_F(ChildProcess, NamesAProgramThatCannotStart) {
+TEST_F(Spawn, RefusesAnInheritListThatWouldOverwriteTheStandardStreamsOrRepeatANumber) {
+  Fd a(::memfd_create("spawn-a", MFD_CLOEXEC));
+  auto low = ChildProcess::spawn({"/bin/true"}, SpawnOptions{.inherit_fds = {{a.get(), 2}}});
+  ASSERT_FALSE(low);
+  EXPECT_EQ(low.error().errno_value(), EINVAL);
+  EXPECT_NE(low.error().message().find("number 2"), std::string::npos) << low.error().message();
+  auto twice = ChildProcess::spawn({"/bin/true"}, SpawnOptions{.inherit_fds = {{a.get(), 5}, {a.get(), 5}}});
+  ASSERT_FALSE(twice);
+  EXPECT_NE(twice.error().message().find("two inherited descriptors want number 5"), std::string::npos);
+}
+
+TEST_F(Spawn, NamesTheDescriptorADup2FailedOn) {
+  auto child = ChildProcess::spawn({"/bin/true"}, SpawnOptions{.inherit_fds = {{987, 3}}});  // 987 is not open
+  ASSERT_FALSE(child);
+  EXPECT_EQ(child.error().errno_value(), EBADF);
+  EXPECT_NE(child.error().message().find("fd 987"), std::string::npos) << child.error().message();
+}
+
+TEST_F(Spawn, CapturesTheLastStdoutLineAndStderr) {
+  const auto result = run({"/bin/sh", "-c", "echo one; echo two; echo oops >&2; exit 4"});
+  EXPECT_EQ(result.status.describe(), "exit code 4");
+  EXPECT_EQ(result.last_stdout_line(), "two");
+  EXPECT_EQ(result.err, "oops\n");
+}
+
+// Regression: the broker folded a signal into 128 + n and serve turned 129..192 back into
+// signals, so a provider exiting 130 was reported as killed by SIGINT.
+TEST_F(Spawn, ReportsAnExitCodeAbove128AsAnExitCodeAndASignalAsASignal) {
+  const auto exited = run({"/bin/sh", "-c", "exit 130"});
+  EXPECT_TRUE(exited.status.exited);
+  EXPECT_EQ(exited.status.describe(), "exit code 130");
+  const auto killed = run({"/bin/sh", "-c", "kill -9 $$"});
+  EXPECT_FALSE(killed.status.exited);
+  EXPECT_EQ(killed.status.signal, SIGKILL);
+  EXPECT_EQ(killed.status.describe().rfind("signal 9", 0), 0u) << killed.status.describe();
+}
+
+// Regression: the route's spawner reaped the leader first and signalled its group after,
+// when the group id may already be someone else's. Now what the child left in its group
+// is killed while the leader's zombie still holds the id, before the reap.
+TEST_F(Spawn, KillsWhatTheChildLeftInItsGroupBeforeReapingIt) {
+  auto child = ChildProcess::spawn({"/bin/sh", "-c", "sleep 30 & echo $!"}, SpawnOptions{.capture_stdout = true});
+  ASSERT_TRUE(child) << child.error().what();
+  auto finished = child->wait_for(std::chrono::seconds(20));
+  ASSERT_TRUE(finished) << finished.error().what();
+  ASSERT_TRUE(finished->status.ok());
+  const pid_t grandchild = std::stoi(finished->out);
+  // No kill_group() here: the reap itself must have taken the leftover with it.
+  bool gone = false;
+  for (int i = 0; i < 200 && !gone; ++i) {
+    gone = process_gone(grandchild);
+    if (!gone) ::usleep(10000);
+  }
+  EXPECT_TRUE(gone) << "the group's leftover " << grandchild << " outlived its reaped leader";
+}
+
+TEST_F(Spawn, KillsTheProcessGroupAtTheDeadline) {
+  const auto result = run({"/bin/sh", "-c", "sleep 30 & echo $!; sleep 30"}, {}, std::chrono::milliseconds(300));
+  EXPECT_TRUE(result.timed_out);
+  EXPECT_LT(result.elapsed_ms, 5000);
+  const pid_t grandchild = std::stoi(result.out);
+  bool gone = false;
+  for (int i = 0; i < 200 && !gone; ++i) {
+    gone = process_gone(grandchild);
+    if (!gone) ::usleep(10000);
+  }
+  EXPECT_TRUE(gone);
+}
+
+// Regression: the broker's provider inherited serve's blocked SIGTERM and ignored SIGPIPE.
+TEST_F(Spawn, StartsTheChildWithNoBlockedSignalsAndSigpipeAtItsDefault) {
+  sigset_t block, previous;
+  sigemptyset(&block);
+  sigaddset(&block, SIGTERM);
+  ::pthread_sigmask(SIG_BLOCK, &block, &previous);
+  struct sigaction ignore {}, previous_pipe {};
+  ignore.sa_handler = SIG_IGN;
+  ::sigaction(SIGPIPE, &ignore, &previous_pipe);
+  const auto result = run({"/bin/grep", "-E", "^Sig(Blk|Ign)", "/proc/self/status"});
+  ::sigaction(SIGPIPE, &previous_pipe, nullptr);
+  ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+  ASSERT_TRUE(result.status.ok()) << result.err;
+  EXPECT_EQ(result.out, "SigBlk:\t0000000000000000\nSigIgn:\t0000000000000000\n");
+}
+
+TEST_F(Spawn, NamesAProgramThatCannotStart) {
   testing::TempDir dir;
-  auto result = run_child({(dir / "no-such-provider").string()}, {}, 1000);
+  auto result = run_child({(dir / "no-such-provider").string()}, {}, std::chrono::seconds(1));
   ASSERT_FALSE(result);
   EXPECT_EQ(result.error().errno_value(), ENOENT);
   EXPECT_NE(result.error().message().find("no-such-provider"), std::string::npos);
+}
+
+TEST_F(Spawn, TerminateGivesTheChildItsGraceThenReportsHowItEnded) {
+  auto child = ChildProcess::spawn({"/bin/sh", "-c", "trap 'exit 7' TERM; while :; do sleep 0.01; done"}, {});
+  ASSERT_TRUE(child) << child.error().what();
+  ::usleep(100000);  // let the shell install its trap
+  const ExitStatus status = child->terminate(std::chrono::seconds(10));
+  EXPECT_EQ(status.describe(), "exit code 7");
 }
 
 TEST(ProviderArgv, SubstitutesLayoutAndFds) {
