@@ -29,6 +29,13 @@ int main(int argc, char** argv) {
   app.add_option("--port", o.port, "port to listen on (0: any free port)");
   app.add_option("-t,--threads", o.n_threads, "CPU threads for the forward pass (0: all)");
   app.add_flag("!--no-slots", o.endpoint_slots, "disable GET /slots");
+  app.add_option("--api-key", o.api_key,
+                 "API key(s), comma-separated: every route but /health needs \"Authorization: Bearer KEY\"; "
+                 "slot actions (share hands out the KV memory) above all")
+      ->envname("LLAMA_API_KEY");
+  std::string api_key_file;
+  app.add_option("--api-key-file", api_key_file, "file of API keys, one per line (# starts a comment)")
+      ->envname("LLAMA_ARG_API_KEY_FILE");
   int ignored_gpu_layers = 0;
   app.add_option("--n-gpu-layers", ignored_gpu_layers, "-ngl: accepted for llama-server compatibility, ignored (CPU)");
 
@@ -42,5 +49,6 @@ int main(int argc, char** argv) {
   }
   o.model = model;
   o.slot_save_path = slot_save_path;
+  o.api_key_file = api_key_file;
   return kvshare::decoder::run_decoder(o);
 }

@@ -22,6 +22,8 @@ struct DecoderOptions {
   int port = 8080;                          // --port (0: any free port, printed at start)
   int n_threads = 0;                        // -t; 0: all hardware threads
   bool endpoint_slots = true;               // --slots / --no-slots
+  std::string api_key;                      // --api-key (LLAMA_API_KEY): comma-separated keys
+  std::filesystem::path api_key_file;       // --api-key-file (LLAMA_ARG_API_KEY_FILE)
 };
 
 // llama-server spells some flags with one dash and several letters (-np, -fa, -ctk);
