@@ -8,6 +8,8 @@
 #include <thread>
 
 #include "kvshare/route/api_key.h"
+#include "kvshare/route/decoder_client.h"
+#include "kvshare/route/upstream_stream.h"
 #include "refmodel/decoder/fake_engine.h"
 #include "refmodel/decoder/http_client.h"
 #include "refmodel/decoder/http_server.h"
@@ -46,7 +48,8 @@ class KeyedDecoder {
     server_->stop();
     thread_.join();
   }
-  HttpClient client() const { return HttpClient("http://127.0.0.1:" + std::to_string(server_->bound_port())); }
+  int port() const { return server_->bound_port(); }
+  HttpClient client() const { return HttpClient("http://127.0.0.1:" + std::to_string(port())); }
   decoder::testing::FakeEngine& engine() { return engine_; }
 
  private:
@@ -123,6 +126,38 @@ TEST(DecoderApiKey, AnswersEverythingWithoutAKeyWhenNoneIsSet) {
   auto erased = decoder.client().post("/slots/0?action=erase", Json::object());
   ASSERT_TRUE(erased);
   EXPECT_EQ(erased->status, 200);
+}
+
+TEST(ServeForwardsApiKey, SendsItsKeyWithEverySlotAction) {
+  KeyedDecoder decoder({kKey});
+  const route::DecoderClient keyless("127.0.0.1", decoder.port(), std::chrono::milliseconds(5000));
+  auto refused = keyless.slot_action("erase", nlohmann::json::object());
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 401);
+  EXPECT_EQ(refused->error_message, "Invalid API Key");
+  const route::DecoderClient keyed("127.0.0.1", decoder.port(), std::chrono::milliseconds(5000), kKey);
+  auto erased = keyed.slot_action("erase", nlohmann::json::object());
+  ASSERT_TRUE(erased);
+  EXPECT_EQ(erased->status, 200) << erased->error_message;
+}
+
+TEST(ServeForwardsApiKey, SendsItsKeyWithAForwardedRequest) {
+  KeyedDecoder decoder({kKey});
+  route::UpstreamStream::Request request;
+  request.host = "127.0.0.1";
+  request.port = decoder.port();
+  request.method = "GET";
+  request.path = "/slots";
+  request.api_key = kKey;
+  auto stream = route::UpstreamStream::start(request, [] {});
+  auto head = stream->wait_head();
+  ASSERT_TRUE(head) << head.error().what();
+  EXPECT_EQ(head->status, 200);
+  request.api_key.clear();
+  auto keyless = route::UpstreamStream::start(request, [] {});
+  auto refused = keyless->wait_head();
+  ASSERT_TRUE(refused) << refused.error().what();
+  EXPECT_EQ(refused->status, 401);
 }
 
 TEST(ApiKeyList, SplitsCommasAndDropsEmptyEntriesAsLlamaServer) {

@@ -2,6 +2,8 @@
 // is not a well-behaved decoder. Each case asserts the refusal, its words, and that no fd
 // stays open in this process (the fixture compares /proc/self/fd before and after).
 #include <fcntl.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -161,7 +163,12 @@ TEST_F(BrokerReceive, RefusesFdsThatArriveAfterTheFirstByte) {
   auto frame = handshake::encode_frame(decoder.message());
   ASSERT_TRUE(frame);
   ASSERT_EQ(::send(connection.get(), frame->data(), 1, MSG_NOSIGNAL), 1);
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // let the broker read byte 0 alone
+  // Wait until the broker has read byte 0 alone (nothing left unread in our send queue):
+  // a reader that came later would take both sends in one recvmsg, fds and all.
+  for (int unread = 1, i = 0; unread != 0 && i < 2000; ++i) {
+    ASSERT_EQ(::ioctl(connection.get(), SIOCOUTQ, &unread), 0);
+    if (unread != 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   const std::vector<int> fds = decoder.fds();
   ASSERT_GT(send_raw(connection.get(), frame->data() + 1, frame->size() - 1, fds.data(), fds.size()), 0);
   expect_refused(broker->receive(2000), EPROTO, "not with the first bytes; all closed");
