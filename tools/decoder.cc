@@ -34,6 +34,13 @@ int main(int argc, char** argv) {
                  "(current); another version is refused on restore")
       ->check(CLI::IsMember({2, 3}))
       ->capture_default_str();
+  app.add_option("--api-key", o.api_key,
+                 "API key(s), comma-separated: every route but /health needs \"Authorization: Bearer KEY\"; "
+                 "slot actions (share hands out the KV memory) above all")
+      ->envname("LLAMA_API_KEY");
+  std::string api_key_file;
+  app.add_option("--api-key-file", api_key_file, "file of API keys, one per line (# starts a comment)")
+      ->envname("LLAMA_ARG_API_KEY_FILE");
   int ignored_gpu_layers = 0;
   app.add_option("--n-gpu-layers", ignored_gpu_layers, "-ngl: accepted for llama-server compatibility, ignored (CPU)");
 
@@ -47,5 +54,6 @@ int main(int argc, char** argv) {
   }
   o.model = model;
   o.slot_save_path = slot_save_path;
+  o.api_key_file = api_key_file;
   return kvshare::decoder::run_decoder(o);
 }

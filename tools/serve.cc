@@ -4,8 +4,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdio>
 
+#include "kvshare/route/api_key.h"
 #include "kvshare/route/serve.h"
 #include "kvshare/route/serve_config.h"
 
@@ -39,6 +41,11 @@ int main(int argc, char** argv) {
   auto* mmproj_option = app.add_option("--mmproj", mmproj, "refused");
   auto* moe_option = app.add_option("--moe-slots", moe_slots, "refused");
   auto* pm_option = app.add_option("--pm", pm, "refused")->expected(0, 1);
+  std::string api_key;
+  app.add_option("--api-key", api_key,
+                 "API key(s), comma-separated: clients need \"Authorization: Bearer KEY\" (not /health); the "
+                 "decoder gets the same keys through LLAMA_API_KEY")
+      ->envname("LLAMA_API_KEY");
   app.add_option("backend_flags", config.backend_extra, "flags after -- go to the decoder");
   try {
     // CLI11 wants the arguments last-first.
@@ -49,6 +56,10 @@ int main(int argc, char** argv) {
     return app.exit(error) == 0 ? 0 : 2;
   }
   config.device = device == "cpu" ? Device::cpu : Device::hybrid;
+  config.api_keys = parse_api_key_list(api_key);
+  // The decoder child inherits the environment, not a command line any user can read;
+  // no thread exists yet, so setenv is safe here.
+  if (!api_key.empty()) ::setenv("LLAMA_API_KEY", api_key.c_str(), 1);
   config.kv_flags_given = ctx->count() + fa->count() + ctk->count() + ctv->count() > 0;
   if (mtp) config.refused_flags.push_back("--mtp");
   if (dflash) config.refused_flags.push_back("--dflash");

@@ -74,7 +74,7 @@ void Listener::cleanup() noexcept {
   directory_.clear();
 }
 
-Result<Fd> Listener::accept(int timeout_ms, PeerCredentials* peer_out) {
+Result<Fd> Listener::accept(int timeout_ms, PeerCredentials* peer_out, int cancel_fd) {
   const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   for (;;) {
     Fd connection(sys::ops().accept4(socket_.get(), nullptr, nullptr, SOCK_CLOEXEC));
@@ -90,22 +90,24 @@ Result<Fd> Listener::accept(int timeout_ms, PeerCredentials* peer_out) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - std::chrono::steady_clock::now());
     if (left.count() <= 0)
       return fail(ETIMEDOUT, "waiting {} ms for the decoder to connect to {}", timeout_ms, socket_path_);
-    pollfd entry{socket_.get(), POLLIN, 0};
-    const int n = sys::ops().poll(&entry, 1, static_cast<int>(left.count()));
+    pollfd entries[2] = {{socket_.get(), POLLIN, 0}, {cancel_fd, POLLIN, 0}};
+    const int n = sys::ops().poll(entries, cancel_fd >= 0 ? 2 : 1, static_cast<int>(left.count()));
     if (n < 0 && errno != EINTR) return fail(errno, "poll on {}", socket_path_);
+    if (n > 0 && cancel_fd >= 0 && entries[1].revents != 0)
+      return fail(ECANCELED, "waiting for the decoder to connect to {}: nobody connected", socket_path_);
   }
 }
 
 Result<ReceivedMessage> Listener::accept_and_receive(int timeout_ms, PeerCredentials* peer_out,
-                                                     std::string_view known_header) {
+                                                     std::string_view known_header, int cancel_fd) {
   const auto start = std::chrono::steady_clock::now();
   PeerCredentials peer;
-  auto connection = accept(timeout_ms, &peer);
+  auto connection = accept(timeout_ms, &peer, cancel_fd);
   if (!connection) return fail(connection.error());
   if (peer_out != nullptr) *peer_out = peer;
   const auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
   const int left = std::max(0, timeout_ms - static_cast<int>(spent.count()));
-  return receive_message(connection->get(), left, fmt::format("pid {}", peer.pid), known_header);
+  return receive_message(connection->get(), left, fmt::format("pid {}", peer.pid), known_header, cancel_fd);
 }
 
 }  // namespace kvshare::handshake

@@ -31,13 +31,15 @@ class Listener {
   const std::filesystem::path& directory() const { return directory_; }
 
   // Accepts one connection within `timeout_ms` (poll; never hangs) and checks its
-  // SO_PEERCRED: same uid as this process, or root. ETIMEDOUT, EPERM naming the peer.
-  Result<Fd> accept(int timeout_ms, PeerCredentials* peer = nullptr);
+  // SO_PEERCRED: same uid as this process, or root. ETIMEDOUT, EPERM naming the peer (whose
+  // connection is closed unread: any fds it queued are dropped by the kernel), ECANCELED
+  // once `cancel_fd` (borrowed, -1: none) is readable.
+  Result<Fd> accept(int timeout_ms, PeerCredentials* peer = nullptr, int cancel_fd = -1);
 
   // accept() then receive_message() on it, within one `timeout_ms` budget overall.
-  // `known_header`: see parse_json.
+  // `known_header`: see parse_json; `cancel_fd`: as for accept().
   Result<ReceivedMessage> accept_and_receive(int timeout_ms, PeerCredentials* peer = nullptr,
-                                             std::string_view known_header = {});
+                                             std::string_view known_header = {}, int cancel_fd = -1);
 
  private:
   Listener() = default;

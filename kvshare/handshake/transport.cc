@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -30,11 +31,13 @@ class Deadline {
   Clock::time_point end_;
 };
 
-// Waits for `events` on fd; 0 on ready, else an errno (ETIMEDOUT when the deadline passed).
-int wait_for(int fd, short events, const Deadline& deadline) {
+// Waits for `events` on fd; 0 on ready, else an errno (ETIMEDOUT when the deadline passed,
+// ECANCELED once `cancel_fd` (-1: none) is readable).
+int wait_for(int fd, short events, const Deadline& deadline, int cancel_fd = -1) {
   for (;;) {
-    pollfd entry{fd, events, 0};
-    const int n = sys::ops().poll(&entry, 1, deadline.remaining_ms());
+    pollfd entries[2] = {{fd, events, 0}, {cancel_fd, POLLIN, 0}};
+    const int n = sys::ops().poll(entries, cancel_fd >= 0 ? 2 : 1, deadline.remaining_ms());
+    if (n > 0 && cancel_fd >= 0 && entries[1].revents != 0) return ECANCELED;
     if (n > 0) return 0;  // ready, or POLLHUP/POLLERR: the next call reports it
     if (n == 0) return ETIMEDOUT;
     if (errno != EINTR) return errno;
@@ -98,6 +101,102 @@ Result<Fd> connect_unix(const std::string& path, int timeout_ms) {
   return fd;
 }
 
+std::string printable_path(std::string_view path) {
+  std::string out;
+  for (const char c : path) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte == 0)
+      out += "\\0";
+    else if (byte < 0x20 || byte == 0x7f)
+      out += fmt::format("\\x{:02x}", byte);
+    else
+      out += c;
+  }
+  return out;
+}
+
+namespace {
+
+// What lstat says `mode` is, for a refusal that names it.
+std::string_view file_kind_name(mode_t mode) {
+  if (S_ISLNK(mode)) return "a symbolic link";
+  if (S_ISREG(mode)) return "a regular file";
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  return "not a socket";
+}
+
+// The checks on the path alone, before connecting: who else could have bound it or reach it.
+Result<void> check_listener_path(const std::string& path, uid_t our_uid) {
+  const std::string shown = printable_path(path);
+  if (path.empty()) return fail(EPERM, "share socket path is empty; give the broker's socket path");
+  if (path.front() == '\0')
+    return fail(EPERM, "share socket \"{}\": a path starting with a NUL byte is in the abstract namespace, which "
+                "has no permissions (any local user could be listening); refused, nothing sent", shown);
+  if (const size_t nul = path.find('\0'); nul != std::string::npos)
+    return fail(EPERM, "share socket \"{}\": holds a NUL byte at offset {}; refused, nothing sent", shown, nul);
+  if (path.front() != '/')
+    return fail(EPERM, "share socket \"{}\": the path is relative; only an absolute path names one socket "
+                "whatever this process's working directory; refused, nothing sent", shown);
+  const size_t slash = path.rfind('/');
+  const std::string name = path.substr(slash + 1);
+  const std::string directory = slash == 0 ? std::string("/") : path.substr(0, slash);
+  if (name.empty() || name == "." || name == "..")
+    return fail(EPERM, "share socket \"{}\": the path does not end in a file name; refused, nothing sent", shown);
+
+  struct stat socket_stat {};
+  if (::lstat(path.c_str(), &socket_stat) != 0) return fail(errno, "share socket {}: lstat", shown);
+  if (S_ISLNK(socket_stat.st_mode))
+    return fail(EPERM, "share socket {}: is a symbolic link; a sender of KV fds connects only to the broker's own "
+                "socket, never through a link; refused, nothing sent", shown);
+  if (!S_ISSOCK(socket_stat.st_mode))
+    return fail(ENOTSOCK, "share socket {}: is {}, not a socket; refused, nothing sent", shown,
+                file_kind_name(socket_stat.st_mode));
+
+  // O_NOFOLLOW with O_DIRECTORY fails on a symbolic link (ENOTDIR) instead of following it.
+  Fd dir(::open(directory.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!dir) {
+    if (errno == ENOTDIR || errno == ELOOP) {
+      struct stat link_stat {};
+      if (::lstat(directory.c_str(), &link_stat) == 0 && S_ISLNK(link_stat.st_mode))
+        return fail(EPERM, "share socket {}: its directory {} is a symbolic link; refused, nothing sent", shown,
+                    directory);
+    }
+    return fail(errno, "share socket {}: opening its directory {}", shown, directory);
+  }
+  struct stat dir_stat {};
+  if (::fstat(dir.get(), &dir_stat) != 0) return fail(errno, "share socket {}: fstat of its directory {}", shown, directory);
+  if (dir_stat.st_uid != our_uid)
+    return fail(EPERM, "share socket {}: its directory {} is owned by uid {}, not by this process's uid {}; only a "
+                "directory of our own (the broker's 0700 directory) keeps other users from the socket; refused, "
+                "nothing sent", shown, directory, dir_stat.st_uid, our_uid);
+  if ((dir_stat.st_mode & 077) != 0)
+    return fail(EPERM, "share socket {}: its directory {} has mode {:04o}: group or others can reach the socket "
+                "(the broker's directory is 0700); refused, nothing sent", shown, directory,
+                dir_stat.st_mode & 07777);
+  return {};
+}
+
+}  // namespace
+
+Result<Fd> connect_checked_listener(const std::string& path, int timeout_ms) {
+  const uid_t our_uid = ::geteuid();
+  if (auto checked = check_listener_path(path, our_uid); !checked) return fail(checked.error());
+  auto connection = connect_unix(path, timeout_ms);
+  if (!connection) return fail(connection.error());
+  // The path checks say who else could reach the socket; SO_PEERCRED says who listens.
+  // It is the credential of listen()'s caller, so a socket renamed into our directory,
+  // or a directory swapped after the checks, still shows the stranger's uid here.
+  auto listener = peer_credentials(connection->get());
+  if (!listener) return fail(listener.error().with_context(fmt::format("share socket {}", path)));
+  if (listener->uid != our_uid && listener->uid != 0)
+    return fail(EPERM, "share socket {}: the listener (pid {}) runs as uid {}; only uid {} or root may receive this "
+                "decoder's KV; refused, nothing sent", path, listener->pid, listener->uid, our_uid);
+  return connection;
+}
+
 Result<void> send_message(int socket_fd, const Message& message, std::span<const int> fds, int timeout_ms) {
   if (fds.size() > kMaxFds) return fail(EINVAL, "cannot send {} fds in one message, the limit is {}", fds.size(), kMaxFds);
   if (message.type == MessageType::share && fds.size() != message.fds.size())
@@ -143,7 +242,7 @@ Result<void> send_message(int socket_fd, const Message& message, std::span<const
 }
 
 Result<ReceivedMessage> receive_message(int socket_fd, int timeout_ms, std::string_view peer,
-                                        std::string_view known_header) {
+                                        std::string_view known_header, int cancel_fd) {
   ReceivedMessage received;
   const Deadline deadline(timeout_ms);
   alignas(cmsghdr) unsigned char control[kControlBytes];
@@ -165,7 +264,7 @@ Result<ReceivedMessage> receive_message(int socket_fd, int timeout_ms, std::stri
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN) {
-        const int waited = wait_for(socket_fd, POLLIN, deadline);
+        const int waited = wait_for(socket_fd, POLLIN, deadline, cancel_fd);
         if (waited != 0)
           return fail(waited, "receiving handshake from {}: {} of {} bytes read", peer, got,
                       got < kLengthBytes ? std::string("?") : std::to_string(total));

@@ -28,7 +28,23 @@ Result<void> check_peer_allowed(const PeerCredentials& peer, uid_t our_uid);
 
 // Connects to the broker's socket at `path`. Close-on-exec; blocks at most `timeout_ms`.
 // Fails with ENOENT/ECONNREFUSED when nobody listens, ENAMETOOLONG past sun_path.
+// Checks nothing about who listens: a sender of KV fds uses connect_checked_listener.
 Result<Fd> connect_unix(const std::string& path, int timeout_ms);
+
+// The one way a decoder reaches a broker before it sends any fd of its KV cache. Before
+// connecting, `path` must be absolute, hold no NUL byte (a leading NUL is the abstract
+// namespace, which has no permissions), not be a symbolic link but a socket, and sit in a
+// directory (itself not a symbolic link) owned by this process's effective uid with no
+// group or other access (the broker's 0700 directory): so no other uid can have bound or
+// reach it. After connecting, SO_PEERCRED must show the listener runs as our uid or root,
+// which holds even if the path was swapped between the checks and the connect. Blocks at
+// most `timeout_ms`. Fails with EPERM (any trust check; the message names the path and
+// what is wrong), ENOTSOCK, or connect_unix's errors; nothing has been sent on a failure.
+Result<Fd> connect_checked_listener(const std::string& path, int timeout_ms);
+
+// `path` as a message can show it: a NUL as \0 and other control bytes as \xNN, so an
+// abstract-namespace path is visible as one.
+std::string printable_path(std::string_view path);
 
 // Sends `message` as one frame on `socket_fd` (borrowed), with `fds` (borrowed: the
 // kernel passes duplicates; ours stay open) in SCM_RIGHTS on the first sendmsg, which
@@ -49,8 +65,9 @@ struct ReceivedMessage {
 // after the first read, a short read (the peer closed mid-frame, with the offset reached),
 // more or fewer fds than the JSON declares or any past kMaxFds; EMSGSIZE for a length
 // over kMaxMessageBytes; ETIMEDOUT after `timeout_ms`; parse errors from parse_json.
-// `known_header`: see parse_json.
+// `known_header`: see parse_json. `cancel_fd` (borrowed, -1: none): once it is readable
+// the wait ends with ECANCELED, naming the bytes read so far.
 Result<ReceivedMessage> receive_message(int socket_fd, int timeout_ms, std::string_view peer,
-                                        std::string_view known_header = {});
+                                        std::string_view known_header = {}, int cancel_fd = -1);
 
 }  // namespace kvshare::handshake

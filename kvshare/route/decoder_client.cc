@@ -9,7 +9,8 @@ namespace {
 
 using Json = nlohmann::json;
 
-void configure(httplib::Client& client, std::chrono::milliseconds timeout) {
+void configure(httplib::Client& client, std::chrono::milliseconds timeout, const std::string& api_key) {
+  if (!api_key.empty()) client.set_bearer_token_auth(api_key);
   client.set_connection_timeout(std::chrono::duration_cast<std::chrono::microseconds>(timeout));
   client.set_read_timeout(std::chrono::duration_cast<std::chrono::microseconds>(timeout));
   client.set_write_timeout(std::chrono::duration_cast<std::chrono::microseconds>(timeout));
@@ -59,13 +60,13 @@ std::string error_message_of(const std::string& body) {
 
 Result<HttpReply> DecoderClient::get(const std::string& path) const {
   httplib::Client client(host_, port_);
-  configure(client, timeout_);
+  configure(client, timeout_, api_key_);
   return to_reply(client.Get(path), "GET " + path, host_, port_);
 }
 
 Result<HttpReply> DecoderClient::post_json(const std::string& path, const std::string& body) const {
   httplib::Client client(host_, port_);
-  configure(client, timeout_);
+  configure(client, timeout_, api_key_);
   return to_reply(client.Post(path, body, "application/json"), "POST " + path, host_, port_);
 }
 

@@ -34,8 +34,9 @@ struct SlotReply {
 
 class DecoderClient {
  public:
-  DecoderClient(std::string host, int port, std::chrono::milliseconds timeout)
-      : host_(std::move(host)), port_(port), timeout_(timeout) {}
+  // `api_key` (empty: none) goes with every call as "Authorization: Bearer KEY".
+  DecoderClient(std::string host, int port, std::chrono::milliseconds timeout, std::string api_key = {})
+      : host_(std::move(host)), port_(port), timeout_(timeout), api_key_(std::move(api_key)) {}
 
   const std::string& host() const { return host_; }
   int port() const { return port_; }
@@ -56,6 +57,7 @@ class DecoderClient {
   std::string host_;
   int port_;
   std::chrono::milliseconds timeout_;
+  std::string api_key_;
 };
 
 // "error.message" of a llama-server error body, else the body itself (shortened).

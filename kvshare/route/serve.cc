@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "kvshare/env.h"
+#include "kvshare/route/api_key.h"
 #include "kvshare/route/decoder_client.h"
 #include "kvshare/route/decoder_process.h"
 #include "kvshare/route/handoff.h"
@@ -99,6 +100,8 @@ class Server {
   int run();
 
  private:
+  // The key serve's own calls to the decoder carry (the decoder has the same list).
+  std::string decoder_api_key() const { return config_.api_keys.empty() ? std::string() : config_.api_keys.front(); }
   bool hybrid_active() const { return config_.device == Device::hybrid && !config_.prefill_provider.empty(); }
   void relay_get(const std::string& path, httplib::Response& res);
   void handle_completion(Endpoint endpoint, const httplib::Request& req, httplib::Response& res);
@@ -130,6 +133,7 @@ void Server::forward(const std::string& path, std::shared_ptr<RelayState> state,
   request.method = "POST";
   request.path = path;
   request.body = state->report.body;
+  request.api_key = decoder_api_key();
   // The slot is free for the next handoff as soon as the decoder has started on this one.
   state->stream = UpstreamStream::start(std::move(request), [hold = state->hold] { hold->release(); });
   auto head = state->stream->wait_head();
@@ -208,7 +212,8 @@ int Server::run() {
     return 1;
   }
   decoder_ = std::move(*decoder);
-  client_ = std::make_unique<DecoderClient>("127.0.0.1", decoder_->port(), std::chrono::milliseconds(600000));
+  client_ = std::make_unique<DecoderClient>("127.0.0.1", decoder_->port(), std::chrono::milliseconds(600000),
+                                            decoder_api_key());
 
   context_.config = &config_;
   context_.decoder = client_.get();
@@ -232,6 +237,16 @@ int Server::run() {
   }
 
   http_.new_task_queue = [] { return new httplib::ThreadPool(kServerThreads); };
+  // llama-server's --api-key in front of the route: a prompt without the key must not
+  // start a provider, let alone a share.
+  http_.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    if (is_public_endpoint(req.path) ||
+        api_key_accepted(config_.api_keys, req.get_header_value("Authorization"), req.get_header_value("X-Api-Key")))
+      return httplib::Server::HandlerResponse::Unhandled;
+    res.status = 401;
+    res.set_content(std::string(kInvalidApiKeyBody), "application/json; charset=utf-8");
+    return httplib::Server::HandlerResponse::Handled;
+  });
   http_.set_read_timeout(std::chrono::seconds(600));
   http_.set_write_timeout(std::chrono::seconds(600));
   http_.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {

@@ -103,6 +103,11 @@ Result<void> validate(const ServeConfig& config) {
     for (const char* owned : {"--slot-save-path", "--port", "--host"})
       if (name == owned)
         return fail(EINVAL, "backend flag {} refused: kvshare-serve sets it for the decoder it runs", name);
+    // serve must know the key to call the decoder's slot actions, and a key on a command
+    // line is readable by every user (/proc/PID/cmdline).
+    if (name == "--api-key" || name == "--api-key-file")
+      return fail(EINVAL, "backend flag {} refused: give --api-key to kvshare-serve (or set LLAMA_API_KEY); it "
+                  "checks its clients with it and passes it to the decoder through the environment", name);
   }
   if (config.model.empty()) return fail(EINVAL, "no model: give -m MODEL.gguf");
   std::error_code ec;

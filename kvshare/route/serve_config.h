@@ -35,6 +35,10 @@ struct ServeConfig {
   bool print_backend = false;             // --print-backend
   bool kv_share = false;                  // ONEBIT_KV_SHARE set and non-empty
   std::vector<std::string> backend_extra; // after `--`, appended to the decoder's command
+  // --api-key (LLAMA_API_KEY), comma-separated: serve's clients need one (kvshare/route/api_key.h)
+  // and serve sends the first to the decoder, which reads the same LLAMA_API_KEY from the
+  // environment it inherits (never its command line: /proc/PID/cmdline is world-readable).
+  std::vector<std::string> api_keys;
 
   // Flags that exist only to be refused (--parallel N, --mtp, ...): the refusal names them.
   int parallel = 1;                       // -np / --parallel

@@ -41,6 +41,7 @@ void UpstreamStream::run(Request request) {
   httplib::Request call;
   call.method = request.method;
   call.path = request.path;
+  if (!request.api_key.empty()) call.set_header("Authorization", "Bearer " + request.api_key);
   if (request.method == "POST") {
     call.body = std::move(request.body);
     call.set_header("Content-Type", request.content_type);

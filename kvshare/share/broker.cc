@@ -1,11 +1,17 @@
 #include "kvshare/share/broker.h"
 
 #include <fcntl.h>
+#include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <thread>
 
 #include "kvshare/region/fd_inspect.h"
 #include "kvshare/sys.h"
@@ -71,12 +77,6 @@ Result<std::vector<std::string>> expand_provider_argv(const std::vector<std::str
   return argv;
 }
 
-Result<ShareBroker> ShareBroker::listen(const std::filesystem::path& parent) {
-  auto listener = handshake::Listener::create(parent);
-  if (!listener) return fail(listener.error());
-  return ShareBroker(std::move(*listener));
-}
-
 namespace {
 
 // The last layout header a handshake carried and passed every check, with its compact text
@@ -100,14 +100,19 @@ void ShareBroker::forget_known_header() {
   known_header.reset();
 }
 
-Result<ReceivedShare> ShareBroker::receive(int timeout_ms) {
+namespace {
+
+// Accepts, receives and checks one share on `listener` within `timeout_ms`; ECANCELED once
+// `cancel_fd` (-1: none) is readable.
+Result<ReceivedShare> receive_share(handshake::Listener& listener, int timeout_ms, int cancel_fd) {
   std::shared_ptr<const KnownHeader> known;
   {
     std::lock_guard lock(known_mutex);
     known = known_header;
   }
   handshake::PeerCredentials peer;
-  auto received = listener_.accept_and_receive(timeout_ms, &peer, known ? std::string_view(known->text) : "");
+  auto received =
+      listener.accept_and_receive(timeout_ms, &peer, known ? std::string_view(known->text) : "", cancel_fd);
   if (!received) return fail(received.error());
   const std::string who = fmt::format("pid {}", peer.pid);
   if (received->message.type == handshake::MessageType::refuse) {
@@ -138,8 +143,74 @@ Result<ReceivedShare> ShareBroker::receive(int timeout_ms) {
   return share;
 }
 
+// The receiving thread waits until cancelled: receive() bounds the caller's wait.
+constexpr int kBackgroundReceiveMs = std::numeric_limits<int>::max();
+
+}  // namespace
+
+struct ShareBroker::State {
+  explicit State(handshake::Listener l) : listener(std::move(l)) {}
+  handshake::Listener listener;
+  Fd cancel;           // eventfd: readable once the receiving thread must stop
+  std::thread thread;  // the first receive, started by listen()
+  std::mutex mutex;
+  std::condition_variable finished;
+  std::optional<Result<ReceivedShare>> result;  // the thread's, under `mutex`
+  bool result_taken = false;                    // later receive() calls run in the caller
+
+  void stop_thread() {
+    if (!thread.joinable()) return;
+    const uint64_t one = 1;
+    // An eventfd write of 1 cannot block or fail short here: the counter is far from its limit.
+    (void)!::write(cancel.get(), &one, sizeof one);
+    thread.join();
+  }
+};
+
+ShareBroker::ShareBroker(std::unique_ptr<State> state) : state_(std::move(state)) {}
+ShareBroker::ShareBroker(ShareBroker&& other) noexcept = default;
+ShareBroker::~ShareBroker() {
+  if (state_) state_->stop_thread();
+}
+
+const std::string& ShareBroker::socket_path() const { return state_->listener.socket_path(); }
+const std::filesystem::path& ShareBroker::directory() const { return state_->listener.directory(); }
+
+Result<ShareBroker> ShareBroker::listen(const std::filesystem::path& parent) {
+  auto listener = handshake::Listener::create(parent);
+  if (!listener) return fail(listener.error());
+  auto state = std::make_unique<State>(std::move(*listener));
+  state->cancel.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!state->cancel) return fail(errno, "eventfd to stop the receiver on {}", state->listener.socket_path());
+  State* raw = state.get();
+  state->thread = std::thread([raw] {
+    auto received = receive_share(raw->listener, kBackgroundReceiveMs, raw->cancel.get());
+    std::lock_guard lock(raw->mutex);
+    raw->result = std::move(received);
+    raw->finished.notify_all();
+  });
+  return ShareBroker(std::move(state));
+}
+
+Result<ReceivedShare> ShareBroker::receive(int timeout_ms) {
+  State& state = *state_;
+  if (state.result_taken) return receive_share(state.listener, timeout_ms, -1);
+  {
+    std::unique_lock lock(state.mutex);
+    state.finished.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return state.result.has_value(); });
+  }
+  // Either it finished, or it is told to stop now and reports how far it had come.
+  state.stop_thread();
+  state.result_taken = true;
+  Result<ReceivedShare> result = std::move(*state.result);
+  state.result.reset();
+  if (!result && result.error().errno_value() == ECANCELED)
+    return fail(ETIMEDOUT, "no share within {} ms: {}", timeout_ms, result.error().message());
+  return result;
+}
+
 Result<std::filesystem::path> ShareBroker::write_header_file(const ReceivedShare& share) {
-  const auto path = listener_.directory() / fmt::format("layout-{}.json", share.share_id);
+  const auto path = directory() / fmt::format("layout-{}.json", share.share_id);
   const std::string text = layout::to_json(share.header, true);
   Fd fd(sys::ops().open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
   if (!fd) return fail(errno, "creating the provider's header file {}", path.string());

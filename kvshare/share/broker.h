@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -41,16 +42,27 @@ Result<std::vector<std::string>> expand_provider_argv(const std::vector<std::str
 
 class ShareBroker {
  public:
-  // Creates the private directory and the listening socket (see handshake::Listener).
+  // Creates the private directory and the listening socket (see handshake::Listener) and
+  // starts receiving at once, on a thread of its own: the decoder sends its message while
+  // it answers the share request, so a frame larger than the socket buffer would wait,
+  // and time out, for a reader that only started after that answer.
   static Result<ShareBroker> listen(const std::filesystem::path& parent = {});
 
-  const std::string& socket_path() const { return listener_.socket_path(); }
-  const std::filesystem::path& directory() const { return listener_.directory(); }
+  ShareBroker(ShareBroker&& other) noexcept;
+  ShareBroker& operator=(ShareBroker&&) = delete;
+  // Stops the receiving thread (cancelled, joined), closes every fd it took, then
+  // removes the socket and directory.
+  ~ShareBroker();
 
-  // Accepts the decoder (same uid or root), receives its message within `timeout_ms`,
-  // parses the layout header and checks every fd against it (count, chunk sizes and
-  // hashes, fd kind and size). A decoder's refusal is ENOTSUP carrying its reason; a
-  // mismatch is EINVAL naming the field. Every fd is closed on every failure.
+  const std::string& socket_path() const;
+  const std::filesystem::path& directory() const;
+
+  // The result of receiving, waiting at most `timeout_ms` more for it: accepts the decoder
+  // (same uid or root), receives its message, parses the layout header and checks every fd
+  // against it (count, chunk sizes and hashes, fd kind and size). A decoder's refusal is
+  // ENOTSUP carrying its reason; a mismatch is EINVAL naming the field; ETIMEDOUT says how
+  // far the message had come. Every fd is closed on every failure. A second call receives
+  // the next connection in the caller's thread.
   Result<ReceivedShare> receive(int timeout_ms);
   // Drops the process-wide memory of the last validated header (receive() then parses the
   // next one in full): for tests and the benchmark's first-handoff figure.
@@ -69,8 +81,9 @@ class ShareBroker {
                                 int timeout_ms);
 
  private:
-  explicit ShareBroker(handshake::Listener listener) : listener_(std::move(listener)) {}
-  handshake::Listener listener_;
+  struct State;
+  explicit ShareBroker(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;  // on the heap: the receiving thread keeps its address
 };
 
 }  // namespace kvshare

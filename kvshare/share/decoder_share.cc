@@ -22,6 +22,7 @@ std::string share_unavailable_reason(bool flag_set, std::string_view backend_rea
 int http_status_for(const Error& error) {
   switch (error.errno_value()) {
     case ENOTSUP: return 501;
+    case EPERM: return 403;
     case ESTALE: return 409;
     case ERANGE:
     case EINVAL: return 400;
@@ -83,8 +84,9 @@ Result<uint64_t> DecoderShare::share(const std::string& socket_path, int timeout
   }
   if (!can_share()) {
     const std::string reason = share_unavailable_reason(flag_set_, export_failure_);
-    // Tell a waiting broker now rather than let it time out; it may not be listening.
-    if (auto connection = handshake::connect_unix(socket_path, timeout_ms))
+    // Tell a waiting broker now rather than let it time out; it may not be listening. Even
+    // a refusal goes only to a listener that passed the checks.
+    if (auto connection = handshake::connect_checked_listener(socket_path, timeout_ms))
       (void)handshake::send_message(connection->get(), handshake::make_refusal(share_id, "", reason), {}, timeout_ms);
     return fail(ENOTSUP, "{}", reason);
   }
@@ -97,7 +99,8 @@ Result<uint64_t> DecoderShare::share(const std::string& socket_path, int timeout
                            region.size_bytes, region.layout_hash});
     fds.push_back(region.fd.get());
   }
-  auto connection = handshake::connect_unix(socket_path, timeout_ms);
+  // The only place this decoder's KV fds leave it: the listener is checked first.
+  auto connection = handshake::connect_checked_listener(socket_path, timeout_ms);
   if (!connection) return fail(connection.error().with_context(fmt::format("share {}", share_id)));
   auto sent = handshake::send_message(connection->get(), message, fds, timeout_ms);
   if (!sent) return fail(sent.error().with_context(fmt::format("share {} to {}", share_id, socket_path)));

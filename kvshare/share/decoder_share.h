@@ -40,7 +40,8 @@ std::string share_degrade_warning(bool flag_set, std::string_view backend_reason
 std::string share_unavailable_reason(bool flag_set, std::string_view backend_reason);
 
 // The HTTP status for a share/adopt refusal, by its errno: ENOTSUP 501 (cannot export),
-// ESTALE 409 (not the latest share, or already adopted), ERANGE/EINVAL 400 (token count),
+// EPERM 403 (the listener failed a trust check), ESTALE 409 (not the latest share, or
+// already adopted), ERANGE/EINVAL 400 (token count),
 // anything else (the broker could not be reached, a send failed) 500.
 int http_status_for(const Error& error);
 
@@ -65,9 +66,12 @@ class DecoderShare {
   Result<TensorView> view(std::string_view name) const;
   Result<LayerDestination> layer(uint32_t cache_index, uint32_t il) const;
 
-  // Connects to the broker at `socket_path`, sends the header and one fd per chunk, and
-  // returns the new share_id (every earlier id is stale from now on, even when this call
-  // fails). Blocks at most `timeout_ms`; does not wait for the broker to answer.
+  // Connects to the broker at `socket_path`, checks who listens there
+  // (handshake::connect_checked_listener: our uid or root, in a 0700 directory of ours;
+  // EPERM naming the path and the fault otherwise, before any fd is sent), sends the
+  // header and one fd per chunk, and returns the new share_id (every earlier id is stale
+  // from now on, even when this call fails). Blocks at most `timeout_ms`; does not wait
+  // for the broker to answer.
   // A decoder that cannot export sends the broker a refusal (best effort, so it need
   // not wait for its timeout) and fails with ENOTSUP naming both causes.
   Result<uint64_t> share(const std::string& socket_path, int timeout_ms = kShareTimeoutMs);

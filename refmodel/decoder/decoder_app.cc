@@ -14,6 +14,7 @@
 
 #include <cstdlib>
 #include "layout/tensor_type.h"
+#include "kvshare/route/api_key.h"
 #include "refmodel/decoder/http_server.h"
 #include "refmodel/decoder/refmodel_engine.h"
 
@@ -97,6 +98,16 @@ int run_decoder(const DecoderOptions& options) {
     return 2;
   }
 
+  std::vector<std::string> api_keys = route::parse_api_key_list(options.api_key);
+  if (!options.api_key_file.empty()) {
+    auto from_file = route::read_api_key_file(options.api_key_file);
+    if (!from_file) {
+      std::fprintf(stderr, "kvshare-decoder: %s\n", from_file.error().what().c_str());
+      return 2;
+    }
+    api_keys.insert(api_keys.end(), from_file->begin(), from_file->end());
+  }
+
   // Every thread made from here on inherits the blocked set; one watcher takes the signals.
   sigset_t signals;
   sigemptyset(&signals);
@@ -111,6 +122,7 @@ int run_decoder(const DecoderOptions& options) {
   server_options.slot_save_path = options.slot_save_path;
   server_options.model_name = options.model.string();
   server_options.endpoint_slots = options.endpoint_slots;
+  server_options.api_keys = std::move(api_keys);
   DecoderServer server(server_options);
   if (auto bound = server.bind(); !bound) {
     std::fprintf(stderr, "kvshare-decoder: %s\n", bound.error().what().c_str());

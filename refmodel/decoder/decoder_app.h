@@ -24,6 +24,8 @@ struct DecoderOptions {
   bool endpoint_slots = true;               // --slots / --no-slots
   int state_version = 3;                    // --state-version: the llama-server generation whose
                                             // state files it saves and restores (2 or 3)
+  std::string api_key;                      // --api-key (LLAMA_API_KEY): comma-separated keys
+  std::filesystem::path api_key_file;       // --api-key-file (LLAMA_ARG_API_KEY_FILE)
 };
 
 // llama-server spells some flags with one dash and several letters (-np, -fa, -ctk);

@@ -21,11 +21,22 @@ Json HttpReply::json() const { return Json::parse(body); }
 
 HttpClient::HttpClient(std::string base_url, int timeout_s) : base_url_(std::move(base_url)), timeout_s_(timeout_s) {}
 
+void HttpClient::set_header(const std::string& name, const std::string& value) {
+  for (auto& header : headers_) {
+    if (header.first == name) {
+      header.second = value;
+      return;
+    }
+  }
+  headers_.emplace_back(name, value);
+}
+
 Result<HttpReply> HttpClient::get(const std::string& path) const {
   httplib::Client client(base_url_);
   client.set_read_timeout(timeout_s_, 0);
   client.set_write_timeout(timeout_s_, 0);
-  auto result = client.Get(path.c_str());
+  const httplib::Headers headers(headers_.begin(), headers_.end());
+  auto result = client.Get(path.c_str(), headers);
   if (!result) return fail(ECONNREFUSED, "GET {}{}: {}", base_url_, path, httplib::to_string(result.error()));
   return to_reply(result);
 }
@@ -34,7 +45,8 @@ Result<HttpReply> HttpClient::post(const std::string& path, const std::string& b
   httplib::Client client(base_url_);
   client.set_read_timeout(timeout_s_, 0);
   client.set_write_timeout(timeout_s_, 0);
-  auto result = client.Post(path.c_str(), body, "application/json");
+  const httplib::Headers headers(headers_.begin(), headers_.end());
+  auto result = client.Post(path.c_str(), headers, body, "application/json");
   if (!result) return fail(ECONNREFUSED, "POST {}{}: {}", base_url_, path, httplib::to_string(result.error()));
   return to_reply(result);
 }

@@ -5,6 +5,7 @@
 
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "layout/error.h"
@@ -30,10 +31,14 @@ class HttpClient {
   Result<HttpReply> post(const std::string& path, const Json& body) const { return post(path, body.dump()); }
 
   const std::string& base_url() const { return base_url_; }
+  // A header sent with every later call ("Authorization", "Bearer KEY"); replaces one of
+  // the same name.
+  void set_header(const std::string& name, const std::string& value);
 
  private:
   std::string base_url_;
   int timeout_s_;
+  std::vector<std::pair<std::string, std::string>> headers_;
 };
 
 // Splits an SSE body into the payloads of its "data: " lines, checking llama-server's

@@ -12,12 +12,13 @@
 #include <stdexcept>
 #include <thread>
 
+#include "kvshare/route/api_key.h"
 #include "refmodel/decoder/api_error.h"
 #include "refmodel/decoder/completion.h"
 #include "refmodel/decoder/prompt.h"
 #include "refmodel/decoder/responses.h"
 #include "refmodel/decoder/slot.h"
-#include "refmodel/decoder/slot_filename.h"
+#include "refmodel/decoder/slot_request.h"
 
 namespace kvshare::decoder {
 namespace {
@@ -114,9 +115,19 @@ void DecoderServer::Impl::routes() {
     res.status = 500;
     res.set_content(message, "text/plain");
   });
-  http.set_pre_routing_handler([this](const httplib::Request&, httplib::Response& res) {
+  // llama-server's order: 503 while loading, then the api key (server-http.cpp).
+  http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
     if (engine.load() == nullptr) {
       reply_error(res, ApiError{ErrorType::unavailable, "Loading model"});
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    if (!route::is_public_endpoint(req.path) &&
+        !route::api_key_accepted(options.api_keys, req.get_header_value("Authorization"),
+                                 req.get_header_value("X-Api-Key"))) {
+      res.status = 401;
+      res.set_content(std::string(route::kInvalidApiKeyBody), kJsonType);
+      std::fprintf(stderr, "kvshare-decoder: unauthorized: Invalid API Key (%s %s)\n", req.method.c_str(),
+                   req.path.c_str());
       return httplib::Server::HandlerResponse::Handled;
     }
     return httplib::Server::HandlerResponse::Unhandled;
@@ -354,11 +365,9 @@ void DecoderServer::Impl::handle_slots_action(const httplib::Request& req, httpl
 
   const std::string action = req.get_param_value("action");
   if (action == "save" || action == "restore") {
-    const Json body = Json::parse(req.body);
-    const std::string filename = body.at("filename");
-    if (!is_valid_slot_filename(filename)) {
-      return reply_error(res, ApiError{ErrorType::invalid_request, "Invalid filename"});
-    }
+    auto request = parse_slot_file_request(req.body);
+    if (!request) return reply_error(res, request.error());
+    const std::string& filename = request->filename;
     const std::filesystem::path path = options.slot_save_path / filename;
     if (action == "save") {
       auto saved = slot->save(filename, path);
@@ -388,19 +397,10 @@ void DecoderServer::Impl::handle_slots_action(const httplib::Request& req, httpl
       return reply_error(res, ApiError{ErrorType::not_supported, eng().share_refusal() +
                                                                      ". Use the state-file route (?action=restore)."});
     }
-    Json body;
-    try {
-      body = Json::parse(req.body);
-    } catch (const std::exception& e) {
-      return reply_error(res, ApiError{ErrorType::invalid_request, fmt::format("{}: body is not JSON: {}", action, e.what())});
-    }
     if (action == "share") {
-      auto socket = body.is_object() ? body.find("socket") : body.end();
-      if (!body.is_object() || socket == body.end() || !socket->is_string() || socket->get<std::string>().empty()) {
-        return reply_error(res, ApiError{ErrorType::invalid_request,
-                                         "share: the body must be {\"socket\": \"<path of the AF_UNIX socket>\"}"});
-      }
-      auto shared = slot->share(socket->get<std::string>());
+      auto request = parse_share_request(req.body);
+      if (!request) return reply_error(res, request.error());
+      auto shared = slot->share(request->socket);
       if (!shared) return reply_error(res, shared.error());
       return reply_json(res, 200,
                         Json{{"id_slot", id_slot},
@@ -410,21 +410,10 @@ void DecoderServer::Impl::handle_slots_action(const httplib::Request& req, httpl
                              {"region_bytes", shared->reply.region_bytes},
                              {"timings", Json{{"share_ms", shared->ms}}}});
     }
-    const bool has_tokens = body.is_object() && body.contains("tokens") && body.at("tokens").is_array();
-    const bool has_share_id = body.is_object() && body.contains("share_id") && body.at("share_id").is_number_unsigned();
-    if (!has_tokens || !has_share_id) {
-      return reply_error(res, ApiError{ErrorType::invalid_request,
-                                       "adopt: the body must be {\"tokens\": [ids...], \"share_id\": N} with N the "
-                                       "share_id a share returned"});
-    }
-    std::vector<int32_t> tokens;
-    for (const auto& t : body.at("tokens")) {
-      if (!t.is_number_integer()) {
-        return reply_error(res, ApiError{ErrorType::invalid_request, "adopt: \"tokens\" must hold token ids only"});
-      }
-      tokens.push_back(t.get<int32_t>());
-    }
-    const uint64_t share_id = body.at("share_id").get<uint64_t>();
+    auto request = parse_adopt_request(req.body);
+    if (!request) return reply_error(res, request.error());
+    const uint64_t share_id = request->share_id;
+    const std::vector<int32_t>& tokens = request->tokens;
     auto adopted = slot->adopt(tokens, share_id);
     if (!adopted) return reply_error(res, adopted.error());
     return reply_json(res, 200,

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "layout/error.h"
 #include "refmodel/decoder/slot_engine.h"
@@ -22,6 +23,9 @@ struct ServerOptions {
   int n_threads_http = -1;                // -1: max(8, hardware threads - 1)
   std::string model_name;                 // what replies call the model (llama-server: -m as given)
   bool endpoint_slots = true;             // GET /slots (--no-slots turns it off)
+  // --api-key / --api-key-file: when any is set, every route but /health needs one
+  // (kvshare/route/api_key.h). Slot actions above all: share hands out the KV memory.
+  std::vector<std::string> api_keys;
 };
 
 class DecoderServer {

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -372,7 +373,9 @@ ApiResult<Slot::ShareResult> Slot::share(const std::string& socket_path) {
   if (!shared) {
     std::fprintf(stderr, "kvshare-decoder: slot %d: share over %s failed: %s\n", id_, socket_path.c_str(),
                  shared.error().what().c_str());
-    return api_fail(ErrorType::server, "Unable to share the KV cache: " + shared.error().what());
+    // A listener that failed the trust checks is the caller's fault, not the server's.
+    const ErrorType type = shared.error().errno_value() == EPERM ? ErrorType::permission : ErrorType::server;
+    return api_fail(type, "Unable to share the KV cache: " + shared.error().what());
   }
   return ShareResult{*shared, ms_since(t_start)};
 }

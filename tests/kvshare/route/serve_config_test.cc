@@ -72,6 +72,16 @@ TEST(ServeConfigValidate, RefusesBackendFlagsServeOwns) {
   EXPECT_NE(valid.error().message().find("kvshare-serve sets it"), std::string::npos);
 }
 
+TEST(ServeConfigValidate, RefusesAnApiKeyMeantOnlyForTheDecoder) {
+  // serve could not call the decoder's slot actions, and the key would sit on a command line.
+  TempDir dir;
+  ServeConfig config = config_with_model(dir);
+  config.backend_extra = {"--api-key", "k"};
+  auto valid = validate(config);
+  ASSERT_FALSE(valid);
+  EXPECT_NE(valid.error().message().find("give --api-key to kvshare-serve"), std::string::npos);
+}
+
 TEST(ServeConfigValidate, NamesAMissingModelFile) {
   TempDir dir;
   ServeConfig config;

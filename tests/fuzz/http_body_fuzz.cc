@@ -1,0 +1,37 @@
+// Fuzzes the HTTP bodies that reach the KV: kvshare-decoder's slot actions (share, adopt,
+// save/restore's filename) and kvshare-serve's side of the same exchange (the request body
+// it forwards after a handoff, the decoder's error replies and the prompt_n scan of its
+// answers). Any bytes give a request or an error, never a crash or an exception.
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
+
+#include "kvshare/route/api_key.h"
+#include "kvshare/route/decoder_client.h"
+#include "kvshare/route/handoff.h"
+#include "kvshare/route/prompt_n_scanner.h"
+#include "refmodel/decoder/slot_request.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::string_view body(reinterpret_cast<const char*>(data), size);
+  (void)kvshare::decoder::parse_share_request(body);
+  (void)kvshare::decoder::parse_adopt_request(body);
+  (void)kvshare::decoder::parse_slot_file_request(body);
+
+  // serve: a client's body is forwarded as a JSON object with the slot fields set.
+  const nlohmann::json request = nlohmann::json::parse(body, nullptr, false);
+  if (request.is_object()) (void)kvshare::route::forward_body(request);
+  (void)kvshare::route::error_message_of(std::string(body));
+  for (const bool is_event_stream : {false, true}) {
+    kvshare::route::PromptNScanner scanner(is_event_stream);
+    scanner.feed(body.substr(0, size / 2));
+    scanner.feed(body.substr(size / 2));
+    (void)scanner.finish();
+  }
+  // The key check sees header values a client chose.
+  (void)kvshare::route::api_key_accepted({"key"}, body, {});
+  (void)kvshare::route::parse_api_key_list(body);
+  return 0;
+}

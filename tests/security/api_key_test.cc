@@ -1,0 +1,182 @@
+// Slot actions follow llama-server's --api-key: with a key set, a request without it gets
+// llama-server's 401 body and never reaches the engine; share (which hands out the KV
+// memory) is as guarded as restore. Bug pinned: kvshare-decoder had no --api-key, so any
+// process that reached its port could ask it to share its KV cache with any socket.
+#include <gmock/gmock.h>
+
+#include <memory>
+#include <thread>
+
+#include "kvshare/route/api_key.h"
+#include "kvshare/route/decoder_client.h"
+#include "kvshare/route/upstream_stream.h"
+#include "refmodel/decoder/fake_engine.h"
+#include "refmodel/decoder/http_client.h"
+#include "refmodel/decoder/http_server.h"
+#include "support/test_support.h"
+
+namespace kvshare::security {
+namespace {
+
+using decoder::HttpClient;
+using decoder::HttpReply;
+using decoder::Json;
+using decoder::ShareAvailability;
+using ::testing::HasSubstr;
+
+constexpr const char* kKey = "s3cret-key";
+
+class KeyedDecoder {
+ public:
+  explicit KeyedDecoder(std::vector<std::string> keys) : engine_(64, ShareAvailability::enabled) {
+    decoder::ServerOptions options;
+    options.port = 0;
+    options.model_name = "fake.gguf";
+    options.slot_save_path = dir_.path();
+    options.api_keys = std::move(keys);
+    server_ = std::make_unique<decoder::DecoderServer>(options);
+    EXPECT_TRUE(server_->bind());
+    server_->attach(engine_);
+    thread_ = std::thread([this] { (void)server_->listen(); });
+    for (int i = 0; i < 200; ++i) {
+      auto r = client().get("/health");
+      if (r && r->status == 200) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  ~KeyedDecoder() {
+    server_->stop();
+    thread_.join();
+  }
+  int port() const { return server_->bound_port(); }
+  HttpClient client() const { return HttpClient("http://127.0.0.1:" + std::to_string(port())); }
+  decoder::testing::FakeEngine& engine() { return engine_; }
+
+ private:
+  ::kvshare::testing::TempDir dir_;
+  decoder::testing::FakeEngine engine_;
+  std::unique_ptr<decoder::DecoderServer> server_;
+  std::thread thread_;
+};
+
+void expect_401(const Result<HttpReply>& reply) {
+  ASSERT_TRUE(reply) << reply.error().what();
+  EXPECT_EQ(reply->status, 401);
+  EXPECT_EQ(reply->body, route::kInvalidApiKeyBody);
+  EXPECT_THAT(reply->content_type, HasSubstr("application/json"));
+}
+
+TEST(DecoderApiKey, RefusesShareWithoutTheKeyAndNeverAsksTheEngine) {
+  KeyedDecoder decoder({kKey});
+  expect_401(decoder.client().post("/slots/0?action=share", Json{{"socket", "/tmp/x/share.sock"}}));
+  HttpClient keyed = decoder.client();
+  keyed.set_header("Authorization", std::string("Bearer ") + kKey);
+  auto shared = keyed.post("/slots/0?action=share", Json{{"socket", "/tmp/x/share.sock"}});
+  ASSERT_TRUE(shared);
+  ASSERT_EQ(shared->status, 200) << shared->body;
+  EXPECT_EQ(shared->json()["share_id"], 1);  // the refused request made no share
+}
+
+TEST(DecoderApiKey, RefusesAWrongKeyOnEverySlotAction) {
+  KeyedDecoder decoder({kKey});
+  HttpClient wrong = decoder.client();
+  wrong.set_header("Authorization", "Bearer not-the-key");
+  expect_401(wrong.post("/slots/0?action=share", Json{{"socket", "/tmp/x/share.sock"}}));
+  expect_401(wrong.post("/slots/0?action=adopt", Json{{"tokens", {1}}, {"share_id", 1}}));
+  expect_401(wrong.post("/slots/0?action=save", Json{{"filename", "a.bin"}}));
+  expect_401(wrong.post("/slots/0?action=restore", Json{{"filename", "a.bin"}}));
+  expect_401(wrong.post("/slots/0?action=erase", Json::object()));
+  expect_401(wrong.get("/slots"));
+  expect_401(wrong.post("/completion", Json{{"prompt", "hi"}}));
+}
+
+TEST(DecoderApiKey, RefusesAKeyThatIsAPrefixOfTheRealOne) {
+  KeyedDecoder decoder({kKey});
+  HttpClient prefix = decoder.client();
+  prefix.set_header("Authorization", "Bearer s3cret");
+  expect_401(prefix.post("/slots/0?action=erase", Json::object()));
+}
+
+TEST(DecoderApiKey, KeepsHealthOpen) {
+  KeyedDecoder decoder({kKey});
+  auto health = decoder.client().get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  auto v1 = decoder.client().get("/v1/health");
+  ASSERT_TRUE(v1);
+  EXPECT_EQ(v1->status, 200);
+}
+
+TEST(DecoderApiKey, TakesTheKeyWithoutBearerOrAsXApiKeyLikeLlamaServer) {
+  KeyedDecoder decoder({"first", kKey});
+  HttpClient bare = decoder.client();
+  bare.set_header("Authorization", kKey);
+  auto erased = bare.post("/slots/0?action=erase", Json::object());
+  ASSERT_TRUE(erased);
+  EXPECT_EQ(erased->status, 200) << erased->body;
+  HttpClient anthropic = decoder.client();
+  anthropic.set_header("X-Api-Key", kKey);
+  auto erased_again = anthropic.post("/slots/0?action=erase", Json::object());
+  ASSERT_TRUE(erased_again);
+  EXPECT_EQ(erased_again->status, 200) << erased_again->body;
+}
+
+TEST(DecoderApiKey, AnswersEverythingWithoutAKeyWhenNoneIsSet) {
+  KeyedDecoder decoder({});
+  auto erased = decoder.client().post("/slots/0?action=erase", Json::object());
+  ASSERT_TRUE(erased);
+  EXPECT_EQ(erased->status, 200);
+}
+
+TEST(ServeForwardsApiKey, SendsItsKeyWithEverySlotAction) {
+  KeyedDecoder decoder({kKey});
+  const route::DecoderClient keyless("127.0.0.1", decoder.port(), std::chrono::milliseconds(5000));
+  auto refused = keyless.slot_action("erase", nlohmann::json::object());
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 401);
+  EXPECT_EQ(refused->error_message, "Invalid API Key");
+  const route::DecoderClient keyed("127.0.0.1", decoder.port(), std::chrono::milliseconds(5000), kKey);
+  auto erased = keyed.slot_action("erase", nlohmann::json::object());
+  ASSERT_TRUE(erased);
+  EXPECT_EQ(erased->status, 200) << erased->error_message;
+}
+
+TEST(ServeForwardsApiKey, SendsItsKeyWithAForwardedRequest) {
+  KeyedDecoder decoder({kKey});
+  route::UpstreamStream::Request request;
+  request.host = "127.0.0.1";
+  request.port = decoder.port();
+  request.method = "GET";
+  request.path = "/slots";
+  request.api_key = kKey;
+  auto stream = route::UpstreamStream::start(request, [] {});
+  auto head = stream->wait_head();
+  ASSERT_TRUE(head) << head.error().what();
+  EXPECT_EQ(head->status, 200);
+  request.api_key.clear();
+  auto keyless = route::UpstreamStream::start(request, [] {});
+  auto refused = keyless->wait_head();
+  ASSERT_TRUE(refused) << refused.error().what();
+  EXPECT_EQ(refused->status, 401);
+}
+
+TEST(ApiKeyList, SplitsCommasAndDropsEmptyEntriesAsLlamaServer) {
+  EXPECT_EQ(route::parse_api_key_list("a,,b,"), (std::vector<std::string>{"a", "b"}));
+  EXPECT_TRUE(route::parse_api_key_list("").empty());
+}
+
+TEST(ApiKeyList, ReadsAKeyFileSkippingCommentsAndNamesAMissingOne) {
+  ::kvshare::testing::TempDir dir;
+  const std::string text = "# keys\nk1\n\nk2\n";
+  ::kvshare::testing::write_file_bytes(dir / "keys", std::vector<std::byte>(reinterpret_cast<const std::byte*>(text.data()),
+                                                                            reinterpret_cast<const std::byte*>(text.data()) + text.size()));
+  auto keys = route::read_api_key_file(dir / "keys");
+  ASSERT_TRUE(keys);
+  EXPECT_EQ(*keys, (std::vector<std::string>{"k1", "k2"}));
+  auto missing = route::read_api_key_file(dir / "nope");
+  ASSERT_FALSE(missing);
+  EXPECT_THAT(missing.error().message(), HasSubstr("--api-key-file"));
+}
+
+}  // namespace
+}  // namespace kvshare::security
