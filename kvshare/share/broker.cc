@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <system_error>
 #include <thread>
 
 #include "kvshare/region/fd_inspect.h"
@@ -183,12 +184,16 @@ Result<ShareBroker> ShareBroker::listen(const std::filesystem::path& parent) {
   state->cancel.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!state->cancel) return fail(errno, "eventfd to stop the receiver on {}", state->listener.socket_path());
   State* raw = state.get();
-  state->thread = std::thread([raw] {
-    auto received = receive_share(raw->listener, kBackgroundReceiveMs, raw->cancel.get());
-    std::lock_guard lock(raw->mutex);
-    raw->result = std::move(received);
-    raw->finished.notify_all();
-  });
+  try {
+    state->thread = std::thread([raw] {
+      auto received = receive_share(raw->listener, kBackgroundReceiveMs, raw->cancel.get());
+      std::lock_guard lock(raw->mutex);
+      raw->result = std::move(received);
+      raw->finished.notify_all();
+    });
+  } catch (const std::system_error& e) {  // no thread to spare: no exception leaves kvshare
+    return fail(e.code().value(), "starting the receiver thread for {}", state->listener.socket_path());
+  }
   return ShareBroker(std::move(state));
 }
 
