@@ -319,8 +319,10 @@ def test_16_decoder_busy_no_restore_under_a_decode():
     # A reply streams slowly; the next request's provider finishes while it still decodes.
     # The restore must not be sent under that decode: serve waits at most the provider
     # timeout, then forwards as it came.
-    env = {"FAKE_DECODER_CHUNK_DELAY_MS": "500"}
-    with Row("decoder_busy", env=env, args=["--provider-timeout", "1"]) as row:
+    # The stream (6 chunks, >= 9 s) outlasts the provider plus the 3 s wait, even on a loaded
+    # machine where a Python provider takes a second to start.
+    env = {"FAKE_DECODER_CHUNK_DELAY_MS": "1500"}
+    with Row("decoder_busy", env=env, args=["--provider-timeout", "3"]) as row:
         slow = row.chat("decoder busy: a slow streamed reply", stream=True)
         results = {}
 
