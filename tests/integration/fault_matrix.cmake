@@ -5,5 +5,5 @@ find_package(Python3 COMPONENTS Interpreter)
 if(Python3_Interpreter_FOUND)
   add_test(NAME fault_matrix
            COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/fault_matrix.py ${CMAKE_BINARY_DIR}/bin)
-  set_tests_properties(fault_matrix PROPERTIES TIMEOUT 300 LABELS "integration;fault_matrix")
+  set_tests_properties(fault_matrix PROPERTIES TIMEOUT 600 LABELS "integration;fault_matrix")
 endif()

@@ -217,7 +217,9 @@ def test_02_provider_exit_130_is_an_exit_code_not_a_signal():
 
 def test_03_provider_times_out_with_its_group():
     fallback_row("timeout", "provider_timeout", r"timed out after \d+ ms \(killed with its process group\)",
-                 args=["--provider-timeout", "1"], mode="hang")
+                 args=["--provider-timeout", "3"], mode="hang")
+    # (3 s: the row checks the grandchild the provider logs, which takes a loaded machine
+    # over a second to start.)
 
 
 def test_04_provider_killed_mid_write_file_route():
@@ -324,8 +326,10 @@ def test_16_decoder_busy_no_restore_under_a_decode():
     # A reply streams slowly; the next request's provider finishes while it still decodes.
     # The restore must not be sent under that decode: serve waits at most the provider
     # timeout, then forwards as it came.
-    env = {"FAKE_DECODER_CHUNK_DELAY_MS": "500"}
-    with Row("decoder_busy", env=env, args=["--provider-timeout", "1"]) as row:
+    # The stream (6 chunks, >= 9 s) outlasts the provider plus the 3 s wait, even on a loaded
+    # machine where a Python provider takes a second to start.
+    env = {"FAKE_DECODER_CHUNK_DELAY_MS": "1500"}
+    with Row("decoder_busy", env=env, args=["--provider-timeout", "3"]) as row:
         slow = row.chat("decoder busy: a slow streamed reply", stream=True)
         results = {}
 

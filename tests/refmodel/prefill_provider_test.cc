@@ -99,7 +99,7 @@ TEST(TokenIds, RefusesNegativeIdsAndAnEmptyFile) {
 }
 
 // Regression: the provider had its own --fds parser that took 0-2 and any number of fds.
-TEST(PrefillFdList, RefusesStandardStreamsAndTooManyDescriptorsInFds) {
+TEST(PrefillToolFds, RefusesStandardStreamsRepeatsAndTooManyDescriptors) {
   TempDir dir;
   std::string many;
   for (int i = 0; i < 254; ++i) many += (i ? "," : "") + std::to_string(3 + i);
