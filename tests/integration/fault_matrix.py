@@ -216,10 +216,10 @@ def test_02_provider_exit_130_is_an_exit_code_not_a_signal():
 
 
 def test_03_provider_times_out_with_its_group():
+    # 3 s: the row checks the grandchild the provider logs, and a loaded machine needs over
+    # a second to start that Python provider.
     fallback_row("timeout", "provider_timeout", r"timed out after \d+ ms \(killed with its process group\)",
                  args=["--provider-timeout", "3"], mode="hang")
-    # (3 s: the row checks the grandchild the provider logs, which takes a loaded machine
-    # over a second to start.)
 
 
 def test_04_provider_killed_mid_write_file_route():
