@@ -7,7 +7,9 @@ build=$1 source=$2 prefix=$3
 rm -rf "$prefix"
 cmake --install "$build" --prefix "$prefix" >/dev/null
 pc_dir=$(dirname "$(find "$prefix" -name kvshare-c.pc | head -1)")
-flags=$(PKG_CONFIG_PATH=$pc_dir pkg-config --cflags --libs kvshare-c)
-libdir=$(PKG_CONFIG_PATH=$pc_dir pkg-config --variable=libdir kvshare-c)
+# The .pc file names the configured prefix; the package was installed elsewhere.
+pc() { PKG_CONFIG_PATH=$pc_dir pkg-config --define-variable=prefix="$prefix" "$@" kvshare-c; }
+flags=$(pc --cflags --libs)
+libdir=$(pc --variable=libdir)
 ${CC:-cc} -std=c11 -Wall -Wextra -Werror -pedantic -o "$prefix/kvshare-c-consumer" "$source" $flags
 LD_LIBRARY_PATH=$libdir "$prefix/kvshare-c-consumer"
