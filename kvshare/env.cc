@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <string_view>
 
 namespace kvshare {
 
@@ -15,6 +16,15 @@ Result<std::optional<RegionBackend>> export_backend_override() {
   auto backend = parse_region_backend(value);
   if (!backend) return fail(backend.error().with_context(kExportBackendEnv));
   return std::optional<RegionBackend>{*backend};
+}
+
+Result<std::optional<uint32_t>> state_version_from_env() {
+  const char* value = std::getenv(kStateVersionEnv);
+  if (!is_set_and_non_empty(value)) return std::optional<uint32_t>{};
+  const std::string_view text(value);
+  if (text != "2" && text != "3")
+    return fail(EINVAL, "{}={}: llama.cpp state files are version 2 or 3", kStateVersionEnv, text);
+  return std::optional<uint32_t>{static_cast<uint32_t>(text[0] - '0')};
 }
 
 }  // namespace kvshare

@@ -10,7 +10,8 @@ namespace kvshare::layout {
 namespace {
 
 constexpr uint64_t kKvCellBytes = 12;       // pos, n_seq_id, one seq id
-constexpr uint64_t kMropeCellBytes = 20;    // + llama_kv_cell_ext {x, y}
+constexpr uint64_t kCellExtBytesV2 = 8;     // llama_kv_cell_ext {x, y}
+constexpr uint64_t kCellExtBytesV3 = 12;    // llama_kv_cell_ext {x, y, tok}
 constexpr uint64_t kRecurrentCellBytes = 8; // pos, n_seq_id = 0
 
 // llama_hparams::is_masked_swa for the window types a KvCacheShape can carry. n_swa 0 masks
@@ -49,7 +50,7 @@ Result<StateSection> plan_row_section(TensorKind kind, uint32_t il, GgmlType typ
   return section;
 }
 
-Result<StateBlock> plan_kv_block(const KvCacheShape& cache, uint32_t n_cells, bool mrope) {
+Result<StateBlock> plan_kv_block(const KvCacheShape& cache, uint32_t n_cells, bool mrope, uint32_t version) {
   StateBlock block;
   block.kind = StateBlockKind::kv;
   block.role = cache.role.empty() ? "kv" : cache.role;
@@ -74,11 +75,11 @@ Result<StateBlock> plan_kv_block(const KvCacheShape& cache, uint32_t n_cells, bo
     stream.index = s;
     if (s == 0 && cell_count > 0) {
       stream.cell_count = cell_count;
-      stream.cell_record_bytes = mrope ? kMropeCellBytes : kKvCellBytes;
+      stream.cell_record_bytes = kv_cell_record_bytes(version, mrope);
       stream.cells.reserve(cell_count);
       for (uint32_t pos = first_kept; pos < n_cells; ++pos) {
         const auto p = static_cast<int32_t>(pos);
-        stream.cells.push_back(StateCell{p, 1, mrope ? p : 0, mrope ? p : 0, 0});
+        stream.cells.push_back(StateCell{.pos = p, .n_seq_id = 1, .ext_x = mrope ? p : 0, .ext_y = mrope ? p : 0});
       }
       stream.has_data = true;
       stream.is_transposed = cache.v_trans;
@@ -111,7 +112,7 @@ Result<StateBlock> plan_recurrent_block(const RecurrentShape& recurrent, uint32_
   // One cell per sequence, at the position of its last token; n_seq_id 0 in a sequence file.
   if (n_cells > 0) {
     stream.cell_count = 1;
-    stream.cells.push_back(StateCell{static_cast<int32_t>(n_cells - 1), 0, 0, 0, 0});
+    stream.cells.push_back(StateCell{.pos = static_cast<int32_t>(n_cells - 1), .n_seq_id = 0});
   }
   stream.has_data = true;
   stream.is_transposed = false;
@@ -154,10 +155,16 @@ void put_section_header(std::vector<std::byte>& out, const StateSection& section
 struct ParseError {
   Error error;
   uint64_t offset = 0;
+  bool is_kv_cell_value = false;  // a KV cell's pos or n_seq_id is out of range
 };
 
 template <class T>
 using ParseResult = tl::expected<T, ParseError>;
+
+tl::unexpected<ParseError> kv_cell_error(tl::unexpected<ParseError> error) {
+  error.value().is_kv_cell_value = true;
+  return error;
+}
 
 class Cursor {
  public:
@@ -293,7 +300,8 @@ ParseResult<std::vector<StateSection>> parse_sections(Cursor& in, std::string_vi
   return sections;
 }
 
-ParseResult<StateBlock> parse_kv_block(Cursor& in, std::string role, bool mrope, const KvCacheShape* expect) {
+ParseResult<StateBlock> parse_kv_block(Cursor& in, std::string role, bool mrope, uint32_t version,
+                                       const KvCacheShape* expect) {
   StateBlock block;
   block.kind = StateBlockKind::kv;
   block.role = std::move(role);
@@ -333,7 +341,7 @@ ParseResult<StateBlock> parse_kv_block(Cursor& in, std::string role, bool mrope,
                          cell_count, expect->kv_size);
 
     stream.cells_offset = in.pos();
-    stream.cell_record_bytes = static_cast<uint32_t>(mrope ? kMropeCellBytes : kKvCellBytes);
+    stream.cell_record_bytes = kv_cell_record_bytes(version, mrope);
     if (cell_count > in.remaining() / stream.cell_record_bytes)
       return in.error_at(stream.offset, "file ends at byte {} inside the {} cells ({} x {} bytes needed)",
                          stream.offset + 4 + in.remaining(), where, cell_count, stream.cell_record_bytes);
@@ -345,9 +353,9 @@ ParseResult<StateBlock> parse_kv_block(Cursor& in, std::string role, bool mrope,
       KVS_TRY(n_seq_id, in.take<uint32_t>("cell n_seq_id"));
       // llama_kv_cache::state_read_meta: a sequence file's cells belong to exactly one sequence.
       if (n_seq_id != 1)
-        return in.error_at(cell_offset + 4, "{} cell {}: n_seq_id is {}, a sequence file has exactly 1", where, i,
-                           n_seq_id);
-      if (pos < 0) return in.error_at(cell_offset, "{} cell {}: pos is {}, negative", where, i, pos);
+        return kv_cell_error(in.error_at(cell_offset + 4, "{} cell {}: n_seq_id is {}, a sequence file has exactly 1",
+                                         where, i, n_seq_id));
+      if (pos < 0) return kv_cell_error(in.error_at(cell_offset, "{} cell {}: pos is {}, negative", where, i, pos));
       cell.pos = pos;
       cell.n_seq_id = n_seq_id;
       if (mrope) {
@@ -355,6 +363,10 @@ ParseResult<StateBlock> parse_kv_block(Cursor& in, std::string role, bool mrope,
         KVS_TRY(y, in.take<int32_t>("cell ext y"));
         cell.ext_x = x;
         cell.ext_y = y;
+        if (version >= kStateSeqVersion3) {
+          KVS_TRY(tok, in.take<int32_t>("cell ext tok"));
+          cell.ext_tok = tok;
+        }
       }
       KVS_TRY(seq_id, in.take<int32_t>("cell seq_id"));
       cell.seq_id = seq_id;
@@ -430,7 +442,7 @@ ParseResult<StateBlock> parse_recurrent_block(Cursor& in, const RecurrentShape* 
     if (n_seq_id != 0)
       return in.error_at(cell_offset + 4, "recurrent cell {}: n_seq_id is {}, a sequence file has 0", i, n_seq_id);
     if (pos < 0) return in.error_at(cell_offset, "recurrent cell {}: pos is {}, negative", i, pos);
-    stream.cells.push_back(StateCell{pos, 0, 0, 0, 0});
+    stream.cells.push_back(StateCell{.pos = pos, .n_seq_id = 0});
   }
   stream.has_data = true;
   stream.data_header_offset = in.pos();
@@ -534,7 +546,7 @@ ParseResult<StateLayout> parse_memory(std::span<const std::byte> file, std::stri
   layout.has_mrope_cells = mrope;
   if (expect) {
     for (const auto& cache : expect->kv_caches) {
-      KVS_TRY(block, parse_kv_block(in, cache.role.empty() ? "kv" : cache.role, mrope, &cache));
+      KVS_TRY(block, parse_kv_block(in, cache.role.empty() ? "kv" : cache.role, mrope, layout.version, &cache));
       layout.blocks.push_back(std::move(block));
     }
     if (expect->recurrent) {
@@ -547,7 +559,7 @@ ParseResult<StateLayout> parse_memory(std::span<const std::byte> file, std::stri
     // to the next (base 0..nb-1, then SWA nb..), so each (kind, il) names one section.
     uint32_t first_il = 0;
     for (const auto& role : plan.kv_roles) {
-      KVS_TRY(block, parse_kv_block(in, role, mrope, nullptr));
+      KVS_TRY(block, parse_kv_block(in, role, mrope, layout.version, nullptr));
       uint32_t n_layer = 0;
       for (auto& stream : block.streams) {
         for (auto& section : stream.sections) section.il += first_il;
@@ -566,6 +578,71 @@ ParseResult<StateLayout> parse_memory(std::span<const std::byte> file, std::stri
   return layout;
 }
 
+// Reads the token words of a version 3 file written by llama-server's slot save
+// (server_tokens::serialize) when they start with -1, the marker no id can be; else the words
+// are plain ids. Errors name the word's byte offset, as server_tokens::deserialize refuses
+// the same inputs.
+Result<void> decode_token_form(std::span<const std::byte> file, StateLayout& layout, std::string_view name) {
+  layout.token_form = StateTokenForm::ids;
+  layout.n_prompt_ids = layout.n_token;
+  layout.prompt_ids_offset = layout.tokens_offset;
+  layout.n_media = 0;
+  const uint64_t begin = layout.tokens_offset;
+  const uint64_t end = begin + uint64_t{4} * layout.n_token;
+  auto word_at = [&](uint64_t off) {
+    uint32_t value = 0;
+    std::memcpy(&value, file.data() + off, 4);
+    return value;
+  };
+  if (layout.version < kStateSeqVersion3 || layout.n_token == 0 || static_cast<int32_t>(word_at(begin)) != -1)
+    return {};
+  auto bad = [&](uint64_t off, std::string what) {
+    return fail(EINVAL, "state file {}: packed slot tokens (llama-server's server_tokens): {} (offset {})", name, what,
+                off);
+  };
+  uint64_t off = begin + 4;
+  auto take_u32 = [&](std::string_view field) -> Result<uint32_t> {
+    if (end - off < 4) return bad(off, fmt::format("the token words end inside {}", field));
+    const uint32_t value = word_at(off);
+    off += 4;
+    return value;
+  };
+  auto packing = take_u32("the packing version");
+  if (!packing) return fail(packing.error());
+  if (*packing != kServerTokensStateVersion)
+    return bad(off - 4, fmt::format("packing version is {}, llama-server writes {}", *packing,
+                                    kServerTokensStateVersion));
+  auto n_ids = take_u32("the id count");
+  if (!n_ids) return fail(n_ids.error());
+  if (*n_ids > (end - off) / 4)
+    return bad(off - 4, fmt::format("{} ids do not fit the {} token words", *n_ids, layout.n_token));
+  layout.prompt_ids_offset = off;
+  layout.n_prompt_ids = *n_ids;
+  off += uint64_t{4} * *n_ids;
+  auto n_keys = take_u32("the media-key count");
+  if (!n_keys) return fail(n_keys.error());
+  if (*n_keys > (end - off) / 4)
+    return bad(off - 4, fmt::format("{} media keys do not fit the token words", *n_keys));
+  const uint64_t keys_offset = off;
+  off += uint64_t{4} * *n_keys;
+  for (uint32_t i = 0; i < *n_keys; ++i) {
+    if (word_at(keys_offset + uint64_t{4} * i) >= *n_ids)
+      return bad(keys_offset + uint64_t{4} * i, fmt::format("media key {} is {}, past the {} ids", i,
+                                                            word_at(keys_offset + uint64_t{4} * i), *n_ids));
+    auto n_bytes = take_u32(fmt::format("media chunk {} size", i));
+    if (!n_bytes) return fail(n_bytes.error());
+    if (*n_bytes == 0 || *n_bytes > end - off)
+      return bad(off - 4, fmt::format("media chunk {} has {} bytes, {} left in the token words", i, *n_bytes,
+                                      end - off));
+    off += *n_bytes;
+  }
+  // The writer pads to whole words; a whole word more is data llama-server refuses.
+  if (end - off >= 4) return bad(off, fmt::format("{} bytes after the last media chunk", end - off));
+  layout.token_form = StateTokenForm::server_packed;
+  layout.n_media = *n_keys;
+  return {};
+}
+
 }  // namespace
 
 const StateStream* StateBlock::filled_stream() const {
@@ -574,9 +651,25 @@ const StateStream* StateBlock::filled_stream() const {
   return nullptr;
 }
 
+uint32_t kv_cell_record_bytes(uint32_t version, bool has_mrope_cells) {
+  if (!has_mrope_cells) return static_cast<uint32_t>(kKvCellBytes);
+  return static_cast<uint32_t>(kKvCellBytes + (version >= kStateSeqVersion3 ? kCellExtBytesV3 : kCellExtBytesV2));
+}
+
+Result<void> check_state_version(uint32_t version, std::string_view what) {
+  if (is_known_state_version(version)) return {};
+  return fail(EINVAL, "{}: state file version {} is unknown; llama.cpp writes version {} (llama-server before the "
+              "cell token extension, e.g. d32676d) or {} (current llama-server)",
+              what, version, kStateSeqVersion2, kStateSeqVersion3);
+}
+
 void assign_state_offsets(StateLayout& layout) {
   uint64_t off = kStateHeaderBytes + uint64_t{4} * layout.n_token;
   layout.tokens_offset = kStateHeaderBytes;
+  if (layout.token_form == StateTokenForm::ids) {
+    layout.n_prompt_ids = layout.n_token;
+    layout.prompt_ids_offset = kStateHeaderBytes;
+  }
   for (auto& block : layout.blocks) {
     block.offset = off;
     if (block.kind == StateBlockKind::kv) off += 4;  // n_stream
@@ -601,7 +694,9 @@ void assign_state_offsets(StateLayout& layout) {
   layout.content_bytes = off;
 }
 
-Result<StateLayout> plan_state_layout(const MemoryShape& shape, uint32_t n_token, uint32_t n_cells) {
+Result<StateLayout> plan_state_layout(const MemoryShape& shape, uint32_t n_token, uint32_t n_cells,
+                                      uint32_t version) {
+  if (auto known = check_state_version(version, "plan"); !known) return fail(known.error());
   if (n_cells > static_cast<uint32_t>(std::numeric_limits<int32_t>::max()))
     return fail(EINVAL, "{} cells: positions must fit llama_pos (int32)", n_cells);
   const BlockPlan plan = blocks_of_kind(shape.kind);
@@ -610,11 +705,12 @@ Result<StateLayout> plan_state_layout(const MemoryShape& shape, uint32_t n_token
                 memory_kind_name(shape.kind), shape.kv_caches.size(), shape.recurrent ? "a" : "no",
                 plan.kv_roles.size(), plan.has_recurrent ? "one" : "none");
   StateLayout layout;
+  layout.version = version;
   layout.n_token = n_token;
   layout.memory_kind = shape.kind;
   layout.has_mrope_cells = shape.n_pos_per_embd > 1;
   for (const auto& cache : shape.kv_caches) {
-    auto block = plan_kv_block(cache, n_cells, layout.has_mrope_cells);
+    auto block = plan_kv_block(cache, n_cells, layout.has_mrope_cells, version);
     if (!block) return fail(block.error());
     layout.blocks.push_back(std::move(*block));
   }
@@ -632,7 +728,7 @@ std::vector<StatePiece> encode_state_metadata(const StateLayout& layout, std::sp
   StatePiece header{0, {}};
   header.bytes.reserve(kStateHeaderBytes + 4 * tokens.size());
   put<uint32_t>(header.bytes, kStateSeqMagic);
-  put<uint32_t>(header.bytes, kStateSeqVersion);
+  put<uint32_t>(header.bytes, layout.version);
   put<uint32_t>(header.bytes, layout.n_token);
   for (int32_t token : tokens) put<int32_t>(header.bytes, token);
   pieces.push_back(std::move(header));
@@ -650,9 +746,10 @@ std::vector<StatePiece> encode_state_metadata(const StateLayout& layout, std::sp
       for (const auto& cell : stream.cells) {
         put<int32_t>(meta.bytes, cell.pos);
         put<uint32_t>(meta.bytes, cell.n_seq_id);
-        if (block.kind == StateBlockKind::kv && stream.cell_record_bytes == kMropeCellBytes) {
+        if (block.kind == StateBlockKind::kv && layout.has_mrope_cells) {
           put<int32_t>(meta.bytes, cell.ext_x);
           put<int32_t>(meta.bytes, cell.ext_y);
+          if (layout.version >= kStateSeqVersion3) put<int32_t>(meta.bytes, cell.ext_tok);
         }
         if (cell.n_seq_id == 1) put<int32_t>(meta.bytes, cell.seq_id);
       }
@@ -698,16 +795,18 @@ Result<StateLayout> decode_state_layout(std::span<const std::byte> file, const M
                 name, *magic, kStateSeqMagic);
   auto version = in.take<uint32_t>("version");
   if (!version) return as_result(version.error());
-  if (*version != kStateSeqVersion)
-    return fail(EINVAL, "state file {}: version is {}, this reader knows version {} (offset 4)", name, *version,
-                kStateSeqVersion);
+  if (!is_known_state_version(*version))
+    return fail(EINVAL, "state file {}: version is {}, this reader knows versions {} and {} (offset 4)", name,
+                *version, kStateSeqVersion2, kStateSeqVersion3);
   auto n_token = in.take<uint32_t>("n_token");
   if (!n_token) return as_result(n_token.error());
   if (auto tokens = in.skip(*n_token, 4, fmt::format("the {} token ids", *n_token)); !tokens)
     return as_result(tokens.error());
 
   StateLayout header;
+  header.version = *version;
   header.n_token = *n_token;
+  if (auto form = decode_token_form(file, header, name); !form) return tl::unexpected(form.error());
   const uint64_t start = in.pos();
 
   if (expect) {
@@ -727,7 +826,11 @@ Result<StateLayout> decode_state_layout(std::span<const std::byte> file, const M
       if (mrope && plan.kv_roles.empty()) continue;
       auto layout = parse_memory(file, name, start, header, kind, mrope, nullptr);
       if (!layout) {
-        if (!furthest || layout.error().offset > furthest->offset) furthest = layout.error();
+        // Reading plain cells as M-RoPE ones (24 or 20 bytes) walks past a bad value of the
+        // plain reading before tripping on one of its own: a bad cell value under the M-RoPE
+        // reading never outranks the plain reading's error.
+        const bool is_mrope_misreading = mrope && layout.error().is_kv_cell_value;
+        if (!is_mrope_misreading && (!furthest || layout.error().offset > furthest->offset)) furthest = layout.error();
         continue;
       }
       if (layout->trailing_bytes == 0) return std::move(*layout);
@@ -740,10 +843,51 @@ Result<StateLayout> decode_state_layout(std::span<const std::byte> file, const M
 }
 
 std::vector<int32_t> decode_state_tokens(std::span<const std::byte> file, const StateLayout& layout) {
-  std::vector<int32_t> tokens(layout.n_token);
-  if (layout.n_token > 0 && layout.tokens_offset + uint64_t{4} * layout.n_token <= file.size())
-    std::memcpy(tokens.data(), file.data() + layout.tokens_offset, tokens.size() * 4);
+  std::vector<int32_t> tokens(layout.n_prompt_ids);
+  if (layout.n_prompt_ids > 0 && layout.prompt_ids_offset + uint64_t{4} * layout.n_prompt_ids <= file.size())
+    std::memcpy(tokens.data(), file.data() + layout.prompt_ids_offset, tokens.size() * 4);
   return tokens;
+}
+
+Result<uint32_t> peek_state_version(std::span<const std::byte> head, std::string_view name) {
+  if (head.size() < 8)
+    return fail(EINVAL, "state file {}: {} bytes, too short for the magic and version (8 bytes)", name, head.size());
+  uint32_t magic = 0, version = 0;
+  std::memcpy(&magic, head.data(), 4);
+  std::memcpy(&version, head.data() + 4, 4);
+  if (magic != kStateSeqMagic)
+    return fail(EINVAL, "state file {}: magic is {:#010x}, a sequence state file has {:#010x} (offset 0)", name,
+                magic, kStateSeqMagic);
+  if (auto known = check_state_version(version, fmt::format("state file {}", name)); !known)
+    return fail(known.error());
+  return version;
+}
+
+Result<void> set_state_version(StateLayout& layout, uint32_t version) {
+  if (auto known = check_state_version(version, "set_state_version"); !known) return known;
+  if (layout.n_media > 0 && version < kStateSeqVersion3)
+    return fail(EINVAL, "the prompt holds {} media chunks (images or audio), which a version {} decoder cannot "
+                "restore", layout.n_media, version);
+  layout.version = version;
+  if (layout.token_form == StateTokenForm::server_packed && version < kStateSeqVersion3) {
+    layout.token_form = StateTokenForm::ids;
+    layout.n_token = layout.n_prompt_ids;
+  }
+  for (auto& block : layout.blocks) {
+    if (block.kind != StateBlockKind::kv) continue;
+    for (auto& stream : block.streams) stream.cell_record_bytes = kv_cell_record_bytes(version, layout.has_mrope_cells);
+  }
+  assign_state_offsets(layout);
+  return {};
+}
+
+void set_cell_tokens(StateLayout& layout, std::span<const int32_t> ids) {
+  for (auto& block : layout.blocks) {
+    if (block.kind != StateBlockKind::kv) continue;
+    for (auto& stream : block.streams)
+      for (auto& cell : stream.cells)
+        cell.ext_tok = cell.pos >= 0 && static_cast<uint64_t>(cell.pos) < ids.size() ? ids[cell.pos] : -1;
+  }
 }
 
 MemoryShape memory_shape_from_layout(const StateLayout& layout) {
@@ -800,8 +944,12 @@ MemoryShape memory_shape_from_layout(const StateLayout& layout) {
 }
 
 std::string describe_state_layout(const StateLayout& layout) {
-  std::string out = fmt::format("{}{}, {} tokens", memory_kind_name(layout.memory_kind),
-                                layout.has_mrope_cells ? " (M-RoPE cells)" : "", layout.n_token);
+  std::string out = fmt::format("version {}, {}{}, {} tokens{}", layout.version, memory_kind_name(layout.memory_kind),
+                                layout.has_mrope_cells ? " (M-RoPE cells)" : "", layout.n_prompt_ids,
+                                layout.token_form == StateTokenForm::server_packed
+                                    ? fmt::format(" (packed by llama-server in {} token words, {} media chunks)",
+                                                  layout.n_token, layout.n_media)
+                                    : std::string());
   for (const auto& block : layout.blocks) {
     const StateStream* stream = block.filled_stream();
     if (!stream) {

@@ -1,9 +1,11 @@
-// The bytes of a llama.cpp sequence-state file (llama_state_seq_save_file, version 2):
-// geometry planned from a MemoryShape, the metadata bytes a writer emits, and a validating
-// decoder. Pure: works on spans, never on descriptors. Mirrors llama_context::
+// The bytes of a llama.cpp sequence-state file (llama_state_seq_save_file, versions 2 and
+// 3): geometry planned from a MemoryShape, the metadata bytes a writer emits, and a
+// validating decoder. Pure: works on spans, never on descriptors. Mirrors llama_context::
 // state_seq_save_file / state_seq_load_file and the state_write* / state_read* functions of
 // llama_kv_cache, llama_kv_cache_iswa, llama_memory_recurrent and llama_memory_hybrid
-// (llama.cpp d32676d). docs/state-file.md has the byte table.
+// (version 2: llama.cpp d32676d; version 3: llama.cpp 80fb11ac, the tree node-llama-cpp
+// 3.21.1 ships), and the token words llama-server's slot save packs
+// (server_tokens::serialize). docs/state-file.md has the byte table.
 #pragma once
 
 #include <cstddef>
@@ -21,7 +23,16 @@
 namespace kvshare::layout {
 
 inline constexpr uint32_t kStateSeqMagic = 0x67677371u;  // "ggsq", LLAMA_STATE_SEQ_MAGIC
-inline constexpr uint32_t kStateSeqVersion = 2;          // LLAMA_STATE_SEQ_VERSION
+// LLAMA_STATE_SEQ_VERSION of the two generations we read and write. Version 3 widened the
+// cell extension (llama_kv_cell_ext) by the cell's token id; a decoder reads only its own.
+inline constexpr uint32_t kStateSeqVersion2 = 2;
+inline constexpr uint32_t kStateSeqVersion3 = 3;
+inline constexpr uint32_t kStateSeqVersionLatest = kStateSeqVersion3;
+inline bool is_known_state_version(uint32_t version) {
+  return version == kStateSeqVersion2 || version == kStateSeqVersion3;
+}
+// Fails (EINVAL) naming `what` unless `version` is 2 or 3.
+Result<void> check_state_version(uint32_t version, std::string_view what);
 inline constexpr uint64_t kStateHeaderBytes = 12;        // magic, version, n_token
 inline constexpr uint64_t kStateSectionHeaderBytes = 12; // type + u64 row size, or type + el size + n_embd
 
@@ -34,6 +45,7 @@ struct StateCell {
   uint32_t n_seq_id = 1;
   int32_t ext_x = 0;   // M-RoPE cells only (llama_kv_cell_ext): text tokens carry x = y = pos
   int32_t ext_y = 0;
+  int32_t ext_tok = -1;  // version 3 only: the cell's token id (LLAMA_TOKEN_NULL = -1 for none)
   int32_t seq_id = 0;  // meaningful when n_seq_id == 1
   friend bool operator==(const StateCell&, const StateCell&) = default;
 };
@@ -62,7 +74,7 @@ struct StateStream {
   uint64_t offset = 0;            // of the u32 cell_count
   uint32_t cell_count = 0;
   uint64_t cells_offset = 0;
-  uint32_t cell_record_bytes = 0; // 12, 20 with M-RoPE, 8 for recurrent cells
+  uint32_t cell_record_bytes = 0; // 12; with M-RoPE 20 (version 2) or 24 (version 3); 8 recurrent
   std::vector<StateCell> cells;
   // The data header (v_trans or s_trans, n_layer) and the sections. A KV stream with no
   // cells has neither; a recurrent block always has both (llama.cpp writes them anyway).
@@ -85,23 +97,53 @@ struct StateBlock {
   const StateStream* filled_stream() const;
 };
 
+// How the file's token words hold the prompt. llama.cpp itself writes plain ids; the
+// llama-server of state version 3 saves a slot as server_tokens::serialize packs it: the
+// words are -1 (LLAMA_TOKEN_NULL, never an id), the packing version 1, the id count and
+// ids, a media-key count, the media keys and media chunks, zero-padded to whole words. Its
+// restore reads both forms.
+enum class StateTokenForm : uint8_t { ids, server_packed };
+
+inline constexpr uint32_t kServerTokensStateVersion = 1;  // SERVER_TOKENS_STATE_VERSION
+
 struct StateLayout {
-  uint32_t n_token = 0;
+  uint32_t version = kStateSeqVersionLatest;
+  uint32_t n_token = 0;           // token words in the file (the header's n_token)
   uint64_t tokens_offset = kStateHeaderBytes;
+  StateTokenForm token_form = StateTokenForm::ids;
+  uint32_t n_prompt_ids = 0;      // the prompt's ids: n_token, or the packed id count
+  uint64_t prompt_ids_offset = kStateHeaderBytes;
+  uint32_t n_media = 0;           // packed form: media chunks (images, audio) after the ids
   MemoryKind memory_kind = MemoryKind::kv;
-  bool has_mrope_cells = false;   // 20-byte KV cell records
+  bool has_mrope_cells = false;   // KV cell records carry llama_kv_cell_ext
   std::vector<StateBlock> blocks; // file order
   uint64_t content_bytes = 0;     // end of the last block: what llama.cpp writes
   uint64_t trailing_bytes = 0;    // decoded files only: bytes after content (llama.cpp ignores them)
 };
 
-// The layout llama.cpp writes for sequence 0 holding `n_cells` cells at positions
-// 0..n_cells-1 (one per prompt token, in order) and `n_token` token ids, for `shape`.
+// The bytes one KV cell record takes: 12, plus llama_kv_cell_ext with M-RoPE (8 bytes in
+// version 2, 12 in version 3).
+uint32_t kv_cell_record_bytes(uint32_t version, bool has_mrope_cells);
+
+// The layout llama.cpp of state `version` writes for sequence 0 holding `n_cells` cells at
+// positions 0..n_cells-1 (one per prompt token, in order) and `n_token` plain token ids,
+// for `shape`.
 // SWA caches keep only the cells their window does not mask relative to position
 // n_cells-1 (llama_hparams::is_masked_swa); a recurrent block holds one cell at
 // position n_cells-1. Fails when n_cells exceeds a cache's kv_size, when a row width is
 // not a multiple of the type's block size, or on a shape with no memory block for its kind.
-Result<StateLayout> plan_state_layout(const MemoryShape& shape, uint32_t n_token, uint32_t n_cells);
+Result<StateLayout> plan_state_layout(const MemoryShape& shape, uint32_t n_token, uint32_t n_cells,
+                                      uint32_t version = kStateSeqVersionLatest);
+
+// Changes a planned or decoded layout to state `version` (2 or 3): the header word, the
+// M-RoPE cell records, every offset. A packed token form becomes plain ids (version 2
+// decoders know only those): the caller writes `n_prompt_ids` ids. Fails when media
+// chunks would be lost. Cells' ext_tok stays as it is (set_cell_tokens fills it).
+Result<void> set_state_version(StateLayout& layout, uint32_t version);
+
+// Version 3 M-RoPE cells carry their token id: sets each KV cell's ext_tok to ids[pos]
+// (-1 past the end), as llama.cpp's apply_ubatch records it.
+void set_cell_tokens(StateLayout& layout, std::span<const int32_t> ids);
 
 // Recomputes every offset of `layout` (blocks, streams, cells, sections, content_bytes)
 // from its counts, record sizes and row_bytes, as llama.cpp lays them out back to back. For
@@ -127,7 +169,8 @@ std::vector<std::byte> encode_state_file(
     const StateLayout& layout, std::span<const int32_t> tokens,
     const std::function<std::span<const std::byte>(const StateSection&)>& rows);
 
-// Decodes and validates a whole file. With `expect`, the file must match that memory shape
+// Decodes and validates a whole file (version 2 or 3, either token form). With `expect`, the
+// file must match that memory shape
 // exactly as llama_state_seq_load_file would require (n_stream, n_layer, v_trans, types, row
 // sizes, element sizes, cell counts within kv_size, n_seq_id rules); without it (inspect
 // mode) the structure is derived from the bytes: the memory kind and the M-RoPE cell size
@@ -137,8 +180,14 @@ std::vector<std::byte> encode_state_file(
 Result<StateLayout> decode_state_layout(std::span<const std::byte> file, const MemoryShape* expect,
                                         std::string_view name);
 
-// The token ids of a decoded file (n_token of them, from tokens_offset).
+// The prompt's token ids of a decoded file (n_prompt_ids of them, from prompt_ids_offset):
+// the ids themselves in either token form; a media position holds -1.
 std::vector<int32_t> decode_state_tokens(std::span<const std::byte> file, const StateLayout& layout);
+
+// Reads just the version word of a file's first 8 bytes, for a caller that must know which
+// decoder generation wrote it before reading the rest. EINVAL naming `name` for a short
+// file, a wrong magic or an unknown version.
+Result<uint32_t> peek_state_version(std::span<const std::byte> head, std::string_view name);
 
 // A memory shape consistent with a decoded file, for tools that rewrite or compare files
 // without the model: kv_size is the cell count, layer indices are the sections' il, the

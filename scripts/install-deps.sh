@@ -4,6 +4,7 @@
 set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config git python3 curl
+  ccache                              # the real llama-server's build (scripts/build-llama-server.sh)
   clang libclang-rt-14-dev            # libFuzzer targets and the ASan+UBSan build
   libfmt-dev nlohmann-json3-dev libcli11-dev libexpected-dev libcpp-httplib-dev
   liburing-dev libdrm-dev libopenblas-dev
@@ -15,6 +16,10 @@ missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# npm fetches the pinned llama.cpp (node-llama-cpp). Machines that ship Node.js from elsewhere
+# have npm inside their nodejs package, and Debian's npm would conflict with it: only a
+# machine with no npm command at all gets Debian's.
+command -v npm >/dev/null || missing+=(npm)
 if [ "${#missing[@]}" -gt 0 ]; then
   echo "install-deps: installing ${missing[*]}"
   "${sudo_cmd[@]}" apt-get update -qq

@@ -5,10 +5,28 @@
 #      libFuzzer target for a bounded time (KVSHARE_FUZZ_SECONDS, default 20 per target).
 #      KVSHARE_SANITIZE=0 skips it (a quick local run). On a 2-core VM: build ~5 min,
 #      tests ~35 s, fuzzing 5 x 20 s.
+# First of all the real llama-server (scripts/build-llama-server.sh), so that no test that
+# needs one is skipped.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 jobs=$(nproc)
+
+# The real llama-server every LLAMA_SERVER test runs against, built from the npm package
+# pinned in scripts/llama-cpp.pin into a cache outside the tree (the first time 10-30
+# minutes on 2 cores, then seconds). In CI a build that fails fails the run. LLAMA_SERVER=path
+# uses another build (e.g. the d32676d generation); KVSHARE_LLAMA_SERVER=0 skips it locally,
+# and then those tests say they are skipped.
+if [ -n "${LLAMA_SERVER:-}" ]; then
+  echo "== llama-server: $LLAMA_SERVER (from LLAMA_SERVER)"
+elif [ "${KVSHARE_LLAMA_SERVER:-1}" = "0" ] && [ "${CI:-}" != "true" ]; then
+  echo "== llama-server skipped (KVSHARE_LLAMA_SERVER=0): the tests that need it will say so"
+else
+  echo "== llama-server (scripts/build-llama-server.sh)"
+  LLAMA_SERVER=$(scripts/build-llama-server.sh)
+  export LLAMA_SERVER
+  echo "   $LLAMA_SERVER"
+fi
 
 echo "== build (RelWithDebInfo)"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null

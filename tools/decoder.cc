@@ -29,6 +29,11 @@ int main(int argc, char** argv) {
   app.add_option("--port", o.port, "port to listen on (0: any free port)");
   app.add_option("-t,--threads", o.n_threads, "CPU threads for the forward pass (0: all)");
   app.add_flag("!--no-slots", o.endpoint_slots, "disable GET /slots");
+  app.add_option("--state-version", o.state_version,
+                 "state-file version saved and restored, as the llama-server it stands in for: 2 (d32676d) or 3 "
+                 "(current); another version is refused on restore")
+      ->check(CLI::IsMember({2, 3}))
+      ->capture_default_str();
   int ignored_gpu_layers = 0;
   app.add_option("--n-gpu-layers", ignored_gpu_layers, "-ngl: accepted for llama-server compatibility, ignored (CPU)");
 

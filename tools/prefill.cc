@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "kvshare/env.h"
+#include "layout/state_format.h"
 #include "layout/tensor_type.h"
 #include "refmodel/provider/prefill_provider.h"
 #include "refmodel/blas_kernels.h"
@@ -27,6 +29,11 @@ int main(int argc, char** argv) {
   app.add_option("--layout", r.layout_path, "layout header file (shared route)");
   app.add_option("--fds", fds, "inherited region descriptors n[,n...] in chunk order (shared route)");
   app.add_option("-t,--threads", r.n_threads, "threads (0: all cores)")->capture_default_str();
+  uint32_t state_version = 0;
+  app.add_option("--state-version", state_version,
+                 "state-file version to write (file route): 2 (llama-server d32676d) or 3 (current); default: "
+                 "ONEBIT_HYBRID_STATE_VERSION, which kvshare-serve sets to the decoder's, else 3")
+      ->check(CLI::IsMember({2u, 3u}));
   // llama-server spells these with one dash; CLI11 takes one-dash names of one letter
   // only, so they are rewritten to their two-dash twins before parsing.
   std::vector<std::string> args(argv, argv + argc);
@@ -49,6 +56,15 @@ int main(int argc, char** argv) {
     return 2;
   }
   r.params.flash_attn = fa != "off";
+  if (state_version == 0) {
+    auto from_env = kvshare::state_version_from_env();
+    if (!from_env) {
+      fmt::print(stderr, "kvshare-prefill: {}\n", from_env.error().what());
+      return 2;
+    }
+    state_version = from_env->value_or(kvshare::layout::kStateSeqVersionLatest);
+  }
+  r.state_version = state_version;
   if (!fds.empty()) {
     auto list = kvshare::refmodel::parse_fd_list(fds);
     if (!list) {

@@ -74,11 +74,16 @@ int main(int argc, char** argv) {
   diff->add_option("B", other, "second state file")->required();
   diff->add_option("--tolerance", tolerance, "largest max-abs difference that still exits 0")->capture_default_str();
 
-  auto* convert = app.add_subcommand("convert", "rewrite with other K/V cache types");
+  std::string convert_ctk, convert_ctv;
+  uint32_t to_version = 0;
+  auto* convert = app.add_subcommand("convert", "rewrite with other K/V cache types or for another state version");
   convert->add_option("IN", file, "state file to read")->required();
   convert->add_option("OUT", out, "state file to write (atomically)")->required();
-  convert->add_option("--cache-type-k,--ctk", ctk, "K cache type of OUT (-ctk)")->capture_default_str();
-  convert->add_option("--cache-type-v,--ctv", ctv, "V cache type of OUT (-ctv)")->capture_default_str();
+  convert->add_option("--cache-type-k,--ctk", convert_ctk, "K cache type of OUT (-ctk; default: IN's)");
+  convert->add_option("--cache-type-v,--ctv", convert_ctv, "V cache type of OUT (-ctv; default: IN's)");
+  convert->add_option("--to-version", to_version,
+                      "state version of OUT: 2 (llama-server d32676d) or 3 (current llama-server); default: IN's")
+      ->check(CLI::IsMember({2, 3}));
 
   for (auto* sub : {diff, convert}) {
     sub->add_option("--head-dim", head_dim, "head size of K and V (llama.cpp rotates quantized caches by it)");
@@ -127,11 +132,22 @@ int main(int argc, char** argv) {
     return report->within_tolerance ? 0 : 1;
   }
   sf::ConvertOptions options;
-  options.type_k = *type_k;
-  options.type_v = *type_v;
+  options.type_k.reset();
+  options.type_v.reset();
+  for (auto [name, target] : {std::pair{&convert_ctk, &options.type_k}, std::pair{&convert_ctv, &options.type_v}}) {
+    if (name->empty()) continue;
+    auto type = kvshare::layout::parse_cache_type(*name);
+    if (!type) {
+      fmt::print(stderr, "kvshare-state: {}\n", type.error().what());
+      return 2;
+    }
+    *target = *type;
+  }
   options.rotation = rotation;
+  options.to_version = to_version;
   auto info = sf::convert_state_file(file, out, options);
   if (!info) return report_failure(info.error());
-  fmt::print("wrote {} ({} bytes, -ctk {} -ctv {})\n", info->path.string(), info->size_bytes, ctk, ctv);
+  fmt::print("wrote {} ({} bytes, state version {}, -ctk {} -ctv {})\n", info->path.string(), info->size_bytes,
+             info->state_version, convert_ctk.empty() ? "as IN" : convert_ctk, convert_ctv.empty() ? "as IN" : convert_ctv);
   return 0;
 }

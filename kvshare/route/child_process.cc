@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -30,8 +31,8 @@ ExitStatus decode_wait_status(int status) {
 }
 
 // In the child between fork and exec: only async-signal-safe calls.
-[[noreturn]] void exec_child(char* const* argv, const SpawnOptions& options, int stdout_write, int stderr_file,
-                             int error_write) {
+[[noreturn]] void exec_child(char* const* argv, char* const* envp, const SpawnOptions& options, int stdout_write,
+                             int stderr_file, int error_write) {
   ::setpgid(0, 0);
   if (options.die_with_parent) ::prctl(PR_SET_PDEATHSIG, SIGTERM);
   // Signals blocked by serve's signal thread must not stay blocked in the child.
@@ -57,7 +58,7 @@ ExitStatus decode_wait_status(int status) {
       ::_exit(127);
     }
   }
-  ::execv(argv[0], argv);
+  ::execve(argv[0], argv, envp);
   int err = errno;
   (void)!::write(error_write, &err, sizeof err);
   ::_exit(127);
@@ -76,6 +77,17 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
   std::vector<char*> cargv;
   for (const std::string& arg : argv) cargv.push_back(const_cast<char*>(arg.c_str()));
   cargv.push_back(nullptr);
+  // Built before fork: the child may only make async-signal-safe calls.
+  auto overridden = [&](std::string_view entry) {
+    const std::string_view name = entry.substr(0, entry.find('=') + 1);  // "NAME="
+    return std::any_of(options.env.begin(), options.env.end(),
+                       [&](const std::string& set) { return std::string_view(set).starts_with(name); });
+  };
+  std::vector<char*> cenv;
+  for (char** entry = environ; *entry != nullptr; ++entry)
+    if (!overridden(*entry)) cenv.push_back(*entry);
+  for (const std::string& set : options.env) cenv.push_back(const_cast<char*>(set.c_str()));
+  cenv.push_back(nullptr);
 
   int error_pipe[2];
   if (::pipe2(error_pipe, O_CLOEXEC) != 0) return fail(errno, "spawn {}: pipe", argv[0]);
@@ -96,7 +108,7 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
 
   const pid_t pid = ::fork();
   if (pid < 0) return fail(errno, "spawn {}: fork", argv[0]);
-  if (pid == 0) exec_child(cargv.data(), options, out_write.get(), stderr_file.get(), error_write.get());
+  if (pid == 0) exec_child(cargv.data(), cenv.data(), options, out_write.get(), stderr_file.get(), error_write.get());
   // Also from the parent: whichever runs first, the group exists before anyone signals it.
   ::setpgid(pid, pid);
   error_write.reset();

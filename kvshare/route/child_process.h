@@ -24,6 +24,9 @@ struct SpawnOptions {
   bool stdout_to_stderr = false; // child stdout joins serve's stderr (the decoder's chatter)
   bool die_with_parent = false;  // PR_SET_PDEATHSIG SIGTERM (the decoder)
   std::string stderr_path;       // non-empty: the child's stderr goes to this file (created 0600)
+  // "NAME=VALUE" entries set in the child's environment on top of ours (a NAME we have is
+  // replaced): what the child should know without a flag it might not understand.
+  std::vector<std::string> env;
 };
 
 // How a child ended.

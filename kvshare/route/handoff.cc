@@ -7,6 +7,9 @@
 #include <cerrno>
 #include <fstream>
 
+#include "kvshare/env.h"
+#include "kvshare/route/state_version_probe.h"
+
 namespace kvshare::route {
 namespace {
 
@@ -97,8 +100,11 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
   const std::string state_name = fmt::format("kvshare-request-{}.state", sequence);
   ScopedFile state{context.slot_dir / state_name};
   const ServeConfig& config = *context.config;
-  const ProviderRun run =
-      run_provider(file_provider_command(config, ids_path.string(), state.path.string()), {}, provider_timeout(config));
+  std::vector<std::string> env;
+  if (context.decoder_state_version != 0)
+    env.push_back(fmt::format("{}={}", kStateVersionEnv, context.decoder_state_version));
+  const ProviderRun run = run_provider(file_provider_command(config, ids_path.string(), state.path.string()), {},
+                                       provider_timeout(config), std::move(env));
   report.prefill_ms = run.prefill_ms();
   if (!run.ok())
     return forward_because(run.timed_out ? "provider_timeout" : "provider_failed",
@@ -107,6 +113,18 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
   if (!std::filesystem::is_regular_file(state.path, ec) || std::filesystem::file_size(state.path, ec) == 0)
     return forward_because("no_state_file",
                            fmt::format("the provider exited 0 but wrote no state file {}", state.path.string()));
+  // A decoder refuses a state file of another version with a message that names neither;
+  // reading the 8-byte header here says which two versions met.
+  if (context.decoder_state_version != 0) {
+    auto version = read_state_file_version(state.path);
+    if (!version) return forward_because("bad_state_file", version.error().what());
+    if (*version != context.decoder_state_version)
+      return forward_because(
+          "state_version_mismatch",
+          fmt::format("the provider wrote state version {} ({}), the decoder restores version {} only; the provider "
+                      "should follow {} or --state-version",
+                      *version, config.prefill_provider, context.decoder_state_version, kStateVersionEnv));
+  }
   // The restore must not land while an earlier request still decodes (llama-server defers
   // it by itself; waiting here keeps any decoder honest).
   context.slot->wait_idle(provider_timeout(config));

@@ -58,6 +58,9 @@ struct HandoffContext {
   ShareBroker* broker = nullptr;    // null: no shared route in this build/run
   LogSink log;
   std::chrono::milliseconds handshake_timeout{10000};
+  // The state-file version the decoder restores (probed at start), 0 when unknown: then a
+  // provider's file goes to the restore unchecked and the decoder's refusal is the check.
+  uint32_t decoder_state_version = 0;
 };
 
 // Runs the handoff for `body` (the request as it came). The caller holds the slot.

@@ -11,10 +11,11 @@ std::string ProviderRun::describe() const {
 }
 
 ProviderRun run_provider(const std::vector<std::string>& argv, const std::vector<std::pair<int, int>>& inherit_fds,
-                         std::chrono::milliseconds timeout) {
+                         std::chrono::milliseconds timeout, std::vector<std::string> env) {
   ProviderRun run;
   SpawnOptions options;
   options.inherit_fds = inherit_fds;
+  options.env = std::move(env);
   options.capture_stdout = true;
   const auto start = std::chrono::steady_clock::now();
   auto child = ChildProcess::spawn(argv, options);

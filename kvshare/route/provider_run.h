@@ -30,8 +30,9 @@ struct ProviderRun {
   std::string describe() const;
 };
 
-// Runs `argv` with `inherit_fds` ((our fd, its number) pairs) and waits at most `timeout`.
+// Runs `argv` with `inherit_fds` ((our fd, its number) pairs) and `env` ("NAME=VALUE" set on
+// top of serve's environment) and waits at most `timeout`.
 ProviderRun run_provider(const std::vector<std::string>& argv, const std::vector<std::pair<int, int>>& inherit_fds,
-                         std::chrono::milliseconds timeout);
+                         std::chrono::milliseconds timeout, std::vector<std::string> env = {});
 
 }  // namespace kvshare::route

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <thread>
 
+#include "kvshare/env.h"
 #include "kvshare/route/decoder_client.h"
 #include "kvshare/route/decoder_process.h"
 #include "kvshare/route/handoff.h"
@@ -18,6 +19,7 @@
 #include "kvshare/route/prompt_n_scanner.h"
 #include "kvshare/route/share_session.h"
 #include "kvshare/route/slot_queue.h"
+#include "kvshare/route/state_version_probe.h"
 #include "kvshare/route/upstream_stream.h"
 
 namespace kvshare::route {
@@ -220,6 +222,19 @@ int Server::run() {
   context_.broker = broker_.get();
   context_.log = log_line;
   context_.handshake_timeout = runtime_.handshake_timeout;
+  if (hybrid_active()) {
+    auto version = probe_decoder_state_version(*client_, decoder_->slot_dir());
+    if (version) {
+      context_.decoder_state_version = *version;
+      log_line(fmt::format("kvshare-serve: the decoder restores state files of version {} (probed with a save of "
+                           "its empty slot); file-route providers get {}={}",
+                           *version, kStateVersionEnv, *version));
+    } else {
+      log_line(fmt::format("kvshare-serve: could not learn the decoder's state-file version ({}); providers write "
+                           "their default and the restore is the check",
+                           version.error().what()));
+    }
+  }
 
   http_.new_task_queue = [] { return new httplib::ThreadPool(kServerThreads); };
   http_.set_read_timeout(std::chrono::seconds(600));

@@ -386,6 +386,7 @@ struct StateFileWriter::Impl {
     }
     info.path = path;
     info.size_bytes = layout.content_bytes;
+    info.state_version = layout.version;
     return info;
   }
 
@@ -496,8 +497,10 @@ Result<StateFileWriter> StateFileWriter::create(const std::filesystem::path& pat
                                                 std::span<const int32_t> tokens, int32_t n_cells,
                                                 const StateFileWriterOptions& options) {
   if (n_cells < 0) return fail(EINVAL, "state file {}: n_cells is {}, negative", path.string(), n_cells);
-  auto planned = layout::plan_state_layout(shape, static_cast<uint32_t>(tokens.size()), static_cast<uint32_t>(n_cells));
+  auto planned = layout::plan_state_layout(shape, static_cast<uint32_t>(tokens.size()), static_cast<uint32_t>(n_cells),
+                                           options.state_version);
   if (!planned) return fail(planned.error().with_context(fmt::format("state file {}", path.string())));
+  layout::set_cell_tokens(*planned, tokens);
   return create_for_layout(path, std::move(*planned), tokens, options);
 }
 

@@ -49,6 +49,9 @@ inline constexpr size_t kBufferedChunkBytes = 256u << 10;
 inline constexpr size_t kDirectChunkBytes = 4u << 20;
 
 struct StateFileWriterOptions {
+  // LLAMA_STATE_SEQ_VERSION of the decoder that will restore the file (2 or 3): a decoder
+  // reads only its own (docs/state-file.md, "Which version to write").
+  uint32_t state_version = layout::kStateSeqVersionLatest;
   FsyncPolicy fsync = FsyncPolicy::none;
   bool allow_io_uring = true;     // false: pwrite only (also KVSHARE_NO_IO_URING=1)
   bool allow_direct = true;       // try O_DIRECT, fall back to buffered on EINVAL
@@ -74,6 +77,7 @@ struct StateFileWriterOptions {
 struct CommitInfo {
   std::filesystem::path path;
   uint64_t size_bytes = 0;
+  uint32_t state_version = 0;     // the version word written
   const char* io_backend = "";    // "io_uring" or "pread/pwrite"
   bool is_direct = false;         // O_DIRECT was used for the whole file
 };

@@ -77,14 +77,17 @@ Result<std::string> inspect_state_file(const std::filesystem::path& path, bool j
   doc["file"] = path.string();
   doc["bytes"] = file->bytes().size();
   doc["magic"] = "ggsq";
-  doc["version"] = layout::kStateSeqVersion;
+  doc["version"] = layout.version;
+  doc["token_form"] = layout.token_form == layout::StateTokenForm::server_packed ? "server_packed" : "ids";
+  doc["n_token_words"] = layout.n_token;
+  doc["n_media"] = layout.n_media;
   doc["memory_kind"] = std::string(layout::memory_kind_name(layout.memory_kind));
   doc["mrope_cells"] = layout.has_mrope_cells;
-  doc["n_token"] = layout.n_token;
+  doc["n_token"] = layout.n_prompt_ids;
   doc["tokens"] = file->tokens();
   doc["trailing_bytes"] = layout.trailing_bytes;
-  std::string text = fmt::format("{}: {} bytes, sequence state v{}, {}\n", path.string(), file->bytes().size(),
-                                 layout::kStateSeqVersion, layout::describe_state_layout(layout));
+  std::string text = fmt::format("{}: {} bytes, sequence state {}\n", path.string(), file->bytes().size(),
+                                 layout::describe_state_layout(layout));
   if (layout.trailing_bytes)
     text += fmt::format("  {} trailing bytes after the content (llama.cpp ignores them)\n", layout.trailing_bytes);
 
@@ -239,11 +242,21 @@ Result<CommitInfo> convert_state_file(const std::filesystem::path& in, const std
   if (!source) return fail(source.error());
   layout::StateLayout target = source->layout();
   target.trailing_bytes = 0;
+  if (target.n_media > 0)
+    return fail(EINVAL, "convert {}: the prompt holds {} media chunks (images or audio); only text prompts are "
+                "converted", in.string(), target.n_media);
+  // The tokens go out as plain ids, which every llama-server generation restores.
+  target.token_form = layout::StateTokenForm::ids;
+  target.n_token = target.n_prompt_ids;
+  if (auto rc = layout::set_state_version(target, options.to_version ? options.to_version : target.version); !rc)
+    return fail(rc.error().with_context(fmt::format("convert {}", in.string())));
+  layout::set_cell_tokens(target, source->tokens());
   for (auto& block : target.blocks) {
     if (block.kind != layout::StateBlockKind::kv) continue;
     for (auto& stream : block.streams)
       for (auto& section : stream.sections) {
-        const GgmlType type = section.kind == TensorKind::k ? options.type_k : options.type_v;
+        const auto& wanted = section.kind == TensorKind::k ? options.type_k : options.type_v;
+        const GgmlType type = wanted ? *wanted : section.type;
         if (!layout::is_cache_type(type))
           return fail(EINVAL, "convert to {}: not a cache type llama-server accepts", layout::ggml_type_name(type));
         if (!layout::is_row_aligned(type, section.n_embd))

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 
 #include "kvshare/statefile/state_file_reader.h"
@@ -51,14 +52,17 @@ Result<DiffReport> diff_state_files(const std::filesystem::path& a, const std::f
                                     const RotationInfo& rotation);
 
 struct ConvertOptions {
-  layout::GgmlType type_k = layout::GgmlType::F16;
-  layout::GgmlType type_v = layout::GgmlType::F16;
+  // Cache types of OUT; unset keeps IN's, section by section.
+  std::optional<layout::GgmlType> type_k = layout::GgmlType::F16;
+  std::optional<layout::GgmlType> type_v = layout::GgmlType::F16;
   RotationInfo rotation;
   StateFileWriterOptions writer;
+  // State version of OUT (2 or 3); 0 keeps IN's. Tokens are always written as plain ids.
+  uint32_t to_version = 0;
 };
 
-// Rewrites `in` with other K/V cache types into `out` (atomically), keeping tokens, cells and
-// recurrent state. Fails on a quantized transposed V (llama.cpp needs flash attention for a
+// Rewrites `in` with other K/V cache types and/or another state version into `out`
+// (atomically), keeping tokens, cells and recurrent state. Fails on a quantized transposed V (llama.cpp needs flash attention for a
 // quantized V) and on quantized types without head sizes.
 Result<CommitInfo> convert_state_file(const std::filesystem::path& in, const std::filesystem::path& out,
                                       const ConvertOptions& options);

@@ -1,5 +1,7 @@
 #include "refmodel/decoder/decoder_app.h"
 
+#include "layout/state_format.h"
+
 #include <pthread.h>
 #include <signal.h>
 
@@ -88,6 +90,12 @@ int run_decoder(const DecoderOptions& options) {
                  options.slot_save_path.c_str());
     return 2;
   }
+  if (options.state_version < 0 ||
+      !layout::is_known_state_version(static_cast<uint32_t>(options.state_version))) {
+    std::fprintf(stderr, "kvshare-decoder: --state-version %d: llama.cpp state files are version 2 or 3\n",
+                 options.state_version);
+    return 2;
+  }
 
   // Every thread made from here on inherits the blocked set; one watcher takes the signals.
   sigset_t signals;
@@ -125,6 +133,7 @@ int run_decoder(const DecoderOptions& options) {
   engine_options.model_name = options.model.filename().string();
   engine_options.params = resolved.params;
   engine_options.n_threads = options.n_threads;
+  engine_options.state_version = static_cast<uint32_t>(options.state_version);
   // "Set and non-empty", as the seed's decoder reads it: ONEBIT_KV_SHARE=0 is on too.
   const char* share_flag = std::getenv("ONEBIT_KV_SHARE");
   engine_options.share_requested = share_flag != nullptr && share_flag[0] != '\0';

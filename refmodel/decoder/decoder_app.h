@@ -22,6 +22,8 @@ struct DecoderOptions {
   int port = 8080;                          // --port (0: any free port, printed at start)
   int n_threads = 0;                        // -t; 0: all hardware threads
   bool endpoint_slots = true;               // --slots / --no-slots
+  int state_version = 3;                    // --state-version: the llama-server generation whose
+                                            // state files it saves and restores (2 or 3)
 };
 
 // llama-server spells some flags with one dash and several letters (-np, -fa, -ctk);

@@ -32,8 +32,9 @@ class RefModelEngine final : public SlotEngine {
   RefModelEngine(std::shared_ptr<const refmodel::Model> model, std::unique_ptr<refmodel::Context> context,
                  refmodel::KvMemory kv, std::vector<std::vector<std::byte>> buffers,
                  std::unique_ptr<DecoderShare> shared, ModelInfo info, ShareAvailability share,
-                 std::string share_failure)
-      : model_(std::move(model)),
+                 std::string share_failure, uint32_t state_version)
+      : state_version_(state_version),
+        model_(std::move(model)),
         context_(std::move(context)),
         kv_(std::move(kv)),
         buffers_(std::move(buffers)),
@@ -140,6 +141,7 @@ class RefModelEngine final : public SlotEngine {
     return {kv_.chunks[t->chunk].data() + t->offset, t};
   }
 
+  uint32_t state_version_;                       // LLAMA_STATE_SEQ_VERSION saved and restored
   std::shared_ptr<const refmodel::Model> model_;
   std::unique_ptr<refmodel::Context> context_;
   refmodel::KvMemory kv_;
@@ -163,6 +165,7 @@ Result<uint64_t> RefModelEngine::save_state(const std::filesystem::path& path, s
     options.n_embd_head_v = layers.front().n_embd_head_v;
   }
   options.rotation_disabled = statefile::attn_rotation_disabled_by_env();
+  options.state_version = state_version_;
   const auto n_cells = static_cast<uint32_t>(tokens.size());
   auto writer = statefile::StateFileWriter::create(path, memory, tokens, static_cast<int32_t>(n_cells), options);
   if (!writer) return fail(writer.error());
@@ -202,6 +205,10 @@ Result<RestoredState> RefModelEngine::restore_state(const std::filesystem::path&
   const layout::KvCacheShape& cache = memory.kv_caches.front();
   auto file = statefile::read_state_file(path, &memory);
   if (!file) return fail(file.error());
+  if (file->layout().version != state_version_)
+    return fail(EINVAL, "state file {}: state version {}, this decoder reads version {} only (as "
+                "llama_state_seq_load_file: \"unknown (magic, version) for sequence state file\")",
+                path.string(), file->layout().version, state_version_);
   if (file->tokens().size() > max_tokens) {
     return fail(ENOSPC, "state file {}: {} tokens, the slot holds at most {}", path.string(), file->tokens().size(),
                 max_tokens);
@@ -333,7 +340,7 @@ Result<std::unique_ptr<SlotEngine>> load_refmodel_engine(const RefEngineOptions&
   info.size_bytes = owned->size();
   return std::unique_ptr<SlotEngine>(new RefModelEngine(*model, std::move(*context), std::move(kv), std::move(buffers),
                                                         std::move(shared), std::move(info), share,
-                                                        std::move(share_failure)));
+                                                        std::move(share_failure), options.state_version));
 }
 
 }  // namespace kvshare::decoder

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "layout/kv_params.h"
+#include "layout/state_format.h"
 #include "refmodel/decoder/slot_engine.h"
 
 namespace kvshare::decoder {
@@ -21,6 +22,9 @@ struct RefEngineOptions {
   // share/adopt work. When no backend can export, the engine says so on stderr once and
   // answers share with the "cannot export" refusal.
   bool share_requested = false;
+  // The LLAMA_STATE_SEQ_VERSION this decoder mirrors: its saves write it and its restores
+  // refuse any other, as llama_state_seq_load_file does (2: llama-server d32676d, 3: current).
+  uint32_t state_version = layout::kStateSeqVersionLatest;
 };
 
 // Loads the model (mapped, not copied), derives the cache shape, allocates the cache and

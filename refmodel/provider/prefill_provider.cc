@@ -101,6 +101,7 @@ Result<PrefillReport> run_file_route(const PrefillRequest& r) {
   options.n_embd_head_k = head_k(*in->model);
   options.n_embd_head_v = head_v(*in->model);
   options.rotation_disabled = statefile::attn_rotation_disabled_by_env();
+  options.state_version = r.state_version;
   const auto t0 = Clock::now();
   auto writer = statefile::StateFileWriter::create(r.out_path, *memory, in->tokens, static_cast<int32_t>(n), options);
   if (!writer) return fail(writer.error().with_context(fmt::format("state file {}", r.out_path)));

@@ -17,6 +17,7 @@
 
 #include "layout/error.h"
 #include "layout/kv_params.h"
+#include "layout/state_format.h"
 
 namespace kvshare::refmodel {
 
@@ -32,6 +33,7 @@ struct PrefillRequest {
   // File route.
   std::string out_path;
   layout::KvParams params;        // -c -ctk -ctv -fa, mirroring llama-server's flags
+  uint32_t state_version = layout::kStateSeqVersionLatest;  // the decoder's LLAMA_STATE_SEQ_VERSION
   std::string elfs_dir;           // accepted for the contract; the CPU needs no kernels
   // Shared route (when layout_path is set).
   std::string layout_path;

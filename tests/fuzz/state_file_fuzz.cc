@@ -36,5 +36,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     (void)file->rows_f32(*section);
   }
   (void)kvshare::layout::memory_shape_from_layout(file->layout());
+  // Moving a decoded layout to the other generation must keep its offsets consistent.
+  kvshare::layout::StateLayout other = file->layout();
+  if (kvshare::layout::set_state_version(other, other.version == 2 ? 3 : 2)) {
+    if (other.token_form == kvshare::layout::StateTokenForm::ids && other.n_token != other.n_prompt_ids) __builtin_trap();
+  }
   return 0;
 }

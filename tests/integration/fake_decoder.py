@@ -9,7 +9,10 @@ sets them to the file's tokens, the prompt-cache prefix search counts how many p
 tokens are evaluated (timings.prompt_n), and a request leaves the prompt cached.
 
 State files are read as llama.cpp writes them up to the token list: u32 magic 'ggsq',
-u32 version 2, u32 n_token, i32 ids (the KV part is not looked at).
+u32 version, u32 n_token, i32 ids (the KV part is not looked at). Like llama.cpp it reads
+one state version only (FAKE_DECODER_STATE_VERSION, default 3) and refuses any other with
+llama-server's 400, which names neither version. ?action=save writes the slot's tokens in
+that version.
 
 Behaviour switches (environment, inherited from kvshare-serve):
   FAKE_DECODER_LOG=path        append one JSON object per event
@@ -24,6 +27,8 @@ Behaviour switches (environment, inherited from kvshare-serve):
                                else one chunk of FAKE_DECODER_SHARE_BYTES (default 65536)
   FAKE_DECODER_ADOPT=fail      refuse every adopt (400)
   FAKE_DECODER_UNSEALED=1      share memfds not sealed against shrinking (a broker refuses them)
+  FAKE_DECODER_STATE_VERSION=n the state-file version it saves and restores (default 3)
+  FAKE_DECODER_SAVE=fail       answer every ?action=save with 500
 """
 import argparse
 import fcntl
@@ -91,14 +96,18 @@ def log(event, **fields):
         out.write(json.dumps(fields) + "\n")
 
 
+def state_version():
+    return int(os.environ.get("FAKE_DECODER_STATE_VERSION", "3"))
+
+
 def read_state_tokens(path):
     with open(path, "rb") as f:
         head = f.read(12)
         if len(head) < 12:
             raise ValueError("truncated header")
         magic, version, n_token = struct.unpack("<III", head)
-        if magic != STATE_MAGIC or version != 2:
-            raise ValueError("bad magic/version")
+        if magic != STATE_MAGIC or version != state_version():
+            raise ValueError("unknown (magic, version) for sequence state file: %08x, %08x" % (magic, version))
         data = f.read(4 * n_token)
         if len(data) != 4 * n_token:
             raise ValueError("truncated tokens")
@@ -198,6 +207,19 @@ class Handler(BaseHTTPRequestHandler):
                 restore_ms = float(os.environ.get("FAKE_DECODER_RESTORE_MS", "1.25"))
                 self.send_json(200, {"id_slot": 0, "filename": filename, "n_restored": len(tokens),
                                      "n_read": os.path.getsize(full), "timings": {"restore_ms": restore_ms}})
+        elif action == "save":
+            filename = body.get("filename", "")
+            full = os.path.join(State.args.slot_save_path, filename)
+            with slot.lock:
+                log("save", filename=filename, n_tokens=len(slot.tokens))
+                if os.environ.get("FAKE_DECODER_SAVE") == "fail":
+                    self.send_error_json(500, "Unable to save slot", "server_error")
+                    return
+                with open(full, "wb") as out:
+                    out.write(struct.pack("<III", STATE_MAGIC, state_version(), len(slot.tokens)))
+                    out.write(struct.pack("<%di" % len(slot.tokens), *slot.tokens))
+                self.send_json(200, {"id_slot": 0, "filename": filename, "n_saved": len(slot.tokens),
+                                     "n_written": os.path.getsize(full), "timings": {"save_ms": 0.5}})
         elif action == "erase":
             with slot.lock:
                 n = len(slot.tokens)

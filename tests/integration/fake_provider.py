@@ -4,8 +4,10 @@
   fake_provider.py --tokens IDS --out STATE --model M [--elfs DIR]          (file route)
   fake_provider.py --tokens IDS --model M --layout HEADER --fds n[,n...]    (shared route)
 
-File route: writes a state file whose token section is the ids (u32 'ggsq', u32 2,
-u32 n, i32 ids), or copies FAKE_PROVIDER_COPY=path (a prepared state file).
+File route: writes a state file whose token section is the ids (u32 'ggsq', u32 version,
+u32 n, i32 ids), or copies FAKE_PROVIDER_COPY=path (a prepared state file). The version is
+FAKE_PROVIDER_STATE_VERSION, else ONEBIT_HYBRID_STATE_VERSION (serve's word on what the
+decoder reads), else 2 (a provider that predates version 3).
 Shared route: checks what it inherited (each --fds number open, a memfd, as large as the
 header's chunk, and no other descriptor but 0-2), then writes u32 n + i32 ids at the start
 of the first region: the fake decoder checks those bytes at adopt.
@@ -69,7 +71,8 @@ def main():
     mode = os.environ.get("FAKE_PROVIDER_MODE", "ok")
     ids = read_ids(args.tokens)
     record = {"argv": sys.argv[1:], "pid": os.getpid(), "pgid": os.getpgid(0), "mode": mode, "n_ids": len(ids),
-              "ids": ids, "fds_at_start": {str(k): v for k, v in fds_at_start.items()}, "t_start": time.monotonic()}
+              "ids": ids, "fds_at_start": {str(k): v for k, v in fds_at_start.items()}, "t_start": time.monotonic(),
+              "state_version_env": os.environ.get("ONEBIT_HYBRID_STATE_VERSION")}
 
     if mode == "fail":
         log(record)
@@ -110,7 +113,9 @@ def main():
             shutil.copyfile(copy, args.out)
         else:
             with open(args.out, "wb") as out:
-                out.write(struct.pack("<III", STATE_MAGIC, 2, len(ids)))
+                version = int(os.environ.get("FAKE_PROVIDER_STATE_VERSION") or
+                              os.environ.get("ONEBIT_HYBRID_STATE_VERSION") or 2)
+                out.write(struct.pack("<III", STATE_MAGIC, version, len(ids)))
                 out.write(struct.pack("<%di" % len(ids), *ids))
         record["wrote"] = args.out
     record["t_end"] = time.monotonic()

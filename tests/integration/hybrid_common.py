@@ -182,9 +182,9 @@ def expected_reply(ids):
     return " ".join(fake_decoder.reply_words(ids))
 
 
-def state_file_bytes(ids):
+def state_file_bytes(ids, version=3):
     import struct
-    return struct.pack("<III", fake_decoder.STATE_MAGIC, 2, len(ids)) + struct.pack("<%di" % len(ids), *ids)
+    return struct.pack("<III", fake_decoder.STATE_MAGIC, version, len(ids)) + struct.pack("<%di" % len(ids), *ids)
 
 
 class Runner:
@@ -224,3 +224,52 @@ def run_tests(namespace, work_dir):
 
 def temp_dir():
     return tempfile.mkdtemp(prefix="kvshare-serve-test-")
+
+
+class LlamaServer:
+    """A llama-server started directly (no kvshare-serve in between) on a free loopback port,
+    ready when constructed (its /health answers 200), stopped by stop() or `with`."""
+
+    def __init__(self, binary, args, timeout=120):
+        import socket
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        self.port = probe.getsockname()[1]
+        probe.close()
+        self.proc = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(self.port)] + args,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise Failure("llama-server %s did not come up on port %d" % (" ".join(args), self.port))
+            time.sleep(0.1)
+
+    def post(self, path, body):
+        """POSTs JSON; returns (status, parsed body)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -110,6 +110,9 @@ def test_file_route_chat():
         check(argv[argv.index("--host") + 1] == "127.0.0.1", "--host: %s" % argv)
         check("--slot-save-path" in argv and "-fa" in argv and "-ctk" in argv and "-ctv" in argv, argv)
         posts = [e for e in read_log(case.decoder_log) if e["event"] == "post"]
+        # At start serve saves the empty slot once to learn the decoder's state-file version.
+        check(posts[0]["path"] == "/slots/0" and posts[0]["query"] == {"action": "save"}, "first call %s" % posts[0])
+        posts = posts[1:]
         paths = [p["path"] for p in posts]
         check(paths == ["/apply-template", "/tokenize", "/slots/0", "/v1/chat/completions"],
               "calls in order: %s" % paths)
@@ -135,6 +138,40 @@ def test_file_route_chat():
         check(m.group(2) == "12.500", "prefill is the provider's own prefill_ms: %r" % line)
         check(m.group(3) == "3.250", "restore is the decoder's restore_ms: %r" % line)
         check(os.listdir(start["slot_dir"]) == [], "files left in the slot directory")
+
+
+def test_provider_learns_the_decoders_state_version():
+    for version in ("2", "3"):
+        text = "state version %s" % version
+        with Case("state_version_" + version, env={"FAKE_DECODER_STATE_VERSION": version}) as case:
+            case.serve.wait_line(r"^kvshare-serve: the decoder restores state files of version %s " % version)
+            status, data = case.serve.post("/v1/chat/completions", chat(text))
+            check(status == 200 and reply_text(data) == expected_reply(expected_chat_ids(text)), data)
+            check(json.loads(data)["timings"]["prompt_n"] == 1, "the handoff was not restored: %s" % data)
+            provider = read_log(case.provider_log)[0]
+            check(provider["state_version_env"] == version,
+                  "the provider saw ONEBIT_HYBRID_STATE_VERSION=%s" % provider["state_version_env"])
+            case.serve.wait_line(FILE_LINE)
+            check(os.listdir(case.decoder_start()["slot_dir"]) == [], "the probe file was left behind")
+
+
+def test_fallback_state_version_mismatch():
+    # A provider that ignores ONEBIT_HYBRID_STATE_VERSION and writes version 2 for a decoder of 3:
+    # serve reads the header, skips the restore the decoder would refuse without saying why.
+    case = fallback_case("version_mismatch", {"FAKE_PROVIDER_STATE_VERSION": "2"}, "state_version_mismatch")
+    line = case.serve.stderr_lines("hybrid: fallback (state_version_mismatch)")[0]
+    check("the provider wrote state version 2" in line and "the decoder restores version 3 only" in line, line)
+    check(not events(case.decoder_log, "restore"), "a restore was sent for a file of the wrong version")
+
+
+def test_unknown_state_version_when_the_probe_fails():
+    with Case("probe_fails", env={"FAKE_DECODER_SAVE": "fail", "FAKE_PROVIDER_STATE_VERSION": "3"}) as case:
+        line = case.serve.wait_line(r"^kvshare-serve: could not learn the decoder's state-file version")
+        check("answered 500" in line, line)
+        text = "probe failed"
+        status, data = case.serve.post("/v1/chat/completions", chat(text))
+        check(status == 200 and json.loads(data)["timings"]["prompt_n"] == 1, data)
+        check(read_log(case.provider_log)[0]["state_version_env"] is None, "a version was set without a probe")
 
 
 def test_wall_time_when_provider_reports_none():

@@ -1,5 +1,6 @@
 #include "layout/state_format.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -66,7 +67,7 @@ TEST(StateFormat, PlansTheWorkedExampleAt5276Bytes) {
 // cannot share a mistake.
 TEST(StateFormat, EncodesTheWorkedExampleExactlyAsTheDocumentConstructsIt) {
   const auto tokens = token_ids(5);
-  auto layout = plan_state_layout(dense_shape(), 5, 5);
+  auto layout = plan_state_layout(dense_shape(), 5, 5, kStateSeqVersion2);
   ASSERT_TRUE(layout);
   const auto encoded = pattern_file(*layout, tokens);
 
@@ -157,10 +158,10 @@ TEST(StateFormat, WritesNoMetaForAnEmptyKvStream) {
   EXPECT_EQ(layout->content_bytes, 12u + 4 + 4);
 }
 
-TEST(StateFormat, GivesMropeCellsTwentyBytesWithXAndYEqualToPos) {
+TEST(StateFormat, GivesVersion2MropeCellsTwentyBytesWithXAndYEqualToPos) {
   auto shape = dense_shape();
   shape.n_pos_per_embd = 4;
-  auto layout = plan_state_layout(shape, 3, 3);
+  auto layout = plan_state_layout(shape, 3, 3, kStateSeqVersion2);
   ASSERT_TRUE(layout);
   EXPECT_EQ(layout->blocks[0].streams[0].cell_record_bytes, 20u);
   const auto file = pattern_file(*layout, token_ids(3));
@@ -170,6 +171,62 @@ TEST(StateFormat, GivesMropeCellsTwentyBytesWithXAndYEqualToPos) {
   EXPECT_EQ(read_at<int32_t>(file, cell2 + 8), 2);   // x
   EXPECT_EQ(read_at<int32_t>(file, cell2 + 12), 2);  // y
   EXPECT_EQ(read_at<int32_t>(file, cell2 + 16), 0);  // seq id
+}
+
+// Version 3 (llama.cpp 80fb11ac) widened llama_kv_cell_ext by the cell's token: x, y, tok.
+TEST(StateFormat, GivesVersion3MropeCellsTwentyFourBytesWithTheCellsToken) {
+  auto shape = dense_shape();
+  shape.n_pos_per_embd = 4;
+  auto layout = plan_state_layout(shape, 3, 3, kStateSeqVersion3);
+  ASSERT_TRUE(layout);
+  EXPECT_EQ(layout->blocks[0].streams[0].cell_record_bytes, 24u);
+  const std::vector<int32_t> ids{70, 71, 72};
+  set_cell_tokens(*layout, ids);
+  const auto file = pattern_file(*layout, ids);
+  EXPECT_EQ(read_at<uint32_t>(file, 4), 3u);          // version
+  const uint64_t cell2 = layout->blocks[0].streams[0].cells_offset + 2 * 24;
+  EXPECT_EQ(read_at<int32_t>(file, cell2), 2);        // pos
+  EXPECT_EQ(read_at<uint32_t>(file, cell2 + 4), 1u);  // n_seq_id
+  EXPECT_EQ(read_at<int32_t>(file, cell2 + 8), 2);    // x
+  EXPECT_EQ(read_at<int32_t>(file, cell2 + 12), 2);   // y
+  EXPECT_EQ(read_at<int32_t>(file, cell2 + 16), 72);  // tok
+  EXPECT_EQ(read_at<int32_t>(file, cell2 + 20), 0);   // seq id
+  auto decoded = decode_state_layout(file, &shape, "mrope3.bin");
+  ASSERT_TRUE(decoded) << decoded.error().what();
+  EXPECT_EQ(decoded->blocks[0].streams[0].cells, layout->blocks[0].streams[0].cells);
+  // Without M-RoPE the cells are 12 bytes in both versions: the files differ in the version word only.
+  auto plain2 = plan_state_layout(dense_shape(), 5, 5, kStateSeqVersion2);
+  auto plain3 = plan_state_layout(dense_shape(), 5, 5, kStateSeqVersion3);
+  auto file2 = pattern_file(*plain2, token_ids(5));
+  auto file3 = pattern_file(*plain3, token_ids(5));
+  ASSERT_EQ(file2.size(), file3.size());
+  file2[4] = std::byte{3};
+  EXPECT_EQ(file2, file3);
+}
+
+TEST(StateFormat, SetStateVersionRewritesMropeCellsAndOffsets) {
+  auto shape = dense_shape();
+  shape.n_pos_per_embd = 4;
+  auto v2 = plan_state_layout(shape, 4, 4, kStateSeqVersion2);
+  auto v3 = plan_state_layout(shape, 4, 4, kStateSeqVersion3);
+  ASSERT_TRUE(v2 && v3);
+  StateLayout converted = *v2;
+  ASSERT_TRUE(set_state_version(converted, kStateSeqVersion3));
+  EXPECT_EQ(converted.version, 3u);
+  EXPECT_EQ(converted.content_bytes, v3->content_bytes);
+  EXPECT_EQ(converted.content_bytes, v2->content_bytes + 4 * 4);
+  ASSERT_TRUE(set_state_version(converted, kStateSeqVersion2));
+  EXPECT_EQ(converted.content_bytes, v2->content_bytes);
+  auto refused = set_state_version(converted, 4);
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message().find("version 4 is unknown"), std::string::npos) << refused.error().message();
+}
+
+TEST(StateFormat, RefusesToPlanAnUnknownVersion) {
+  auto layout = plan_state_layout(dense_shape(), 5, 5, 1);
+  ASSERT_FALSE(layout);
+  EXPECT_NE(layout.error().message().find("state file version 1 is unknown"), std::string::npos)
+      << layout.error().message();
 }
 
 TEST(StateFormat, WritesEmptyStreamsAsZeroCountsForANonUnifiedCache) {
@@ -230,10 +287,11 @@ std::vector<Case> round_trip_cases() {
 }
 
 TEST(StateFormatDecode, RoundTripsEveryMemoryKindWithAndWithoutTheShape) {
-  for (const auto& c : round_trip_cases()) {
-    SCOPED_TRACE(c.name);
+  for (const auto& c : round_trip_cases())
+  for (uint32_t version : {kStateSeqVersion2, kStateSeqVersion3}) {
+    SCOPED_TRACE(fmt::format("{}, version {}", c.name, version));
     const auto tokens = token_ids(c.n_tokens);
-    auto planned = plan_state_layout(c.shape, c.n_tokens, c.n_tokens);
+    auto planned = plan_state_layout(c.shape, c.n_tokens, c.n_tokens, version);
     ASSERT_TRUE(planned) << planned.error().what();
     const auto file = pattern_file(*planned, tokens);
     ASSERT_EQ(file.size(), planned->content_bytes);
@@ -242,6 +300,7 @@ TEST(StateFormatDecode, RoundTripsEveryMemoryKindWithAndWithoutTheShape) {
       auto decoded = decode_state_layout(file, expect, "case.bin");
       ASSERT_TRUE(decoded) << decoded.error().what();
       EXPECT_EQ(decoded->memory_kind, c.shape.kind);
+      EXPECT_EQ(decoded->version, version);
       EXPECT_EQ(decoded->has_mrope_cells, c.shape.n_pos_per_embd > 1);
       EXPECT_EQ(decoded->trailing_bytes, 0u);
       EXPECT_EQ(decode_state_tokens(file, *decoded), tokens);
@@ -298,13 +357,111 @@ TEST(StateFormatDecode, RejectsAWrongMagicNamingTheValueAndOffset) {
   EXPECT_NE(decoded.error().message().find("(offset 0)"), std::string::npos);
 }
 
-TEST(StateFormatDecode, RejectsAnotherVersion) {
+TEST(StateFormatDecode, RejectsAnUnknownVersion) {
   auto planned = plan_state_layout(dense_shape(), 5, 5);
   auto file = pattern_file(*planned, token_ids(5));
-  file[4] = std::byte{3};
+  file[4] = std::byte{4};
   auto decoded = decode_state_layout(file, nullptr, "slot0.bin");
   ASSERT_FALSE(decoded);
-  EXPECT_NE(decoded.error().message().find("version is 3"), std::string::npos) << decoded.error().message();
+  EXPECT_NE(decoded.error().message().find("version is 4, this reader knows versions 2 and 3 (offset 4)"),
+            std::string::npos)
+      << decoded.error().message();
+  auto peeked = peek_state_version(file, "slot0.bin");
+  ASSERT_FALSE(peeked);
+  EXPECT_NE(peeked.error().message().find("version 4 is unknown"), std::string::npos) << peeked.error().message();
+}
+
+TEST(StateFormatDecode, PeeksTheVersionFromTheFirstEightBytes) {
+  for (uint32_t version : {kStateSeqVersion2, kStateSeqVersion3}) {
+    auto planned = plan_state_layout(dense_shape(), 5, 5, version);
+    const auto file = pattern_file(*planned, token_ids(5));
+    auto peeked = peek_state_version(std::span<const std::byte>(file).first(8), "p.bin");
+    ASSERT_TRUE(peeked) << peeked.error().what();
+    EXPECT_EQ(*peeked, version);
+  }
+  const std::vector<std::byte> short_file(7);
+  auto peeked = peek_state_version(short_file, "short.bin");
+  ASSERT_FALSE(peeked);
+  EXPECT_NE(peeked.error().message().find("state file short.bin: 7 bytes"), std::string::npos);
+}
+
+// llama-server 80fb11ac saves a slot's prompt packed by server_tokens::serialize into the
+// token words: -1, packing version 1, the id count, the ids, a media-key count, keys, chunks.
+std::vector<int32_t> packed_words(const std::vector<int32_t>& ids) {
+  std::vector<int32_t> words{-1, 1, static_cast<int32_t>(ids.size())};
+  words.insert(words.end(), ids.begin(), ids.end());
+  words.push_back(0);  // no media
+  return words;
+}
+
+TEST(StateFormatDecode, ReadsTheIdsOfLlamaServersPackedTokens) {
+  const auto ids = token_ids(5);
+  const auto words = packed_words(ids);
+  auto planned = plan_state_layout(dense_shape(), static_cast<uint32_t>(words.size()), 5, kStateSeqVersion3);
+  ASSERT_TRUE(planned);
+  const auto file = pattern_file(*planned, words);
+  const auto shape = dense_shape();
+  for (const MemoryShape* expect : {&shape, static_cast<const MemoryShape*>(nullptr)}) {
+    auto decoded = decode_state_layout(file, expect, "packed.bin");
+    ASSERT_TRUE(decoded) << decoded.error().what();
+    EXPECT_EQ(decoded->token_form, StateTokenForm::server_packed);
+    EXPECT_EQ(decoded->n_token, 9u);
+    EXPECT_EQ(decoded->n_prompt_ids, 5u);
+    EXPECT_EQ(decoded->prompt_ids_offset, 24u);
+    EXPECT_EQ(decoded->n_media, 0u);
+    EXPECT_EQ(decode_state_tokens(file, *decoded), ids);
+    EXPECT_NE(describe_state_layout(*decoded).find("packed by llama-server in 9 token words"), std::string::npos);
+  }
+  // In a version 2 file the same words are plain ids (that llama-server never packed).
+  auto v2 = plan_state_layout(dense_shape(), static_cast<uint32_t>(words.size()), 5, kStateSeqVersion2);
+  const auto file2 = pattern_file(*v2, words);
+  auto decoded2 = decode_state_layout(file2, nullptr, "v2.bin");
+  ASSERT_TRUE(decoded2) << decoded2.error().what();
+  EXPECT_EQ(decoded2->token_form, StateTokenForm::ids);
+  EXPECT_EQ(decode_state_tokens(file2, *decoded2), words);
+}
+
+TEST(StateFormatDecode, CountsMediaChunksOfPackedTokens) {
+  // 3 ids (the middle one an image's placeholder), one media key at index 1, a 5-byte chunk
+  // padded to two words.
+  std::vector<int32_t> words{-1, 1, 3, 7, -1, 9, 1, 1, 5, 0x04030201, 0x05};
+  auto planned = plan_state_layout(dense_shape(), static_cast<uint32_t>(words.size()), 3, kStateSeqVersion3);
+  const auto file = pattern_file(*planned, words);
+  auto decoded = decode_state_layout(file, nullptr, "media.bin");
+  ASSERT_TRUE(decoded) << decoded.error().what();
+  EXPECT_EQ(decoded->n_media, 1u);
+  EXPECT_EQ(decode_state_tokens(file, *decoded), (std::vector<int32_t>{7, -1, 9}));
+  StateLayout to_v2 = *decoded;
+  auto refused = set_state_version(to_v2, kStateSeqVersion2);
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message().find("1 media chunks"), std::string::npos) << refused.error().message();
+}
+
+TEST(StateFormatDecode, RefusesMalformedPackedTokensNamingTheWord) {
+  struct Bad {
+    const char* name;
+    std::vector<int32_t> words;
+    const char* message;
+  };
+  const std::vector<Bad> cases{
+      {"only the marker", {-1}, "the token words end inside the packing version (offset 16)"},
+      {"packing version 2", {-1, 2, 0, 0}, "packing version is 2, llama-server writes 1 (offset 16)"},
+      {"ids past the words", {-1, 1, 9, 5, 0}, "9 ids do not fit the 5 token words (offset 20)"},
+      {"no media count", {-1, 1, 1, 5}, "the token words end inside the media-key count (offset 28)"},
+      {"media key past the ids", {-1, 1, 1, 5, 1, 3, 1, 0}, "media key 0 is 3, past the 1 ids (offset 32)"},
+      {"empty media chunk", {-1, 1, 1, 5, 1, 0, 0}, "media chunk 0 has 0 bytes"},
+      {"a word too many", {-1, 1, 1, 5, 0, 42}, "4 bytes after the last media chunk (offset 32)"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    auto planned = plan_state_layout(dense_shape(), static_cast<uint32_t>(c.words.size()), 1, kStateSeqVersion3);
+    const auto file = pattern_file(*planned, c.words);
+    auto decoded = decode_state_layout(file, nullptr, "bad.bin");
+    ASSERT_FALSE(decoded);
+    EXPECT_NE(decoded.error().message().find("state file bad.bin: packed slot tokens"), std::string::npos)
+        << decoded.error().message();
+    EXPECT_NE(decoded.error().message().find(c.message), std::string::npos) << decoded.error().message();
+  }
 }
 
 TEST(StateFormatDecode, NamesLayerFieldAndOffsetOfAWrongRowSize) {

@@ -94,7 +94,7 @@ TEST(StateGoldenVectors, ReencodeByteForByteFromTheDecodedLayout) {
       });
       EXPECT_EQ(again, bytes);
       // And planning from the shape alone gives the same geometry.
-      auto planned = layout::plan_state_layout(shape, 5, 5);
+      auto planned = layout::plan_state_layout(shape, 5, 5, layout::kStateSeqVersion2);
       ASSERT_TRUE(planned);
       EXPECT_EQ(planned->content_bytes, bytes.size());
     }
@@ -118,6 +118,7 @@ class StateGoldenWriter : public kvshare::testing::FdLeakCheck {
     const auto path = dir_ / "ours.bin";
     StateFileWriterOptions options;
     options.n_embd_head_k = options.n_embd_head_v = 64;
+    options.state_version = layout::kStateSeqVersion2;  // the vectors' generation (d32676d)
     auto writer = StateFileWriter::create(path, testing::dense_shape(type, type, v_trans), kTokens, 5, options);
     if (!writer) return fail(writer.error());
     for (uint32_t il = 0; il < 2; ++il) {
@@ -177,6 +178,91 @@ TEST_F(StateGoldenWriter, TransposesVExactlyAsLlamaCppWithFlashAttentionOff) {
     EXPECT_EQ(std::memcmp(ab.data(), bb.data(), ab.size()), 0) << layout::tensor_kind_name(kind);
   }
   EXPECT_EQ(ours->bytes().size(), theirs->bytes().size());
+}
+
+// ---- version 3: saved by the pinned llama-server (80fb11ac) ----------------------------
+// tests/data/make_state_v3_vectors.py: the same model and prompt as above, evaluated by a
+// /completion with n_predict 0 and saved with POST /slots/0?action=save. The server packs
+// the prompt into the token words (server_tokens::serialize): -1, 1, 5, the ids, 0 media.
+
+const std::vector<int32_t> kPackedWords{-1, 1, 5, 39, 72, 106, 105, 0, 0};
+
+const Vector kVectorsV3[] = {
+    {"state-v3-dense-f16.bin", GgmlType::F16, false, 5276 + 16},
+    {"state-v3-dense-f16-vtrans.bin", GgmlType::F16, true, 5276 + 16},
+    {"state-v3-dense-q8_0.bin", GgmlType::Q8_0, false, 2876 + 16},
+};
+
+TEST(StateGoldenVectorsV3, DecodeFieldByFieldWithThePackedPrompt) {
+  for (const Vector& v : kVectorsV3) {
+    SCOPED_TRACE(v.file);
+    const auto bytes = kvshare::testing::read_file_bytes(kvshare::testing::data_path(v.file));
+    ASSERT_EQ(bytes.size(), v.size);
+    EXPECT_EQ(at<uint32_t>(bytes, 0), 0x67677371u);  // magic
+    EXPECT_EQ(at<uint32_t>(bytes, 4), 3u);           // version
+    EXPECT_EQ(at<uint32_t>(bytes, 8), 9u);           // n_token: 9 words for 5 ids
+    for (size_t i = 0; i < kPackedWords.size(); ++i) EXPECT_EQ(at<int32_t>(bytes, 12 + 4 * i), kPackedWords[i]);
+    EXPECT_EQ(at<uint32_t>(bytes, 48), 1u);  // n_stream
+    EXPECT_EQ(at<uint32_t>(bytes, 52), 5u);  // cell_count
+    for (int32_t c = 0; c < 5; ++c) {
+      EXPECT_EQ(at<int32_t>(bytes, 56 + 12 * c), c);    // pos
+      EXPECT_EQ(at<uint32_t>(bytes, 60 + 12 * c), 1u);  // n_seq_id (no cell ext: not M-RoPE)
+    }
+    EXPECT_EQ(at<uint32_t>(bytes, 116), v.v_trans ? 1u : 0u);
+    EXPECT_EQ(at<uint32_t>(bytes, 120), 2u);  // n_layer
+
+    const auto shape = testing::dense_shape(v.type, v.type, v.v_trans);
+    auto file = parse_state_bytes(bytes, &shape, v.file);
+    ASSERT_TRUE(file) << file.error().what();
+    EXPECT_EQ(file->layout().version, 3u);
+    EXPECT_EQ(file->layout().token_form, layout::StateTokenForm::server_packed);
+    EXPECT_EQ(file->tokens(), kTokens);
+    EXPECT_EQ(file->layout().trailing_bytes, 0u);
+    // Re-encoding the decoded layout with the same words gives the file byte for byte.
+    auto again = layout::encode_state_file(file->layout(), kPackedWords, [&](const StateSection& s) {
+      return std::span<const std::byte>(bytes).subspan(s.data_offset, s.data_bytes());
+    });
+    EXPECT_EQ(again, bytes);
+  }
+}
+
+// Both generations computed the same model and prompt, and their kernels agree to the bit
+// on it: after the token words, every byte of each version 3 save (cells, headers, K/V rows)
+// equals the version 2 file libllama d32676d wrote. The framing is all that changed.
+TEST(StateGoldenVectorsV3, HoldTheVersion2VectorsBytesAfterTheTokenWords) {
+  for (auto [v3_name, v2_name] : {std::pair{"state-v3-dense-f16.bin", "state-dense-f16.bin"},
+                                  std::pair{"state-v3-dense-f16-vtrans.bin", "state-dense-f16-vtrans.bin"},
+                                  std::pair{"state-v3-dense-q8_0.bin", "state-dense-q8_0.bin"}}) {
+    SCOPED_TRACE(v3_name);
+    const auto v3 = kvshare::testing::read_file_bytes(kvshare::testing::data_path(v3_name));
+    const auto v2 = kvshare::testing::read_file_bytes(kvshare::testing::data_path(v2_name));
+    ASSERT_EQ(v3.size(), v2.size() + 16);
+    EXPECT_TRUE(std::equal(v2.begin() + 32, v2.end(), v3.begin() + 48));
+  }
+}
+
+// What our writer makes for version 3 differs from llama-server's save in the token words
+// only (plain ids, which its restore reads as well): the rest of the file is the same bytes.
+TEST_F(StateGoldenWriter, WritesVersion3AsLlamaServerSavesItButForThePlainIds) {
+  auto theirs = read_state_file(kvshare::testing::data_path("state-v3-dense-f16.bin"), nullptr);
+  ASSERT_TRUE(theirs) << theirs.error().what();
+  StateFileWriterOptions options;
+  options.state_version = layout::kStateSeqVersion3;
+  const auto path = dir_ / "ours-v3.bin";
+  auto writer = StateFileWriter::create(path, testing::dense_shape(), kTokens, 5, options);
+  ASSERT_TRUE(writer) << writer.error().what();
+  for (uint32_t il = 0; il < 2; ++il) {
+    const auto k = theirs->rows(*theirs->find_section(TensorKind::k, il));
+    const auto v = theirs->rows(*theirs->find_section(TensorKind::v, il));
+    ASSERT_TRUE(writer->write_layer(il, RowsView{GgmlType::F16, k.data(), 5, 0}, RowsView{GgmlType::F16, v.data(), 5, 0}));
+  }
+  ASSERT_TRUE(writer->commit());
+  const auto ours = kvshare::testing::read_file_bytes(path);
+  const auto bytes = kvshare::testing::read_file_bytes(kvshare::testing::data_path("state-v3-dense-f16.bin"));
+  ASSERT_EQ(ours.size() + 16, bytes.size());
+  EXPECT_EQ(at<uint32_t>(ours, 4), 3u);
+  EXPECT_EQ(at<uint32_t>(ours, 8), 5u);
+  EXPECT_TRUE(std::equal(ours.begin() + 32, ours.end(), bytes.begin() + 48));
 }
 
 }  // namespace

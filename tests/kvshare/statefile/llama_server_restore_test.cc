@@ -19,8 +19,10 @@
 #include <thread>
 
 #include "kvshare/mapping.h"
+#include "kvshare/route/state_version_probe.h"
 #include "kvshare/statefile/state_file_reader.h"
 #include "kvshare/statefile/state_file_writer.h"
+#include "kvshare/statefile/state_tools.h"
 #include "layout/gguf_reader.h"
 #include "layout/memory_shape.h"
 #include "layout/model_shape.h"
@@ -157,8 +159,16 @@ TEST_P(LlamaServerRestore, RestoresOurFileAndEvaluatesOneToken) {
   const auto tokens = tokenized["tokens"].get<std::vector<int32_t>>();
   ASSERT_GT(tokens.size(), 4u);
 
+  // The version this llama-server reads: the one its save of the empty slot writes (how
+  // kvshare-serve learns it). 3 for the pinned tree, 2 for d32676d.
+  server.post("/slots/0?action=save", {{"filename", "probe.bin"}}, &status);
+  ASSERT_EQ(status, 200) << server.log();
+  auto version = route::read_state_file_version(slots / "probe.bin");
+  ASSERT_TRUE(version) << version.error().what();
+
   // Our file: random K/V rows (the cache reuse does not depend on their values).
   StateFileWriterOptions options;
+  options.state_version = *version;
   options.n_embd_head_k = model->layers.at(0).n_embd_head_k;
   options.n_embd_head_v = model->layers.at(0).n_embd_head_v;
   auto writer = StateFileWriter::create(slots / "ours.bin", *memory, tokens, static_cast<int32_t>(tokens.size()),
@@ -194,7 +204,31 @@ TEST_P(LlamaServerRestore, RestoresOurFileAndEvaluatesOneToken) {
   ASSERT_EQ(status, 200) << saved.dump();
   auto theirs = read_state_file(slots / "theirs.bin", &*memory);
   ASSERT_TRUE(theirs) << theirs.error().what();
-  EXPECT_GE(theirs->tokens().size(), tokens.size());
+  EXPECT_EQ(theirs->layout().version, *version);
+  // Version 3's llama-server packs the prompt (server_tokens::serialize); the ids inside are
+  // the prompt's, whichever form the file has.
+  ASSERT_GE(theirs->tokens().size(), tokens.size());
+  EXPECT_TRUE(std::equal(tokens.begin(), tokens.end(), theirs->tokens().begin()));
+  if (*version >= layout::kStateSeqVersion3) {
+    EXPECT_EQ(theirs->layout().token_form, layout::StateTokenForm::server_packed);
+  }
+
+  // A file of the other generation is refused by this llama-server (it reads its own only),
+  // and our converter makes it restorable.
+  const uint32_t other = *version == layout::kStateSeqVersion3 ? layout::kStateSeqVersion2 : layout::kStateSeqVersion3;
+  ConvertOptions to_other;
+  to_other.type_k.reset();
+  to_other.type_v.reset();
+  to_other.to_version = other;
+  ASSERT_TRUE(convert_state_file(slots / "ours.bin", slots / "other.bin", to_other));
+  auto refused = server.post("/slots/0?action=restore", {{"filename", "other.bin"}}, &status);
+  EXPECT_EQ(status, 400) << refused.dump();
+  ConvertOptions back = to_other;
+  back.to_version = *version;
+  ASSERT_TRUE(convert_state_file(slots / "other.bin", slots / "back.bin", back));
+  auto again = server.post("/slots/0?action=restore", {{"filename", "back.bin"}}, &status);
+  ASSERT_EQ(status, 200) << again.dump() << "\n" << server.log();
+  EXPECT_EQ(again["n_restored"].get<size_t>(), tokens.size());
 }
 
 INSTANTIATE_TEST_SUITE_P(CacheTypes, LlamaServerRestore,

@@ -131,6 +131,75 @@ TEST_F(StateToolsTest, ConvertKeepsUnchangedSectionsByteForByte) {
   EXPECT_EQ(kvshare::testing::read_file_bytes(f16), kvshare::testing::read_file_bytes(dir_ / "same.bin"));
 }
 
+TEST_F(StateToolsTest, ConvertsBetweenStateVersionsKeepingEveryOtherByte) {
+  const auto v3 = write("v3.bin", testing::dense_shape(), 6);
+  ConvertOptions to_v2;
+  to_v2.type_k.reset();
+  to_v2.type_v.reset();
+  to_v2.to_version = layout::kStateSeqVersion2;
+  auto info = convert_state_file(v3, dir_ / "v2.bin", to_v2);
+  ASSERT_TRUE(info) << info.error().what();
+  EXPECT_EQ(info->state_version, 2u);
+  auto a = kvshare::testing::read_file_bytes(v3);
+  auto b = kvshare::testing::read_file_bytes(dir_ / "v2.bin");
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(a[4], std::byte{3});
+  EXPECT_EQ(b[4], std::byte{2});
+  b[4] = std::byte{3};
+  EXPECT_EQ(a, b);  // dense cells: the version word is the only difference
+}
+
+TEST_F(StateToolsTest, ConvertUnpacksLlamaServersTokensAndRewritesMropeCells) {
+  // A version 3 file as llama-server 80fb11ac saves an M-RoPE slot: the prompt packed by
+  // server_tokens::serialize, cells of 24 bytes with the token.
+  auto shape = testing::dense_shape();
+  shape.n_pos_per_embd = 4;
+  const std::vector<int32_t> ids{5, 6, 7};
+  const std::vector<int32_t> words{-1, 1, 3, 5, 6, 7, 0};
+  auto planned = layout::plan_state_layout(shape, static_cast<uint32_t>(words.size()), 3, layout::kStateSeqVersion3);
+  ASSERT_TRUE(planned);
+  layout::set_cell_tokens(*planned, ids);
+  std::vector<std::byte> rows(1 << 16, std::byte{0x3c});
+  const auto file = layout::encode_state_file(*planned, words, [&](const layout::StateSection& section) {
+    return std::span<const std::byte>(rows).first(section.data_bytes());
+  });
+  const auto packed = dir_ / "packed.bin";
+  kvshare::testing::write_file_bytes(packed, file);
+
+  auto read = read_state_file(packed, &shape);
+  ASSERT_TRUE(read) << read.error().what();
+  EXPECT_EQ(read->tokens(), ids);
+  EXPECT_EQ(read->layout().token_form, layout::StateTokenForm::server_packed);
+
+  ConvertOptions to_v2;
+  to_v2.type_k.reset();
+  to_v2.type_v.reset();
+  to_v2.to_version = layout::kStateSeqVersion2;
+  auto info = convert_state_file(packed, dir_ / "v2.bin", to_v2);
+  ASSERT_TRUE(info) << info.error().what();
+  auto v2 = read_state_file(dir_ / "v2.bin", &shape);
+  ASSERT_TRUE(v2) << v2.error().what();
+  EXPECT_EQ(v2->layout().version, 2u);
+  EXPECT_EQ(v2->layout().token_form, layout::StateTokenForm::ids);
+  EXPECT_EQ(v2->layout().n_token, 3u);
+  EXPECT_EQ(v2->tokens(), ids);
+  EXPECT_EQ(v2->layout().blocks[0].streams[0].cell_record_bytes, 20u);
+  EXPECT_EQ(info->size_bytes, file.size() - 4 * 4 - 3 * 4);  // 4 token words and 3 ext.tok fewer
+
+  ConvertOptions to_v3 = to_v2;
+  to_v3.to_version = layout::kStateSeqVersion3;
+  ASSERT_TRUE(convert_state_file(dir_ / "v2.bin", dir_ / "v3.bin", to_v3));
+  auto v3 = read_state_file(dir_ / "v3.bin", &shape);
+  ASSERT_TRUE(v3) << v3.error().what();
+  EXPECT_EQ(v3->layout().blocks[0].streams[0].cells, read->layout().blocks[0].streams[0].cells);
+  for (const auto* section : v3->sections()) {
+    const auto* original = read->find_section(section->kind, section->il);
+    ASSERT_NE(original, nullptr);
+    const auto x = v3->section_bytes(*section), y = read->section_bytes(*original);
+    EXPECT_TRUE(std::equal(x.begin(), x.end(), y.begin(), y.end()));
+  }
+}
+
 TEST_F(StateToolsTest, ConvertRefusesAQuantizedTransposedV) {
   const auto path = write("t.bin", testing::dense_shape(GgmlType::F16, GgmlType::F16, true), 4);
   ConvertOptions options;

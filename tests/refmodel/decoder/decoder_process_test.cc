@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 
+#include "kvshare/route/state_version_probe.h"
 #include "kvshare/share/broker.h"
 #include "live_server.h"
 #include "refmodel/decoder/http_client.h"
@@ -145,6 +146,10 @@ TEST_P(DecoderProcess, DecodesAStateFileFromKvsharePrefillLikeItsOwnPrefill) {
   if (!std::filesystem::exists(tool_path("kvshare-prefill"))) GTEST_SKIP() << "kvshare-prefill is not built";
   const std::vector<int32_t> prompt = b.tokenize(kText);
   const Json own = b.greedy(prompt, 12, false);
+  // The state version this decoder reads is the one its own save writes.
+  b.post_json("/slots/0?action=save", {{"filename", "own.bin"}});
+  const auto version = kvshare::route::read_state_file_version(b.slots() / "own.bin");
+  ASSERT_TRUE(version) << version.error().what();
   b.post_json("/slots/0?action=erase", Json::object());
 
   const auto ids = b.slots() / "ids.txt";
@@ -154,7 +159,7 @@ TEST_P(DecoderProcess, DecodesAStateFileFromKvsharePrefillLikeItsOwnPrefill) {
   }
   const auto made = run_command(tool_path("kvshare-prefill").string() + " --tokens " + ids.string() + " --out " +
                                 (b.slots() / "prefill.bin").string() + " --model " + b.model().string() + " -c " +
-                                std::to_string(kCtx) + " -fa on");
+                                std::to_string(kCtx) + " -fa on --state-version " + std::to_string(*version));
   ASSERT_EQ(made.exit_code, 0) << made.err;
   const Json restored = b.post_json("/slots/0?action=restore", {{"filename", "prefill.bin"}});
   EXPECT_EQ(restored["n_restored"], static_cast<int>(prompt.size()) - 1);
@@ -262,15 +267,21 @@ TEST_P(DecoderProcess, AnswersBadRequestsWithLlamaServerErrors) {
 }
 
 TEST_P(DecoderProcess, AnswersShareWith501WhenTheFlagIsUnset) {
-  if (GetParam() == "llama-server") GTEST_SKIP() << "share/adopt are kvshare extensions";
   const HttpReply reply = backend_->post("/slots/0?action=share", {{"socket", "/nonexistent.sock"}});
+  if (GetParam() == "llama-server") {
+    // A stock llama-server knows no share action: it refuses it as any unknown action, and
+    // kvshare-serve takes that refusal as share_refused (the state-file route).
+    expect_error(reply, 400, "invalid_request_error");
+    EXPECT_NE(reply.body.find("Invalid action"), std::string::npos) << reply.body;
+    return;
+  }
   expect_error(reply, 501, "not_supported_error");
   EXPECT_NE(reply.body.find("ONEBIT_KV_SHARE"), std::string::npos);
   EXPECT_NE(reply.body.find("cannot export"), std::string::npos);
 }
 
 TEST_P(DecoderProcess, ExitsCleanlyOnSigterm) {
-  if (GetParam() == "llama-server" || backend_->server() == nullptr) GTEST_SKIP() << "checks our own process";
+  if (backend_->server() == nullptr) GTEST_SKIP() << "KVSHARE_DECODER_URL: the server is not our child";
   const int status = backend_->server()->terminate();
   EXPECT_TRUE(WIFEXITED(status)) << status;
   EXPECT_EQ(WEXITSTATUS(status), 0);

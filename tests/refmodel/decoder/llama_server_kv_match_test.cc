@@ -15,6 +15,7 @@
 #include <string>
 #include <tuple>
 
+#include "kvshare/route/state_version_probe.h"
 #include "live_server.h"
 #include "refmodel/decoder/http_client.h"
 #include "support/test_support.h"
@@ -99,6 +100,9 @@ TEST_P(LlamaServerKvMatch, PrefillKvEqualsLlamaServersOwnAndRestoresToTheSameRep
   greedy(head, 0, false);
   EXPECT_EQ(post("/slots/0?action=save", {{"filename", "theirs.bin"}})["n_saved"], static_cast<int>(head.size()));
   post("/slots/0?action=erase", Json::object());
+  // kvshare-prefill writes the state version this llama-server reads: that of its own save.
+  const auto version = route::read_state_file_version(slots_ / "theirs.bin");
+  ASSERT_TRUE(version) << version.error().what();
 
   // kvshare-prefill's file for the same tokens and KV params.
   const auto ids = dir_ / "ids.txt";
@@ -108,7 +112,8 @@ TEST_P(LlamaServerKvMatch, PrefillKvEqualsLlamaServersOwnAndRestoresToTheSameRep
   }
   const auto prefilled = support::run_command(support::tool_path("kvshare-prefill").string() + " --tokens " + ids.string() +
                                      " --out " + (slots_ / "ours.bin").string() + " --model " + model_.string() +
-                                     " -c " + std::to_string(kContextSize) + " -ctk " + cache + " -ctv " + cache + " -fa on");
+                                     " -c " + std::to_string(kContextSize) + " -ctk " + cache + " -ctv " + cache + " -fa on" +
+                                     " --state-version " + std::to_string(*version));
   ASSERT_EQ(prefilled.exit_code, 0) << prefilled.err;
 
   const auto diff = support::run_command(support::tool_path("kvshare-state").string() + " diff " + (slots_ / "theirs.bin").string() +

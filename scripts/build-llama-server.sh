@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Builds the real llama-server kvshare is tested against, from the npm registry, into a cache
+# outside the tree, and prints the binary's path as its only line on stdout.
+#
+#   scripts/build-llama-server.sh              stock llama-server (the pin in llama-cpp.pin)
+#   scripts/build-llama-server.sh --repin V    rewrite llama-cpp.pin for node-llama-cpp@V
+#
+# Where llama.cpp comes from: the npm package node-llama-cpp ships a whole llama.cpp tree as
+# a git bundle (package/llama/gitRelease.bundle). `npm pack` fetches the pinned version, the
+# tarball's sha512 must equal the pinned integrity and the bundle's commit the pinned commit;
+# nothing else is downloaded. No llama.cpp source or binary is ever put in this repository.
+#
+# The cache: ${KVSHARE_CACHE:-$HOME/.cache/kvshare}/llama.cpp/<commit>/stock/{src,build-<key>}
+# where <key> hashes the CMake flags below and this script's build recipe; a second run with
+# the build present takes a few seconds (ninja finds nothing to do). Compiles go through
+# ccache (one cache for every tree, base dir = the tree's parent, so two trees that differ in
+# a few files share every other object). Progress goes to stderr; a failed build prints the
+# end of its log and exits 1.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+pin_file="$root/scripts/llama-cpp.pin"
+cache=${KVSHARE_CACHE:-$HOME/.cache/kvshare}
+
+say() { echo "build-llama-server: $*" >&2; }
+die() { say "$*"; exit 1; }
+
+usage() {
+  sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'
+  echo "Environment: KVSHARE_CACHE (cache root, default \$HOME/.cache/kvshare), KVSHARE_JOBS (parallel compiles, default nproc)."
+}
+
+repin() {
+  local version=$1 scratch integrity commit
+  scratch=$(mktemp -d)
+  trap 'rm -rf "$scratch"' RETURN
+  (cd "$scratch" && npm pack --silent "node-llama-cpp@$version" >/dev/null) || die "npm pack node-llama-cpp@$version failed"
+  integrity=$(npm view "node-llama-cpp@$version" dist.integrity) || die "npm view node-llama-cpp@$version failed"
+  [ "$(sri_of "$scratch"/node-llama-cpp-"$version".tgz)" = "$integrity" ] || die "the tarball does not match the registry's integrity $integrity"
+  tar -xzf "$scratch"/node-llama-cpp-"$version".tgz -C "$scratch" package/llama/gitRelease.bundle
+  commit=$(git bundle list-heads "$scratch/package/llama/gitRelease.bundle" | awk '$2 == "HEAD" {print $1}')
+  [ -n "$commit" ] || die "node-llama-cpp@$version: the bundle has no HEAD"
+  sed -i -e "s/^NODE_LLAMA_CPP_VERSION=.*/NODE_LLAMA_CPP_VERSION=$version/" \
+         -e "s|^NODE_LLAMA_CPP_INTEGRITY=.*|NODE_LLAMA_CPP_INTEGRITY=$integrity|" \
+         -e "s/^LLAMA_CPP_COMMIT=.*/LLAMA_CPP_COMMIT=$commit/" "$pin_file"
+  say "pinned node-llama-cpp@$version, llama.cpp $commit (scripts/llama-cpp.pin)"
+}
+
+# The subresource-integrity string npm records for a tarball: sha512, base64.
+sri_of() { python3 -c 'import base64,hashlib,sys; print("sha512-" + base64.b64encode(hashlib.sha512(open(sys.argv[1],"rb").read()).digest()).decode())' "$1"; }
+
+case "${1:-}" in
+  -h|--help) usage; exit 0 ;;
+  --repin) [ $# -eq 2 ] || { usage >&2; exit 2; }; repin "$2"; exit 0 ;;
+  "") ;;
+  *) say "unknown argument $1"; usage >&2; exit 2 ;;
+esac
+
+# shellcheck source=llama-cpp.pin
+. "$pin_file"
+for tool in npm git cmake ninja python3 c++; do
+  command -v "$tool" >/dev/null || die "$tool is not installed (scripts/install-deps.sh installs it)"
+done
+
+short=${LLAMA_CPP_COMMIT:0:12}
+base="$cache/llama.cpp/$short"
+tree="$base/stock"
+mkdir -p "$tree"
+exec 9>"$base/.lock"
+flock 9   # one build of a tree at a time (CI and a developer's shell may race)
+
+# 1. The package, checked against the pin.
+tgz="$base/node-llama-cpp-$NODE_LLAMA_CPP_VERSION.tgz"
+if [ ! -f "$tgz" ] || [ "$(sri_of "$tgz")" != "$NODE_LLAMA_CPP_INTEGRITY" ]; then
+  say "fetching node-llama-cpp@$NODE_LLAMA_CPP_VERSION (about 35 MB) with npm pack"
+  rm -f "$tgz"
+  scratch=$(mktemp -d)
+  (cd "$scratch" && npm pack --silent "node-llama-cpp@$NODE_LLAMA_CPP_VERSION" >/dev/null) ||
+    die "npm pack node-llama-cpp@$NODE_LLAMA_CPP_VERSION failed (is the npm registry reachable?)"
+  got=$(sri_of "$scratch/node-llama-cpp-$NODE_LLAMA_CPP_VERSION.tgz")
+  if [ "$got" != "$NODE_LLAMA_CPP_INTEGRITY" ]; then
+    rm -rf "$scratch"
+    die "node-llama-cpp@$NODE_LLAMA_CPP_VERSION has integrity $got, scripts/llama-cpp.pin says $NODE_LLAMA_CPP_INTEGRITY"
+  fi
+  mv "$scratch/node-llama-cpp-$NODE_LLAMA_CPP_VERSION.tgz" "$tgz"
+  rm -rf "$scratch"
+fi
+
+# 2. The source tree: a clone of the bundle at the pinned commit.
+if [ "$(git -C "$tree/src" rev-parse HEAD 2>/dev/null || true)" != "$LLAMA_CPP_COMMIT" ]; then
+  say "unpacking llama.cpp $short from the package's git bundle"
+  scratch=$(mktemp -d)
+  tar -xzf "$tgz" -C "$scratch" package/llama/gitRelease.bundle
+  head=$(git bundle list-heads "$scratch/package/llama/gitRelease.bundle" | awk '$2 == "HEAD" {print $1}')
+  if [ "$head" != "$LLAMA_CPP_COMMIT" ]; then
+    rm -rf "$scratch"
+    die "the bundle in node-llama-cpp@$NODE_LLAMA_CPP_VERSION is at ${head:-no commit}, scripts/llama-cpp.pin says $LLAMA_CPP_COMMIT"
+  fi
+  rm -rf "$tree/src"
+  git -c advice.detachedHead=false clone -q "$scratch/package/llama/gitRelease.bundle" "$tree/src"
+  git -C "$tree/src" checkout -q "$LLAMA_CPP_COMMIT"
+  rm -rf "$scratch"
+fi
+
+# 3. The build. Everything off that llama-server does not need (no network client, no web UI
+# download, no tests or examples); static, so the binary does not depend on the tree's
+# shared libraries; native CPU flags, as the cache lives on the machine that built it.
+flags=(
+  -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF
+  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+  -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+)
+key=$(printf '%s\n' "${flags[@]}" "$(c++ --version | head -1)" | sha256sum | cut -c1-12)
+build="$tree/build-$key"
+launcher=()
+if command -v ccache >/dev/null; then
+  export CCACHE_DIR=${CCACHE_DIR:-$cache/ccache} CCACHE_BASEDIR="$tree" CCACHE_NOHASHDIR=1
+  launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+fi
+log="$build.log"
+if [ ! -f "$build/build.ninja" ]; then
+  cmake -S "$tree/src" -B "$build" -G Ninja "${flags[@]}" "${launcher[@]}" >"$log" 2>&1 ||
+    { tail -n 30 "$log" >&2; die "configuring llama.cpp failed (log: $log)"; }
+fi
+jobs=${KVSHARE_JOBS:-$(nproc)}
+start=$(date +%s)
+if ! ninja -C "$build" -n llama-server 2>/dev/null | grep -q "no work to do"; then
+  say "building llama-server $short in $build (-j$jobs; about 10-30 minutes on 2 cores the first time)"
+fi
+# ninja's [done/total] lines, thinned to about one in twenty, are the progress report.
+set +e
+ninja -C "$build" -j "$jobs" llama-server 2>&1 | tee "$log.build" |
+  awk '/^\[[0-9]+\/[0-9]+\]/ { split(substr($1, 2), n, "/"); if (n[1] % 20 == 0 || n[1] == n[2]) { print "build-llama-server: " $1; fflush() } }' >&2
+status=${PIPESTATUS[0]}
+set -e
+if [ "$status" -ne 0 ]; then
+  grep -B2 -A20 -m3 -E "FAILED|error:" "$log.build" >&2 || tail -n 40 "$log.build" >&2
+  die "building llama-server failed (log: $log.build)"
+fi
+server="$build/bin/llama-server"
+[ -x "$server" ] || die "the build finished but $server is missing"
+elapsed=$(( $(date +%s) - start ))
+[ "$elapsed" -lt 5 ] || say "llama-server built in ${elapsed}s"
+echo "$server"
