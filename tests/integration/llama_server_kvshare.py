@@ -266,7 +266,7 @@ def test_32_concurrent_requests_through_the_shared_route():
         for i, (text, prompt_n) in enumerate(results):
             check(text == CPU_REPLIES[prompts[i]], "request %d: %r, --device cpu said %r" %
                   (i, text, CPU_REPLIES[prompts[i]]))
-        check(len(serve.wait_count(SHARED_LINE, 32)) == 32, "\n".join(serve.lines))
+        check(len(serve.wait_count(SHARED_LINE, 32, timeout=60)) == 32, "\n".join(serve.lines))
         wait_until(lambda: len(os.listdir("/proc/%d/fd" % pid)) <= len(fds_before), 10,
                    "serve holds more fds than before the requests")
         check([e for e in os.listdir(SERVE_TMP) if not e.startswith("kvshare-serve-slots")] == [],
