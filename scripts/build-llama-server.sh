@@ -128,8 +128,10 @@ if [ "$with_kvshare" = 1 ]; then
       die "configuring kvshare in $kbuild failed"
   fi
   # Installing needs every library and tool; a build that has them does nothing here.
+  # (the installed tools; kvshare-bench and the test helpers are not installed)
   ninja -C "$kbuild" -j "${KVSHARE_JOBS:-$(nproc)}" kvshare_c $(ninja -C "$kbuild" -t targets all |
-    sed -n 's|^\(bin/kvshare-[a-z-]*\): .*|\1|p') >&2 || die "building kvshare in $kbuild failed"
+    sed -n 's|^\(bin/kvshare-[a-z-]*\): .*|\1|p' | grep -v -e '^bin/kvshare-bench$' -e '^bin/kvshare-test-') >&2 ||
+    die "building kvshare in $kbuild failed"
   cmake --install "$kbuild" --prefix "$prefix" >/dev/null || die "installing kvshare into $prefix failed"
 
   series_dir="$root/integrations/llama.cpp"
