@@ -3,6 +3,7 @@
 # outside the tree, and prints the binary's path as its only line on stdout.
 #
 #   scripts/build-llama-server.sh              stock llama-server (the pin in llama-cpp.pin)
+#   scripts/build-llama-server.sh --with-kvshare   the same tree with integrations/llama.cpp applied
 #   scripts/build-llama-server.sh --repin V    rewrite llama-cpp.pin for node-llama-cpp@V
 #
 # Where llama.cpp comes from: the npm package node-llama-cpp ships a whole llama.cpp tree as
@@ -25,8 +26,9 @@ say() { echo "build-llama-server: $*" >&2; }
 die() { say "$*"; exit 1; }
 
 usage() {
-  sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'
   echo "Environment: KVSHARE_CACHE (cache root, default \$HOME/.cache/kvshare), KVSHARE_JOBS (parallel compiles, default nproc)."
+  echo "--with-kvshare: KVSHARE_BUILD_DIR (the kvshare build to install, default build/ of this tree)."
 }
 
 repin() {
@@ -48,8 +50,10 @@ repin() {
 # The subresource-integrity string npm records for a tarball: sha512, base64.
 sri_of() { python3 -c 'import base64,hashlib,sys; print("sha512-" + base64.b64encode(hashlib.sha512(open(sys.argv[1],"rb").read()).digest()).decode())' "$1"; }
 
+with_kvshare=0
 case "${1:-}" in
   -h|--help) usage; exit 0 ;;
+  --with-kvshare) [ $# -eq 1 ] || { usage >&2; exit 2; }; with_kvshare=1 ;;
   --repin) [ $# -eq 2 ] || { usage >&2; exit 2; }; repin "$2"; exit 0 ;;
   "") ;;
   *) say "unknown argument $1"; usage >&2; exit 2 ;;
@@ -109,6 +113,47 @@ flags=(
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
   -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
 )
+targets=(llama-server)
+
+# 3a. --with-kvshare: kvshare installed into the cache, the series applied to a sibling tree
+# ($base/kvshare/src, a clone of the stock one) and one more CMake flag. The two trees sit
+# at the same depth with the same src/build-<key> names, so with ccache's base dir at each
+# tree every compile the series does not touch is a cache hit.
+if [ "$with_kvshare" = 1 ]; then
+  kbuild=${KVSHARE_BUILD_DIR:-$root/build}
+  prefix="$base/kvshare/prefix"
+  if [ ! -f "$kbuild/build.ninja" ]; then
+    say "configuring kvshare in $kbuild"
+    cmake -S "$root" -B "$kbuild" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null ||
+      die "configuring kvshare in $kbuild failed"
+  fi
+  # Installing needs every library and tool; a build that has them does nothing here.
+  # (the installed tools; kvshare-bench and the test helpers are not installed)
+  ninja -C "$kbuild" -j "${KVSHARE_JOBS:-$(nproc)}" kvshare_c $(ninja -C "$kbuild" -t targets all |
+    sed -n 's|^\(bin/kvshare-[a-z-]*\): .*|\1|p' | grep -v -e '^bin/kvshare-bench$' -e '^bin/kvshare-test-') >&2 ||
+    die "building kvshare in $kbuild failed"
+  cmake --install "$kbuild" --prefix "$prefix" >/dev/null || die "installing kvshare into $prefix failed"
+
+  series_dir="$root/integrations/llama.cpp"
+  series_key=$(cd "$series_dir" && cat series $(cat series) | sha256sum | cut -c1-16)
+  ktree="$base/kvshare"
+  if [ "$(cat "$ktree/src/.git/kvshare-series" 2>/dev/null || true)" != "$series_key" ]; then
+    say "applying integrations/llama.cpp/series to a copy of llama.cpp $short"
+    rm -rf "$ktree/src"
+    git clone -q "$tree/src" "$ktree/src"
+    git -C "$ktree/src" -c advice.detachedHead=false checkout -q "$LLAMA_CPP_COMMIT"
+    while read -r patch; do
+      [ -n "$patch" ] || continue
+      git -C "$ktree/src" -c user.name=kvshare -c user.email=kvshare@invalid am -q "$series_dir/$patch" ||
+        die "integrations/llama.cpp/$patch does not apply to llama.cpp $short (see integrations/llama.cpp/README.md, Rebasing)"
+    done < "$series_dir/series"
+    echo "$series_key" > "$ktree/src/.git/kvshare-series"
+  fi
+  tree=$ktree
+  flags+=(-DLLAMA_KVSHARE=ON "-DCMAKE_PREFIX_PATH=$prefix")
+  targets+=(llama-kvshare-prefill)
+fi
+
 key=$(printf '%s\n' "${flags[@]}" "$(c++ --version | head -1)" | sha256sum | cut -c1-12)
 build="$tree/build-$key"
 launcher=()
@@ -123,12 +168,12 @@ if [ ! -f "$build/build.ninja" ]; then
 fi
 jobs=${KVSHARE_JOBS:-$(nproc)}
 start=$(date +%s)
-if ! ninja -C "$build" -n llama-server 2>/dev/null | grep -q "no work to do"; then
-  say "building llama-server $short in $build (-j$jobs; about 10-30 minutes on 2 cores the first time)"
+if ! ninja -C "$build" -n "${targets[@]}" 2>/dev/null | grep -q "no work to do"; then
+  say "building ${targets[*]} $short in $build (-j$jobs; about 10-30 minutes on 2 cores the first time)"
 fi
 # ninja's [done/total] lines, thinned to about one in twenty, are the progress report.
 set +e
-ninja -C "$build" -j "$jobs" llama-server 2>&1 | tee "$log.build" |
+ninja -C "$build" -j "$jobs" "${targets[@]}" 2>&1 | tee "$log.build" |
   awk '/^\[[0-9]+\/[0-9]+\]/ { split(substr($1, 2), n, "/"); if (n[1] % 20 == 0 || n[1] == n[2]) { print "build-llama-server: " $1; fflush() } }' >&2
 status=${PIPESTATUS[0]}
 set -e
@@ -139,5 +184,5 @@ fi
 server="$build/bin/llama-server"
 [ -x "$server" ] || die "the build finished but $server is missing"
 elapsed=$(( $(date +%s) - start ))
-[ "$elapsed" -lt 5 ] || say "llama-server built in ${elapsed}s"
+[ "$elapsed" -lt 5 ] || say "${targets[*]} built in ${elapsed}s"
 echo "$server"

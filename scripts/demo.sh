@@ -8,12 +8,16 @@
 #   4. sends a chat request, prints the reply and serve's `hybrid:` lines;
 #   5. stops serve cleanly (SIGTERM) and removes what it made.
 # KVSHARE_BUILD_DIR=dir uses another build directory; KVSHARE_DEMO_ROUTE=file shows the
-# state-file route instead.
+# state-file route instead. KVSHARE_DEMO_DECODER=llama-server runs the same demo with the
+# real decoder: llama-server and llama-kvshare-prefill built with the patch series of
+# integrations/llama.cpp (scripts/build-llama-server.sh --with-kvshare, on first use).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${KVSHARE_BUILD_DIR:-$root/build}
 bin=$build/bin
 route=${KVSHARE_DEMO_ROUTE:-shared}
+decoder_kind=${KVSHARE_DEMO_DECODER:-reference}
+case "$decoder_kind" in reference|llama-server) ;; *) echo "KVSHARE_DEMO_DECODER=$decoder_kind: not reference or llama-server"; exit 2 ;; esac
 
 need=(kvshare-serve kvshare-decoder kvshare-prefill kvshare-mkmodel)
 missing=0
@@ -35,6 +39,15 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
+backend=$bin/kvshare-decoder
+provider=$bin/kvshare-prefill
+if [ "$decoder_kind" = llama-server ]; then
+  echo "== the patched llama-server (scripts/build-llama-server.sh --with-kvshare; long the first time)"
+  backend=$(KVSHARE_BUILD_DIR="$build" "$root/scripts/build-llama-server.sh" --with-kvshare)
+  provider=$(dirname "$backend")/llama-kvshare-prefill
+  echo "   $backend"
+fi
+
 echo "== a tiny model (kvshare-mkmodel, random weights, byte-level BPE, ChatML template)"
 "$bin/kvshare-mkmodel" "$work/tiny.gguf" --seed 42 >/dev/null
 ls -l "$work/tiny.gguf" | awk '{print "   " $NF ": " $5 " bytes"}'
@@ -42,8 +55,8 @@ ls -l "$work/tiny.gguf" | awk '{print "   " $NF ": " $5 " bytes"}'
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 echo "== kvshare-serve --device hybrid on 127.0.0.1:$port (route: $route)"
 if [ "$route" = shared ]; then export ONEBIT_KV_SHARE=1; else unset ONEBIT_KV_SHARE; fi
-"$bin/kvshare-serve" -m "$work/tiny.gguf" --device hybrid --prefill-provider "$bin/kvshare-prefill" \
-  --backend "$bin/kvshare-decoder" --host 127.0.0.1 --port "$port" -c 1024 -fa on \
+"$bin/kvshare-serve" -m "$work/tiny.gguf" --device hybrid --prefill-provider "$provider" \
+  --backend "$backend" --host 127.0.0.1 --port "$port" -c 1024 -fa on \
   2>"$work/serve.log" &
 serve_pid=$!
 for _ in $(seq 1 300); do

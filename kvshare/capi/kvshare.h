@@ -1,0 +1,244 @@
+/*
+ * kvshare.h: the C API of kvshare, for decoders (llama-server) and prefill engines (an NPU
+ * provider, llama-kvshare-prefill) that must not see kvshare's C++20 headers.
+ *
+ * C11 and C++17 clean. Every symbol starts with kvshare_; handles are opaque and come in
+ * pairs (..._open / ..._close). A fallible call returns 0 or a negative errno value and
+ * leaves a readable message in kvshare_*_last_error(handle): what was being done, to
+ * which object, and why (the same text kvshare's C++ Error carries). No exception crosses
+ * this boundary. A handle is not thread-safe: callers serialize calls on one handle.
+ *
+ * Exported symbols are listed in kvshare.map (version nodes KVSHARE_1.0, ...): an ABI
+ * addition is a new line in a new node. Link with `pkg-config --libs kvshare-c` or the
+ * CMake target kvshare::kvshare_c.
+ *
+ * The protocol these calls speak is described in kvshare's docs/protocol.md (the
+ * handshake), docs/layout.md (the layout header, share_layout) and docs/decoder.md
+ * (?action=share and ?action=adopt).
+ */
+#ifndef KVSHARE_H
+#define KVSHARE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVSHARE_C_API_VERSION 1
+
+/*
+ * The KV parameters llama-server takes (-c, -np, -kvu, -ctk, -ctv, -fa, --swa-full, -ub).
+ * Both sides of a share must use the same ones; they travel in the layout header.
+ * Versioned by struct_size: fill it with sizeof(struct kvshare_kv_params), or call
+ * kvshare_kv_params_init(), which does that and sets llama-server's defaults.
+ * type_k / type_v are ggml's `enum ggml_type` ids (GGML_TYPE_F16 = 1).
+ */
+struct kvshare_kv_params {
+    uint32_t struct_size;
+    uint32_t n_ctx;      /* -c: cells of the cache before padding; 0 = the model's context length */
+    uint32_t n_seq_max;  /* -np */
+    uint32_t n_ubatch;   /* -ub: sizes an SWA cache */
+    int32_t type_k;      /* -ctk, a ggml_type id */
+    int32_t type_v;      /* -ctv, a ggml_type id */
+    uint8_t kv_unified;  /* -kvu */
+    uint8_t flash_attn;  /* -fa on|auto: V not transposed; 0 = -fa off (v_trans) */
+    uint8_t swa_full;    /* --swa-full */
+    uint8_t reserved;
+};
+
+/* Sets *params to llama-server's defaults (n_ctx 4096, one unified sequence, f16 K and V,
+ * flash attention on, n_ubatch 512) and its struct_size. */
+void kvshare_kv_params_init(struct kvshare_kv_params *params);
+
+/*
+ * Where one cache tensor (cache_k_l3, cache_v_l3) lives inside the shared region.
+ * Versioned by struct_size: set it to sizeof(struct kvshare_tensor_info) before a call.
+ */
+struct kvshare_tensor_info {
+    uint32_t struct_size;
+    uint32_t chunk;      /* index of the chunk (= fd) holding the tensor */
+    uint64_t offset;     /* byte offset inside the chunk, a multiple of 4096 */
+    uint64_t nbytes;     /* ggml_nbytes of the tensor */
+    uint64_t row_bytes;  /* nb[1]: bytes of one row (a token's cell for K and non-transposed V) */
+    int64_t ne[4];       /* ggml's extents: [n_embd_gqa, kv_size, n_stream, 1] */
+    int32_t type;        /* ggml_type id */
+    uint32_t layer;      /* il */
+    void *data;          /* first byte of the tensor in this process's mapping */
+};
+
+/* 1 when ONEBIT_KV_SHARE is set and non-empty (ONEBIT_KV_SHARE=0 is on too; the opt-out
+ * is an unset variable), else 0. */
+int kvshare_share_requested(void);
+
+/* ------------------------------------------------------------------------------------
+ * Decoder side: the process whose KV cache lives in the exported regions.
+ *
+ * Lifetime: the handle owns the regions (one per share_layout chunk) and its mapping of
+ * them; keep it open for as long as the KV cache tensors point into them. Between a
+ * successful share and the adopt of its share_id, the provider writes cells 0..n-1 and
+ * the decoder must not touch them; after adopt the decoder owns every byte again.
+ * ------------------------------------------------------------------------------------ */
+struct kvshare_decoder;
+
+/*
+ * Reads the GGUF at model_path (metadata only), derives the memory llama.cpp builds for it
+ * with *params, and exports one region per chunk of that layout (dma-heap, udmabuf or
+ * memfd; KVSHARE_EXPORT forces one).
+ *
+ * Always stores a handle in *out (NULL only when memory for it ran out, -ENOMEM).
+ * Returns 0 when the regions are exported. Otherwise the handle is a decoder that cannot
+ * share: every share fails with -ENOTSUP and kvshare_decoder_refusal() names both causes;
+ * the return value says why: -ENOTSUP for a memory kind the route cannot adopt (iSWA,
+ * recurrent, hybrid) or no export backend, -EINVAL for bad params or a model kvshare
+ * cannot shape, -ENOENT/-EACCES for the model file. kvshare_decoder_last_error() has
+ * the message either way. Close the handle with kvshare_decoder_close().
+ */
+int kvshare_decoder_open(const char *model_path, const struct kvshare_kv_params *params,
+                         struct kvshare_decoder **out);
+
+/* Releases the regions and the handle. NULL is a no-op. The pages live on in any peer
+ * that still holds one of the fds. */
+void kvshare_decoder_close(struct kvshare_decoder *decoder);
+
+/* The message of the last failed call on this handle, "" when none failed. Valid until
+ * the next call on the handle. */
+const char *kvshare_decoder_last_error(const struct kvshare_decoder *decoder);
+
+/* 1 when share can work (regions exported, not declined), else 0. */
+int kvshare_decoder_can_share(const struct kvshare_decoder *decoder);
+
+/*
+ * Why share is refused, naming both causes (the flag; the backend's export), as the 501
+ * reply of ?action=share says it. decoder may be NULL: the text for a decoder started
+ * without ONEBIT_KV_SHARE. "" when the decoder can share. Valid until the next call.
+ */
+const char *kvshare_decoder_refusal(const struct kvshare_decoder *decoder);
+
+/*
+ * Gives up sharing after open succeeded, because the caller found its own cache does not
+ * match the layout (a tensor's name, type or shape): releases the regions; from now on
+ * share fails with -ENOTSUP and kvshare_decoder_refusal() includes `reason`. The caller
+ * must not use the regions' addresses after this call.
+ */
+void kvshare_decoder_decline(struct kvshare_decoder *decoder, const char *reason);
+
+/* Number of chunks (= fds a share sends); 0 when the decoder cannot share. */
+uint32_t kvshare_decoder_n_chunks(const struct kvshare_decoder *decoder);
+
+/* Chunk `index`: its first byte in this process's writable mapping and its size (a
+ * multiple of 4096). -ENOTSUP when the decoder cannot share, -ERANGE past the last chunk. */
+int kvshare_decoder_chunk(const struct kvshare_decoder *decoder, uint32_t index, void **base,
+                          uint64_t *size_bytes);
+
+/* Number of cache tensors the layout places (cache_k_l*, cache_v_l*, ...). */
+uint32_t kvshare_decoder_n_tensors(const struct kvshare_decoder *decoder);
+
+/* The placement of the tensor called `name` (*out->struct_size must be set). -ENOENT when
+ * the layout has no such tensor, -ENOTSUP when the decoder cannot share, -EINVAL for a
+ * struct_size smaller than this library's first version of the struct. */
+int kvshare_decoder_tensor(const struct kvshare_decoder *decoder, const char *name,
+                           struct kvshare_tensor_info *out);
+
+/* The export backend of the regions ("memfd", "udmabuf", "dmaheap"), "" when the decoder
+ * cannot share. */
+const char *kvshare_decoder_backend(const struct kvshare_decoder *decoder);
+
+/* Total bytes of every chunk. */
+uint64_t kvshare_decoder_region_bytes(const struct kvshare_decoder *decoder);
+
+/*
+ * Connects to the broker listening on the AF_UNIX socket `socket_path`, sends it the
+ * layout header and one fd per chunk (SCM_RIGHTS, one message), and stores the new
+ * share_id in *share_id. Every earlier share_id is stale from now on, also when this
+ * call fails. Blocks at most timeout_ms (<= 0: kvshare's default, 5000 ms); does not wait
+ * for the broker to answer. The decoder keeps its own fds.
+ * Errors: -ENOTSUP (cannot share: kvshare_decoder_refusal()), a connect or send errno
+ * (-ENOENT, -ECONNREFUSED, -EPIPE, -ETIMEDOUT) naming the socket path; a failed share's
+ * id is spent and cannot be adopted.
+ */
+int kvshare_decoder_share(struct kvshare_decoder *decoder, const char *socket_path, int timeout_ms,
+                          uint64_t *share_id);
+
+/*
+ * Accepts the provider's cells 0..n_tokens-1 for share `share_id`: it must be the latest
+ * share that reached a broker and not yet adopted (-ESTALE), n_tokens must be 1..kv_size
+ * (-EINVAL for 0, -ERANGE past the cache). No byte moves: on 0 the caller marks its
+ * cells 0..n_tokens-1 as positions 0..n_tokens-1 of the sequence (llama_kv_cells_adopt).
+ */
+int kvshare_decoder_adopt(struct kvshare_decoder *decoder, uint64_t n_tokens, uint64_t share_id);
+
+/* ------------------------------------------------------------------------------------
+ * Provider side: the process that writes a prompt's K and V into the decoder's cache.
+ *
+ * Lifetime: the handle owns the descriptors it was given and its own mappings of them
+ * (never a driver-made mapping of an imported buffer). The provider writes cells
+ * 0..n-1 between the decoder's share and its adopt, and must have closed the handle (or
+ * ended its writes) before it reports done: the decoder never re-checks the bytes.
+ * ------------------------------------------------------------------------------------ */
+struct kvshare_provider;
+
+/*
+ * Reads the layout header file `layout_path` (the --layout argument), takes ownership of
+ * the descriptors listed in `fd_list` ("3,4", the --fds argument, one per chunk in chunk
+ * order; marked close-on-exec so nothing this process starts inherits them) and imports
+ * them writable. With a model_path, first refuses a header whose model or KV params differ
+ * from that GGUF's in anything that changes the bytes (-EINVAL naming the field and both
+ * values); NULL skips the check (tools that only inspect a share).
+ *
+ * Always stores a handle in *out (NULL only on -ENOMEM); on failure it holds only the
+ * message (kvshare_provider_last_error) and must still be closed. Errors: -EINVAL (a bad
+ * fd list, header or mismatch), -EBADF (a number that is not an open descriptor),
+ * -ENOENT (the header file).
+ */
+int kvshare_provider_open(const char *layout_path, const char *fd_list, const char *model_path,
+                          struct kvshare_provider **out);
+
+/* Ends any write bracket, unmaps, closes the descriptors and frees the handle. NULL is a
+ * no-op. */
+void kvshare_provider_close(struct kvshare_provider *provider);
+
+/* The message of the last failed call on this handle, "" when none failed. */
+const char *kvshare_provider_last_error(const struct kvshare_provider *provider);
+
+/* The KV params in the header (the decoder's): what the provider must run with. */
+int kvshare_provider_kv_params(const struct kvshare_provider *provider, struct kvshare_kv_params *out);
+
+/* Cells of the shared KV cache (kv_size of its one plain cache), 0 when not open. */
+uint32_t kvshare_provider_kv_size(const struct kvshare_provider *provider);
+
+/* As the decoder's: chunk count, chunk base/size in this process's mapping, placements. */
+uint32_t kvshare_provider_n_chunks(const struct kvshare_provider *provider);
+int kvshare_provider_chunk(const struct kvshare_provider *provider, uint32_t index, void **base,
+                           uint64_t *size_bytes);
+uint32_t kvshare_provider_n_tensors(const struct kvshare_provider *provider);
+int kvshare_provider_tensor(const struct kvshare_provider *provider, const char *name,
+                            struct kvshare_tensor_info *out);
+
+/*
+ * Brackets CPU writes into dma-buf regions (DMA_BUF_IOCTL_SYNC; memfd regions need none):
+ * call begin before writing through the mapping or scattering, end when done.
+ * kvshare_provider_close ends an open bracket.
+ */
+int kvshare_provider_begin_write(struct kvshare_provider *provider);
+int kvshare_provider_end_write(struct kvshare_provider *provider);
+
+/*
+ * Writes the K and V rows of layer `il` for cells pos0..pos0+n_tokens-1, converting from
+ * src_type (a ggml_type id: F32, F16 or BF16) to the cache types, rotating quantized
+ * caches as llama.cpp does, transposing V when the cache does (kvshare's xdna::scatter).
+ * Token t's row starts at rows + t * row_stride: n_embd_k_gqa K values, then n_embd_v_gqa
+ * V values (0 for a K-only layer). Checks everything before writing anything: -EINVAL
+ * names the layer, tensor or position (unknown layer, width differing from the cache,
+ * cells past kv_size, an unsupported type).
+ */
+int kvshare_provider_scatter(struct kvshare_provider *provider, uint32_t il, uint32_t pos0, uint32_t n_tokens,
+                             int32_t src_type, const void *rows, uint64_t row_stride, uint32_t n_embd_k_gqa,
+                             uint32_t n_embd_v_gqa);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVSHARE_H */

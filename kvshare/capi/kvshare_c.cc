@@ -1,0 +1,470 @@
+// The C API (kvshare.h): a thin wrapper. Each entry point converts its arguments, calls
+// the C++ class that owns the mechanism (DecoderShare, ProviderShare, xdna::scatter) and
+// turns a Result into a negative errno plus the handle's message. Nothing here decides
+// protocol: checks added to those classes apply to C callers unchanged.
+#include "kvshare.h"
+
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kvshare/env.h"
+#include "kvshare/mapping.h"
+#include "kvshare/share/decoder_share.h"
+#include "kvshare/share/provider_share.h"
+#include "kvshare/statefile/state_file_writer.h"
+#include "layout/gguf_reader.h"
+#include "layout/model_shape.h"
+#include "layout/share_header.h"
+#include "layout/tensor_type.h"
+#include "xdna/scatter.h"
+
+namespace {
+
+using kvshare::Error;
+using kvshare::Result;
+namespace layout = kvshare::layout;
+
+// An errno for an Error that carries none (a parse or shape refusal): EINVAL, so a C
+// caller always sees a negative value on failure.
+int negative_errno(const Error& error) { return -(error.errno_value() != 0 ? error.errno_value() : EINVAL); }
+
+Result<layout::KvParams> to_kv_params(const kvshare_kv_params* in) {
+  if (in == nullptr) return kvshare::fail(EINVAL, "KV params: NULL");
+  if (in->struct_size < sizeof(kvshare_kv_params))
+    return kvshare::fail(EINVAL, "KV params: struct_size {} is smaller than this library's struct ({} bytes)",
+                         in->struct_size, sizeof(kvshare_kv_params));
+  layout::KvParams params;
+  params.n_ctx = in->n_ctx;
+  params.n_seq_max = in->n_seq_max;
+  params.n_ubatch = in->n_ubatch;
+  params.kv_unified = in->kv_unified != 0;
+  params.flash_attn = in->flash_attn != 0;
+  params.swa_full = in->swa_full != 0;
+  for (auto [id, field, out] : {std::tuple{in->type_k, "type_k", &params.type_k},
+                                std::tuple{in->type_v, "type_v", &params.type_v}}) {
+    if (!layout::ggml_type_traits(id)) return kvshare::fail(EINVAL, "KV params: {} {} is not a ggml type id", field, id);
+    *out = static_cast<layout::GgmlType>(id);
+  }
+  if (auto valid = layout::validate(params); !valid) return kvshare::fail(valid.error());
+  return params;
+}
+
+void from_kv_params(const layout::KvParams& in, kvshare_kv_params* out) {
+  kvshare_kv_params_init(out);
+  out->n_ctx = in.n_ctx;
+  out->n_seq_max = in.n_seq_max;
+  out->n_ubatch = in.n_ubatch;
+  out->type_k = static_cast<int32_t>(in.type_k);
+  out->type_v = static_cast<int32_t>(in.type_v);
+  out->kv_unified = in.kv_unified;
+  out->flash_attn = in.flash_attn;
+  out->swa_full = in.swa_full;
+}
+
+// What a GGUF says about itself: the fingerprint a header carries and the shape the
+// memory is derived from. The mapping is dropped before returning.
+struct ModelFacts {
+  layout::ModelFingerprint fingerprint;
+  layout::ModelShape shape;
+};
+
+Result<ModelFacts> read_model(const char* model_path) {
+  if (model_path == nullptr) return kvshare::fail(EINVAL, "model path: NULL");
+  auto mapping = kvshare::Mapping::map_file_readonly(model_path);
+  if (!mapping) return kvshare::fail(mapping.error().with_context(fmt::format("model {}", model_path)));
+  auto gguf = layout::parse_gguf(mapping->bytes(), model_path);
+  if (!gguf) return kvshare::fail(gguf.error());
+  auto shape = layout::derive_model_shape(gguf->metadata);
+  if (!shape) return kvshare::fail(shape.error().with_context(fmt::format("model {}", model_path)));
+  return ModelFacts{layout::model_fingerprint(gguf->metadata, gguf->tensors), std::move(*shape)};
+}
+
+int fill_tensor_info(const Result<kvshare::TensorView>& view, kvshare_tensor_info* out, std::string& last_error) {
+  if (!view) {
+    last_error = view.error().what();
+    return negative_errno(view.error());
+  }
+  if (out == nullptr || out->struct_size < sizeof(kvshare_tensor_info)) {
+    last_error = fmt::format("tensor {}: the kvshare_tensor_info is NULL or its struct_size is smaller than {} bytes",
+                             view->name(), sizeof(kvshare_tensor_info));
+    return -EINVAL;
+  }
+  const layout::SharedTensor& placement = *view->placement;
+  out->chunk = placement.chunk;
+  out->offset = placement.offset;
+  out->nbytes = placement.tensor.nbytes;
+  out->row_bytes = placement.tensor.row_bytes;
+  for (size_t i = 0; i < 4; ++i) out->ne[i] = placement.tensor.ne[i];
+  out->type = static_cast<int32_t>(placement.tensor.type);
+  out->layer = placement.tensor.layer;
+  out->data = view->base;
+  return 0;
+}
+
+int fill_chunk(std::span<const std::span<std::byte>> chunks, uint32_t index, void** base, uint64_t* size_bytes,
+               std::string& last_error) {
+  if (index >= chunks.size()) {
+    last_error = fmt::format("chunk {}: the region has {} chunk(s)", index, chunks.size());
+    return -ERANGE;
+  }
+  if (base != nullptr) *base = chunks[index].data();
+  if (size_bytes != nullptr) *size_bytes = chunks[index].size();
+  return 0;
+}
+
+// Runs `body`, turning any exception into -EIO and a message: none may cross into C.
+template <class Body>
+int guarded(std::string& last_error, const char* what, Body&& body) noexcept {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    last_error = fmt::format("{}: out of memory", what);
+    return -ENOMEM;
+  } catch (const std::exception& e) {
+    last_error = fmt::format("{}: {}", what, e.what());
+    return -EIO;
+  }
+}
+
+}  // namespace
+
+struct kvshare_decoder {
+  std::optional<kvshare::DecoderShare> share;  // empty after decline or when open failed before start
+  std::string open_failure;                    // why the decoder cannot share ("" when it can)
+  std::string refusal;
+  std::string last_error;
+  // The latest share whose message reached a broker: a share that failed to send has no
+  // provider, so its id (spent by DecoderShare) must not be adoptable. Mirrors
+  // kvshare-decoder's engine (refmodel/decoder/refmodel_engine.cc).
+  uint64_t sent_share_id = 0;
+
+  bool can_share() const { return share.has_value() && share->can_share(); }
+};
+
+struct kvshare_provider {
+  std::optional<kvshare::ProviderShare> share;
+  std::vector<kvshare::DmaBufCpuAccess> write_access;
+  uint32_t n_embd_head_k = 0;  // every layer's head size when all agree, for scatter's rotation
+  uint32_t n_embd_head_v = 0;
+  std::string last_error;
+};
+
+namespace {
+
+int provider_not_open(kvshare_provider* p) {
+  p->last_error = fmt::format("provider: not open ({})", p->last_error.empty() ? "open failed" : p->last_error);
+  return -EBADFD;
+}
+
+}  // namespace
+
+extern "C" {
+
+void kvshare_kv_params_init(kvshare_kv_params* params) {
+  if (params == nullptr) return;
+  const layout::KvParams defaults;
+  std::memset(params, 0, sizeof(*params));
+  params->struct_size = sizeof(*params);
+  params->n_ctx = defaults.n_ctx;
+  params->n_seq_max = defaults.n_seq_max;
+  params->n_ubatch = defaults.n_ubatch;
+  params->type_k = static_cast<int32_t>(defaults.type_k);
+  params->type_v = static_cast<int32_t>(defaults.type_v);
+  params->kv_unified = defaults.kv_unified;
+  params->flash_attn = defaults.flash_attn;
+  params->swa_full = defaults.swa_full;
+}
+
+int kvshare_share_requested(void) { return kvshare::kv_share_enabled() ? 1 : 0; }
+
+int kvshare_decoder_open(const char* model_path, const kvshare_kv_params* params, kvshare_decoder** out) {
+  if (out == nullptr) return -EINVAL;
+  *out = new (std::nothrow) kvshare_decoder;
+  if (*out == nullptr) return -ENOMEM;
+  kvshare_decoder& d = **out;
+  const int rc = guarded(d.last_error, "kvshare_decoder_open", [&]() -> int {
+    auto refuse = [&](const Error& error) {
+      d.open_failure = error.what();
+      d.last_error = d.open_failure;
+      return negative_errno(error);
+    };
+    auto kv_params = to_kv_params(params);
+    if (!kv_params) return refuse(kv_params.error());
+    auto model = read_model(model_path);
+    if (!model) return refuse(model.error());
+    auto header = layout::make_share_header(model->fingerprint, model->shape, *kv_params);
+    if (!header) return refuse(header.error().with_context(fmt::format("model {}", model_path)));
+    // Adopt marks cells of one plain cache; an SWA pair or recurrent state would need
+    // more than llama_kv_cells_adopt (the seed's 501 degrade until it is written).
+    if (header->memory.kind != layout::MemoryKind::kv || header->memory.kv_caches.size() != 1)
+      return refuse(Error(ENOTSUP, fmt::format("model {}: memory kind {} cannot be adopted yet (plain KV caches only)",
+                                               model_path, layout::memory_kind_name(header->memory.kind))));
+    auto export_options = kvshare::ExportOptions::from_env();
+    if (!export_options) return refuse(export_options.error());
+    d.share.emplace(kvshare::DecoderShare::start(std::move(*header), true, *export_options));
+    if (!d.share->can_share()) {
+      d.open_failure = d.share->startup_warning();
+      d.last_error = d.open_failure;
+      return -ENOTSUP;
+    }
+    return 0;
+  });
+  if (rc != 0 && d.open_failure.empty()) d.open_failure = d.last_error;
+  return rc;
+}
+
+void kvshare_decoder_close(kvshare_decoder* decoder) { delete decoder; }
+
+const char* kvshare_decoder_last_error(const kvshare_decoder* decoder) {
+  return decoder == nullptr ? "" : decoder->last_error.c_str();
+}
+
+int kvshare_decoder_can_share(const kvshare_decoder* decoder) { return decoder != nullptr && decoder->can_share(); }
+
+const char* kvshare_decoder_refusal(const kvshare_decoder* decoder) {
+  static const std::string flag_unset = kvshare::share_unavailable_reason(false, "");
+  if (decoder == nullptr) return flag_unset.c_str();
+  auto* d = const_cast<kvshare_decoder*>(decoder);
+  d->refusal = d->can_share() ? std::string() : kvshare::share_unavailable_reason(true, d->open_failure);
+  return d->refusal.c_str();
+}
+
+void kvshare_decoder_decline(kvshare_decoder* decoder, const char* reason) {
+  if (decoder == nullptr) return;
+  decoder->open_failure = reason != nullptr && reason[0] != '\0' ? reason : "the decoder declined the layout";
+  decoder->share.reset();
+}
+
+uint32_t kvshare_decoder_n_chunks(const kvshare_decoder* decoder) {
+  return decoder != nullptr && decoder->can_share() ? static_cast<uint32_t>(decoder->share->regions().size()) : 0;
+}
+
+int kvshare_decoder_chunk(const kvshare_decoder* decoder, uint32_t index, void** base, uint64_t* size_bytes) {
+  if (decoder == nullptr) return -EINVAL;
+  auto* d = const_cast<kvshare_decoder*>(decoder);
+  if (!d->can_share()) {
+    d->last_error = kvshare_decoder_refusal(d);
+    return -ENOTSUP;
+  }
+  return fill_chunk(d->share->chunk_bytes(), index, base, size_bytes, d->last_error);
+}
+
+uint32_t kvshare_decoder_n_tensors(const kvshare_decoder* decoder) {
+  return decoder != nullptr && decoder->can_share() ? static_cast<uint32_t>(decoder->share->header().layout.tensors.size())
+                                                    : 0;
+}
+
+int kvshare_decoder_tensor(const kvshare_decoder* decoder, const char* name, kvshare_tensor_info* out) {
+  if (decoder == nullptr || name == nullptr) return -EINVAL;
+  auto* d = const_cast<kvshare_decoder*>(decoder);
+  return guarded(d->last_error, "kvshare_decoder_tensor", [&] {
+    if (!d->can_share()) {
+      d->last_error = kvshare_decoder_refusal(d);
+      return -ENOTSUP;
+    }
+    return fill_tensor_info(d->share->view(name), out, d->last_error);
+  });
+}
+
+const char* kvshare_decoder_backend(const kvshare_decoder* decoder) {
+  if (decoder == nullptr || !decoder->can_share()) return "";
+  return kvshare::region_backend_name(decoder->share->regions().front().backend).data();
+}
+
+uint64_t kvshare_decoder_region_bytes(const kvshare_decoder* decoder) {
+  return decoder != nullptr && decoder->can_share() ? decoder->share->header().layout.total_bytes() : 0;
+}
+
+int kvshare_decoder_share(kvshare_decoder* decoder, const char* socket_path, int timeout_ms, uint64_t* share_id) {
+  if (decoder == nullptr) return -EINVAL;
+  kvshare_decoder& d = *decoder;
+  return guarded(d.last_error, "kvshare_decoder_share", [&] {
+    if (socket_path == nullptr || socket_path[0] == '\0') {
+      d.last_error = "share: the socket path is empty";
+      return -EINVAL;
+    }
+    if (!d.can_share()) {
+      d.last_error = kvshare_decoder_refusal(&d);
+      return -ENOTSUP;
+    }
+    auto id = d.share->share(socket_path, timeout_ms > 0 ? timeout_ms : kvshare::kShareTimeoutMs);
+    if (!id) {
+      d.last_error = id.error().what();
+      return negative_errno(id.error());
+    }
+    d.sent_share_id = *id;
+    if (share_id != nullptr) *share_id = *id;
+    return 0;
+  });
+}
+
+int kvshare_decoder_adopt(kvshare_decoder* decoder, uint64_t n_tokens, uint64_t share_id) {
+  if (decoder == nullptr) return -EINVAL;
+  kvshare_decoder& d = *decoder;
+  return guarded(d.last_error, "kvshare_decoder_adopt", [&] {
+    if (!d.can_share()) {
+      d.last_error = kvshare_decoder_refusal(&d);
+      return -ENOTSUP;
+    }
+    if (d.sent_share_id == 0 || share_id != d.sent_share_id) {
+      // A share whose message never reached a broker has no provider: nothing to adopt.
+      d.last_error = d.sent_share_id == 0
+                         ? fmt::format("share_id {}: no share has been sent to a broker yet", share_id)
+                         : fmt::format("share_id {} is not the latest share sent to a broker ({})", share_id,
+                                       d.sent_share_id);
+      return -ESTALE;
+    }
+    auto plan = d.share->adopt(n_tokens, share_id);
+    if (!plan) {
+      d.last_error = plan.error().what();
+      return negative_errno(plan.error());
+    }
+    return 0;
+  });
+}
+
+int kvshare_provider_open(const char* layout_path, const char* fd_list, const char* model_path,
+                          kvshare_provider** out) {
+  if (out == nullptr) return -EINVAL;
+  *out = new (std::nothrow) kvshare_provider;
+  if (*out == nullptr) return -ENOMEM;
+  kvshare_provider& p = **out;
+  return guarded(p.last_error, "kvshare_provider_open", [&]() -> int {
+    auto refuse = [&](const Error& error) {
+      p.last_error = error.what();
+      return negative_errno(error);
+    };
+    if (layout_path == nullptr || fd_list == nullptr) return refuse(Error(EINVAL, "provider: NULL layout path or fd list"));
+    auto fds = kvshare::parse_fd_list(fd_list);
+    if (!fds) return refuse(fds.error().with_context("--fds"));
+    if (model_path == nullptr) {
+      auto share = kvshare::ProviderShare::open_unchecked(layout_path, *fds);
+      if (!share) return refuse(share.error());
+      p.share.emplace(std::move(*share));
+      return 0;
+    }
+    // The header carries the decoder's params; ours is this model under those params, so
+    // the comparison sees every difference of model or shape (as kvshare-prefill does).
+    auto theirs = kvshare::read_header_file(layout_path);
+    if (!theirs) return refuse(theirs.error());
+    auto model = read_model(model_path);
+    if (!model) return refuse(model.error());
+    auto ours = layout::make_share_header(model->fingerprint, model->shape, theirs->params);
+    if (!ours) return refuse(ours.error().with_context(fmt::format("model {}", model_path)));
+    auto share = kvshare::ProviderShare::open(layout_path, *fds, *ours);
+    if (!share) return refuse(share.error().with_context(fmt::format("model {}", model_path)));
+    p.share.emplace(std::move(*share));
+    // llama.cpp rotates quantized caches by the head size all layers share (0: none).
+    for (const auto& layer : model->shape.layers) {
+      if (!layer.has_kv) continue;
+      p.n_embd_head_k = p.n_embd_head_k == 0 || p.n_embd_head_k == layer.n_embd_head_k ? layer.n_embd_head_k : UINT32_MAX;
+      p.n_embd_head_v = p.n_embd_head_v == 0 || p.n_embd_head_v == layer.n_embd_head_v ? layer.n_embd_head_v : UINT32_MAX;
+    }
+    return 0;
+  });
+}
+
+void kvshare_provider_close(kvshare_provider* provider) { delete provider; }
+
+const char* kvshare_provider_last_error(const kvshare_provider* provider) {
+  return provider == nullptr ? "" : provider->last_error.c_str();
+}
+
+int kvshare_provider_kv_params(const kvshare_provider* provider, kvshare_kv_params* out) {
+  if (provider == nullptr || out == nullptr) return -EINVAL;
+  auto* p = const_cast<kvshare_provider*>(provider);
+  if (!p->share) return provider_not_open(p);
+  from_kv_params(p->share->header().params, out);
+  return 0;
+}
+
+uint32_t kvshare_provider_kv_size(const kvshare_provider* provider) {
+  if (provider == nullptr || !provider->share || provider->share->header().memory.kv_caches.empty()) return 0;
+  return provider->share->header().memory.kv_caches.front().kv_size;
+}
+
+uint32_t kvshare_provider_n_chunks(const kvshare_provider* provider) {
+  return provider != nullptr && provider->share ? static_cast<uint32_t>(provider->share->imported().regions().size()) : 0;
+}
+
+int kvshare_provider_chunk(const kvshare_provider* provider, uint32_t index, void** base, uint64_t* size_bytes) {
+  if (provider == nullptr) return -EINVAL;
+  auto* p = const_cast<kvshare_provider*>(provider);
+  if (!p->share) return provider_not_open(p);
+  return fill_chunk(p->share->imported().chunk_bytes(), index, base, size_bytes, p->last_error);
+}
+
+uint32_t kvshare_provider_n_tensors(const kvshare_provider* provider) {
+  return provider != nullptr && provider->share ? static_cast<uint32_t>(provider->share->header().layout.tensors.size())
+                                                : 0;
+}
+
+int kvshare_provider_tensor(const kvshare_provider* provider, const char* name, kvshare_tensor_info* out) {
+  if (provider == nullptr || name == nullptr) return -EINVAL;
+  auto* p = const_cast<kvshare_provider*>(provider);
+  if (!p->share) return provider_not_open(p);
+  return guarded(p->last_error, "kvshare_provider_tensor",
+                 [&] { return fill_tensor_info(p->share->view(name), out, p->last_error); });
+}
+
+int kvshare_provider_begin_write(kvshare_provider* provider) {
+  if (provider == nullptr) return -EINVAL;
+  kvshare_provider& p = *provider;
+  if (!p.share) return provider_not_open(&p);
+  return guarded(p.last_error, "kvshare_provider_begin_write", [&] {
+    if (!p.write_access.empty()) return 0;
+    auto access = p.share->begin_write();
+    if (!access) {
+      p.last_error = access.error().what();
+      return negative_errno(access.error());
+    }
+    p.write_access = std::move(*access);
+    return 0;
+  });
+}
+
+int kvshare_provider_end_write(kvshare_provider* provider) {
+  if (provider == nullptr) return -EINVAL;
+  provider->write_access.clear();  // each guard's destructor issues SYNC_END
+  return 0;
+}
+
+int kvshare_provider_scatter(kvshare_provider* provider, uint32_t il, uint32_t pos0, uint32_t n_tokens,
+                             int32_t src_type, const void* rows, uint64_t row_stride, uint32_t n_embd_k_gqa,
+                             uint32_t n_embd_v_gqa) {
+  if (provider == nullptr) return -EINVAL;
+  kvshare_provider& p = *provider;
+  if (!p.share) return provider_not_open(&p);
+  return guarded(p.last_error, "kvshare_provider_scatter", [&] {
+    if (!layout::ggml_type_traits(src_type)) {
+      p.last_error = fmt::format("scatter of layer {}: source type {} is not a ggml type id", il, src_type);
+      return -EINVAL;
+    }
+    const auto& header = p.share->header();
+    const auto chunks = p.share->imported().chunk_bytes();
+    const bool heads_agree = p.n_embd_head_k != UINT32_MAX && p.n_embd_head_v != UINT32_MAX;
+    kvshare::xdna::ScatterTarget target{header.layout, header.memory,
+                                        std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()), 0,
+                                        heads_agree ? p.n_embd_head_k : 0, heads_agree ? p.n_embd_head_v : 0};
+    kvshare::xdna::ScatterBatch batch;
+    batch.layers.push_back({il, rows, n_embd_k_gqa, n_embd_v_gqa});
+    batch.pos0 = pos0;
+    batch.n_tokens = n_tokens;
+    batch.src_type = static_cast<layout::GgmlType>(src_type);
+    batch.row_stride = row_stride;
+    batch.rotation_disabled = !heads_agree || kvshare::statefile::attn_rotation_disabled_by_env();
+    auto scattered = kvshare::xdna::scatter(target, batch);
+    if (!scattered) {
+      p.last_error = scattered.error().what();
+      return negative_errno(scattered.error());
+    }
+    return 0;
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,475 @@
+/* The C API as a C11 consumer sees it: only kvshare.h, only kvshare_ symbols.
+ * One binary; `capi_tests NAME` runs one test (ctest registers each name), and every
+ * test checks that the process ends with the descriptors it started with.
+ * Usage: capi_tests NAME MKMODEL_PATH WORK_DIR */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "kvshare.h"
+
+static int failures;
+
+#define CHECK(cond)                                                              \
+    do {                                                                         \
+        if (!(cond)) {                                                           \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+            ++failures;                                                          \
+        }                                                                        \
+    } while (0)
+
+#define CHECK_RC(expr, expected)                                                 \
+    do {                                                                         \
+        int rc_ = (expr);                                                        \
+        if (rc_ != (expected)) {                                                 \
+            fprintf(stderr, "%s:%d: %s returned %d (%s), expected %d (%s)\n", __FILE__, __LINE__, #expr, rc_, \
+                    strerror(-rc_), (expected), strerror(-(expected)));          \
+            ++failures;                                                          \
+        }                                                                        \
+    } while (0)
+
+#define CHECK_CONTAINS(text, word)                                               \
+    do {                                                                         \
+        const char *t_ = (text);                                                 \
+        if (t_ == NULL || strstr(t_, (word)) == NULL) {                          \
+            fprintf(stderr, "%s:%d: \"%s\" does not contain \"%s\"\n", __FILE__, __LINE__, t_ ? t_ : "(null)", \
+                    (word));                                                     \
+            ++failures;                                                          \
+        }                                                                        \
+    } while (0)
+
+static const char *mkmodel;
+static const char *work_dir;
+
+static int count_open_fds(void) {
+    DIR *dir = opendir("/proc/self/fd");
+    if (dir == NULL) return -1;
+    int n = 0;
+    for (struct dirent *e = readdir(dir); e != NULL; e = readdir(dir))
+        if (e->d_name[0] != '.') ++n;
+    closedir(dir);
+    return n - 1; /* the directory's own descriptor */
+}
+
+/* A model kvshare-mkmodel writes into the work dir (cached across tests). */
+static const char *model_path(const char *arch, int seed) {
+    static char path[4][4096];
+    static int next;
+    char *out = path[next++ % 4];
+    snprintf(out, sizeof path[0], "%s/capi-%s-%d.gguf", work_dir, arch, seed);
+    if (access(out, R_OK) != 0) {
+        char command[8192];
+        snprintf(command, sizeof command, "'%s' --arch %s --seed %d '%s' >/dev/null", mkmodel, arch, seed, out);
+        if (system(command) != 0) {
+            fprintf(stderr, "could not make a model: %s\n", command);
+            exit(1);
+        }
+    }
+    return out;
+}
+
+static struct kvshare_kv_params small_params(void) {
+    struct kvshare_kv_params params;
+    kvshare_kv_params_init(&params);
+    params.n_ctx = 256;
+    return params;
+}
+
+/* A broker's listening socket in the work dir. */
+static int listen_at(const char *name, char *path_out, size_t path_size) {
+    snprintf(path_out, path_size, "%s/%s", work_dir, name);
+    unlink(path_out);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un addr;
+    memset(&addr, 0, sizeof addr);
+    addr.sun_family = AF_UNIX;
+    strncpy(addr.sun_path, path_out, sizeof addr.sun_path - 1);
+    if (fd < 0 || bind(fd, (struct sockaddr *)&addr, sizeof addr) != 0 || listen(fd, 4) != 0) {
+        perror("listen");
+        exit(1);
+    }
+    return fd;
+}
+
+/* Receives one handshake frame: the JSON (NUL-terminated, malloc'd) and its fds. */
+static char *receive_share(int listener, int *fds, int max_fds, int *n_fds) {
+    int conn = accept4(listener, NULL, NULL, SOCK_CLOEXEC);
+    CHECK(conn >= 0);
+    size_t capacity = 1 << 20, got = 0;
+    char *buf = malloc(capacity + 1);
+    char control[CMSG_SPACE(sizeof(int) * 16)];
+    *n_fds = 0;
+    for (;;) {
+        struct iovec iov = {buf + got, capacity - got};
+        struct msghdr msg;
+        memset(&msg, 0, sizeof msg);
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control;
+        msg.msg_controllen = sizeof control;
+        ssize_t n = recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
+        if (n <= 0) break;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c != NULL; c = CMSG_NXTHDR(&msg, c)) {
+            if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+                int count = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+                for (int i = 0; i < count && *n_fds < max_fds; ++i) memcpy(&fds[(*n_fds)++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+            }
+        }
+        got += (size_t)n;
+        if (got >= 4) {
+            uint32_t length = (uint32_t)(unsigned char)buf[0] | (uint32_t)(unsigned char)buf[1] << 8 |
+                              (uint32_t)(unsigned char)buf[2] << 16 | (uint32_t)(unsigned char)buf[3] << 24;
+            if (got >= 4 + (size_t)length) break;
+        }
+    }
+    close(conn);
+    buf[got] = '\0';
+    memmove(buf, buf + 4, got >= 4 ? got - 3 : 1);
+    return buf;
+}
+
+/* The message ends with ,"header":{...}} (docs/protocol.md): write that object to a file,
+ * as the broker writes the --layout file. */
+static void write_layout_file(const char *message, const char *path) {
+    const char *header = strstr(message, "\"header\":");
+    CHECK(header != NULL);
+    if (header == NULL) return;
+    header += strlen("\"header\":");
+    FILE *f = fopen(path, "w");
+    fwrite(header, 1, strlen(header) - 1, f); /* drop the envelope's closing brace */
+    fclose(f);
+}
+
+static uint16_t f16_bits(float value) {
+    /* Exact for the small integers these tests use. */
+    union { float f; uint32_t u; } v = {value};
+    uint32_t sign = (v.u >> 16) & 0x8000u;
+    int exp = (int)((v.u >> 23) & 0xff) - 127 + 15;
+    uint32_t mant = (v.u >> 13) & 0x3ffu;
+    if ((v.u & 0x7fffffffu) == 0) return (uint16_t)sign;
+    return (uint16_t)(sign | (uint32_t)exp << 10 | mant);
+}
+
+/* ---- tests ---- */
+
+static void decoder_places_every_cache_tensor_in_its_exported_chunks(void) {
+    struct kvshare_kv_params params = small_params();
+    struct kvshare_decoder *d = NULL;
+    CHECK_RC(kvshare_decoder_open(model_path("llama", 3), &params, &d), 0);
+    CHECK(d != NULL);
+    CHECK(kvshare_decoder_can_share(d) == 1);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "");
+    CHECK(strcmp(kvshare_decoder_refusal(d), "") == 0);
+    CHECK(kvshare_decoder_n_chunks(d) >= 1);
+    CHECK(kvshare_decoder_n_tensors(d) >= 2);
+    uint64_t total = 0;
+    for (uint32_t i = 0; i < kvshare_decoder_n_chunks(d); ++i) {
+        void *base = NULL;
+        uint64_t size = 0;
+        CHECK_RC(kvshare_decoder_chunk(d, i, &base, &size), 0);
+        CHECK(base != NULL && size % 4096 == 0);
+        total += size;
+    }
+    CHECK(total == kvshare_decoder_region_bytes(d));
+    CHECK_RC(kvshare_decoder_chunk(d, kvshare_decoder_n_chunks(d), NULL, NULL), -ERANGE);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "chunk");
+
+    struct kvshare_tensor_info k = {.struct_size = sizeof k};
+    CHECK_RC(kvshare_decoder_tensor(d, "cache_k_l0", &k), 0);
+    void *base = NULL;
+    kvshare_decoder_chunk(d, k.chunk, &base, NULL);
+    CHECK(k.offset % 4096 == 0);
+    CHECK((char *)k.data == (char *)base + k.offset);
+    CHECK(k.ne[1] == 256);   /* kv_size */
+    CHECK(k.type == 1);      /* GGML_TYPE_F16 */
+    CHECK(k.layer == 0);
+    CHECK(k.row_bytes == (uint64_t)k.ne[0] * 2);
+    struct kvshare_tensor_info none = {.struct_size = sizeof none};
+    CHECK_RC(kvshare_decoder_tensor(d, "cache_k_l999", &none), -ENOENT);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "cache_k_l999");
+    struct kvshare_tensor_info old = {.struct_size = 8};
+    CHECK_RC(kvshare_decoder_tensor(d, "cache_k_l0", &old), -EINVAL);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "struct_size");
+    CHECK(strcmp(kvshare_decoder_backend(d), "") != 0);
+    kvshare_decoder_close(d);
+}
+
+static void share_sends_one_fd_per_chunk_mapping_the_decoders_cache(void) {
+    struct kvshare_kv_params params = small_params();
+    struct kvshare_decoder *d = NULL;
+    CHECK_RC(kvshare_decoder_open(model_path("llama", 3), &params, &d), 0);
+    char socket_path[4096];
+    int listener = listen_at("capi-share.sock", socket_path, sizeof socket_path);
+    uint64_t share_id = 0;
+    CHECK_RC(kvshare_decoder_share(d, socket_path, 2000, &share_id), 0);
+    CHECK(share_id == 1);
+    int fds[16], n_fds = 0;
+    char *message = receive_share(listener, fds, 16, &n_fds);
+    CHECK(n_fds == (int)kvshare_decoder_n_chunks(d));
+    CHECK_CONTAINS(message, "\"share_id\":1");
+    CHECK_CONTAINS(message, "cache_v_l0");
+
+    /* A byte the decoder writes through its mapping is the byte the peer's fd maps. */
+    struct kvshare_tensor_info v = {.struct_size = sizeof v};
+    CHECK_RC(kvshare_decoder_tensor(d, "cache_v_l0", &v), 0);
+    void *chunk_base = NULL;
+    uint64_t chunk_size = 0;
+    kvshare_decoder_chunk(d, v.chunk, &chunk_base, &chunk_size);
+    ((unsigned char *)v.data)[5] = 0xa7;
+    unsigned char *peer = mmap(NULL, chunk_size, PROT_READ, MAP_SHARED, fds[v.chunk], 0);
+    CHECK(peer != MAP_FAILED);
+    if (peer != MAP_FAILED) {
+        CHECK(peer[v.offset + 5] == 0xa7);
+        munmap(peer, chunk_size);
+    }
+    for (int i = 0; i < n_fds; ++i) close(fds[i]);
+    free(message);
+    close(listener);
+    unlink(socket_path);
+    kvshare_decoder_close(d);
+}
+
+static void adopt_takes_only_the_latest_sent_share_once(void) {
+    struct kvshare_kv_params params = small_params();
+    struct kvshare_decoder *d = NULL;
+    CHECK_RC(kvshare_decoder_open(model_path("llama", 3), &params, &d), 0);
+    CHECK_RC(kvshare_decoder_adopt(d, 4, 1), -ESTALE);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "no share has been sent");
+
+    char socket_path[4096];
+    int listener = listen_at("capi-adopt.sock", socket_path, sizeof socket_path);
+    uint64_t first = 0, second = 0;
+    int fds[16], n_fds = 0;
+    CHECK_RC(kvshare_decoder_share(d, socket_path, 2000, &first), 0);
+    free(receive_share(listener, fds, 16, &n_fds));
+    for (int i = 0; i < n_fds; ++i) close(fds[i]);
+    CHECK_RC(kvshare_decoder_share(d, socket_path, 2000, &second), 0);
+    free(receive_share(listener, fds, 16, &n_fds));
+    for (int i = 0; i < n_fds; ++i) close(fds[i]);
+    CHECK(second == first + 1);
+
+    CHECK_RC(kvshare_decoder_adopt(d, 4, first), -ESTALE);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "not the latest");
+    CHECK_RC(kvshare_decoder_adopt(d, 0, second), -EINVAL);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "0 tokens");
+    CHECK_RC(kvshare_decoder_adopt(d, 257, second), -ERANGE);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "257 tokens");
+    CHECK_RC(kvshare_decoder_adopt(d, 4, second), 0);
+    CHECK_RC(kvshare_decoder_adopt(d, 4, second), -ESTALE);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "already adopted");
+
+    /* A share that never reached a broker spends its id: nothing to adopt. */
+    char missing[4096];
+    snprintf(missing, sizeof missing, "%s/capi-nobody-listens.sock", work_dir);
+    unlink(missing);
+    uint64_t lost = 0;
+    int rc = kvshare_decoder_share(d, missing, 500, &lost);
+    CHECK(rc == -ENOENT || rc == -ECONNREFUSED);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "capi-nobody-listens.sock");
+    CHECK_RC(kvshare_decoder_adopt(d, 4, second + 1), -ESTALE);
+    close(listener);
+    unlink(socket_path);
+    kvshare_decoder_close(d);
+}
+
+static void a_decoder_that_cannot_share_names_both_causes(void) {
+    CHECK_CONTAINS(kvshare_decoder_refusal(NULL), "ONEBIT_KV_SHARE was not set");
+    CHECK_CONTAINS(kvshare_decoder_refusal(NULL), "KV backend");
+
+    struct kvshare_kv_params params = small_params();
+    struct kvshare_decoder *d = NULL;
+    char missing[4096];
+    snprintf(missing, sizeof missing, "%s/no-such-model.gguf", work_dir);
+    CHECK_RC(kvshare_decoder_open(missing, &params, &d), -ENOENT);
+    CHECK(d != NULL);
+    CHECK(kvshare_decoder_can_share(d) == 0);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "no-such-model.gguf");
+    CHECK_CONTAINS(kvshare_decoder_refusal(d), "ONEBIT_KV_SHARE is set");
+    CHECK_CONTAINS(kvshare_decoder_refusal(d), "no-such-model.gguf");
+    uint64_t id = 0;
+    CHECK_RC(kvshare_decoder_share(d, "/nonexistent.sock", 100, &id), -ENOTSUP);
+    CHECK_RC(kvshare_decoder_adopt(d, 1, 1), -ENOTSUP);
+    CHECK(kvshare_decoder_n_chunks(d) == 0);
+    kvshare_decoder_close(d);
+
+    /* Bad params are refused by name. */
+    params.type_k = 4; /* removed from ggml */
+    CHECK_RC(kvshare_decoder_open(model_path("llama", 3), &params, &d), -EINVAL);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "type_k 4");
+    kvshare_decoder_close(d);
+}
+
+static void decline_releases_the_regions_and_refuses_with_the_reason(void) {
+    struct kvshare_kv_params params = small_params();
+    struct kvshare_decoder *d = NULL;
+    const int before = count_open_fds();
+    CHECK_RC(kvshare_decoder_open(model_path("llama", 3), &params, &d), 0);
+    CHECK(count_open_fds() > before);
+    kvshare_decoder_decline(d, "cache_k_l1 is q8_0 here, the layout says f16");
+    CHECK(count_open_fds() == before);
+    CHECK(kvshare_decoder_can_share(d) == 0);
+    CHECK_CONTAINS(kvshare_decoder_refusal(d), "cache_k_l1 is q8_0 here");
+    uint64_t id = 0;
+    CHECK_RC(kvshare_decoder_share(d, "/nonexistent.sock", 100, &id), -ENOTSUP);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "cache_k_l1 is q8_0 here");
+    kvshare_decoder_close(d);
+}
+
+/* The provider end to end: imports the fds a share sent, scatters f32 rows, and the
+ * decoder's own mapping holds them as f16 at the cells written. */
+static void provider_scatter_lands_in_the_decoders_cells(void) {
+    struct kvshare_kv_params params = small_params();
+    struct kvshare_decoder *d = NULL;
+    const char *model = model_path("llama", 3);
+    CHECK_RC(kvshare_decoder_open(model, &params, &d), 0);
+    char socket_path[4096], layout_path[4096], fd_list[256] = "";
+    int listener = listen_at("capi-provider.sock", socket_path, sizeof socket_path);
+    uint64_t share_id = 0;
+    CHECK_RC(kvshare_decoder_share(d, socket_path, 2000, &share_id), 0);
+    int fds[16], n_fds = 0;
+    char *message = receive_share(listener, fds, 16, &n_fds);
+    snprintf(layout_path, sizeof layout_path, "%s/capi-layout.json", work_dir);
+    write_layout_file(message, layout_path);
+    for (int i = 0; i < n_fds; ++i)
+        snprintf(fd_list + strlen(fd_list), sizeof fd_list - strlen(fd_list), "%s%d", i ? "," : "", fds[i]);
+
+    struct kvshare_provider *p = NULL;
+    CHECK_RC(kvshare_provider_open(layout_path, fd_list, model, &p), 0);
+    if (failures == 0) {
+        struct kvshare_kv_params theirs;
+        CHECK_RC(kvshare_provider_kv_params(p, &theirs), 0);
+        CHECK(theirs.n_ctx == 256 && theirs.type_k == 1 && theirs.flash_attn == 1);
+        CHECK(kvshare_provider_kv_size(p) == 256);
+        CHECK(kvshare_provider_n_chunks(p) == kvshare_decoder_n_chunks(d));
+        struct kvshare_tensor_info k = {.struct_size = sizeof k}, v = {.struct_size = sizeof v};
+        CHECK_RC(kvshare_provider_tensor(p, "cache_k_l0", &k), 0);
+        CHECK_RC(kvshare_provider_tensor(p, "cache_v_l0", &v), 0);
+        const uint32_t n_k = (uint32_t)k.ne[0], n_v = (uint32_t)v.ne[0], n_tokens = 3;
+        float *rows = calloc((size_t)n_tokens * (n_k + n_v), sizeof(float));
+        for (uint32_t t = 0; t < n_tokens; ++t)
+            for (uint32_t j = 0; j < n_k + n_v; ++j) rows[t * (n_k + n_v) + j] = (float)(t + 1) * (j < n_k ? 1.0f : -1.0f);
+        CHECK_RC(kvshare_provider_begin_write(p), 0);
+        CHECK_RC(kvshare_provider_scatter(p, 0, 5, n_tokens, 0 /* F32 */, rows, (n_k + n_v) * sizeof(float), n_k, n_v), 0);
+        CHECK_RC(kvshare_provider_end_write(p), 0);
+        /* A width the cache does not have is refused before anything is written. */
+        CHECK_RC(kvshare_provider_scatter(p, 0, 0, 1, 0, rows, (n_k + n_v) * sizeof(float), n_k + 1, n_v), -EINVAL);
+        CHECK_CONTAINS(kvshare_provider_last_error(p), "layer 0");
+        CHECK_RC(kvshare_provider_scatter(p, 0, 255, 2, 0, rows, (n_k + n_v) * sizeof(float), n_k, n_v), -EINVAL);
+        free(rows);
+
+        struct kvshare_tensor_info dk = {.struct_size = sizeof dk}, dv = {.struct_size = sizeof dv};
+        kvshare_decoder_tensor(d, "cache_k_l0", &dk);
+        kvshare_decoder_tensor(d, "cache_v_l0", &dv);
+        const uint16_t *k_cells = dk.data, *v_cells = dv.data;
+        CHECK(k_cells[5 * n_k] == f16_bits(1.0f));
+        CHECK(k_cells[7 * n_k + n_k - 1] == f16_bits(3.0f));
+        CHECK(v_cells[6 * n_v] == f16_bits(-2.0f));
+        CHECK(k_cells[4 * n_k] == 0 && k_cells[8 * n_k] == 0); /* neighbours untouched */
+    } else {
+        fprintf(stderr, "provider open: %s\n", kvshare_provider_last_error(p));
+    }
+    const int before_close = count_open_fds();
+    kvshare_provider_close(p);
+    CHECK(count_open_fds() == before_close - n_fds); /* the provider owned the fds */
+    CHECK_RC(kvshare_decoder_adopt(d, 8, share_id), 0);
+    free(message);
+    close(listener);
+    unlink(socket_path);
+    unlink(layout_path);
+    kvshare_decoder_close(d);
+}
+
+static void provider_refuses_another_models_layout_and_bad_fds(void) {
+    struct kvshare_kv_params params = small_params();
+    struct kvshare_decoder *d = NULL;
+    CHECK_RC(kvshare_decoder_open(model_path("llama", 3), &params, &d), 0);
+    char socket_path[4096], layout_path[4096], fd_list[64];
+    int listener = listen_at("capi-refuse.sock", socket_path, sizeof socket_path);
+    uint64_t share_id = 0;
+    CHECK_RC(kvshare_decoder_share(d, socket_path, 2000, &share_id), 0);
+    int fds[16], n_fds = 0;
+    char *message = receive_share(listener, fds, 16, &n_fds);
+    snprintf(layout_path, sizeof layout_path, "%s/capi-refuse.json", work_dir);
+    write_layout_file(message, layout_path);
+    snprintf(fd_list, sizeof fd_list, "%d", fds[0]);
+
+    struct kvshare_provider *p = NULL;
+    CHECK_RC(kvshare_provider_open(layout_path, fd_list, model_path("qwen2", 4), &p), -EINVAL);
+    CHECK_CONTAINS(kvshare_provider_last_error(p), "model.");
+    void *base = NULL;
+    CHECK_RC(kvshare_provider_chunk(p, 0, &base, NULL), -EBADFD);
+    kvshare_provider_close(p);
+
+    CHECK_RC(kvshare_provider_open(layout_path, "1", model_path("llama", 3), &p), -EINVAL);
+    CHECK_CONTAINS(kvshare_provider_last_error(p), "--fds");
+    kvshare_provider_close(p);
+    CHECK_RC(kvshare_provider_open(layout_path, "999", NULL, &p), -EBADF);
+    CHECK_CONTAINS(kvshare_provider_last_error(p), "999");
+    kvshare_provider_close(p);
+
+    for (int i = 0; i < n_fds; ++i) close(fds[i]);
+    free(message);
+    close(listener);
+    unlink(socket_path);
+    unlink(layout_path);
+    kvshare_decoder_close(d);
+}
+
+static void share_requested_reads_set_and_non_empty(void) {
+    unsetenv("ONEBIT_KV_SHARE");
+    CHECK(kvshare_share_requested() == 0);
+    setenv("ONEBIT_KV_SHARE", "", 1);
+    CHECK(kvshare_share_requested() == 0);
+    setenv("ONEBIT_KV_SHARE", "0", 1);
+    CHECK(kvshare_share_requested() == 1);
+    unsetenv("ONEBIT_KV_SHARE");
+}
+
+struct test {
+    const char *name;
+    void (*run)(void);
+};
+
+static const struct test tests[] = {
+    {"DecoderPlacesEveryCacheTensorInItsExportedChunks", decoder_places_every_cache_tensor_in_its_exported_chunks},
+    {"ShareSendsOneFdPerChunkMappingTheDecodersCache", share_sends_one_fd_per_chunk_mapping_the_decoders_cache},
+    {"AdoptTakesOnlyTheLatestSentShareOnce", adopt_takes_only_the_latest_sent_share_once},
+    {"ADecoderThatCannotShareNamesBothCauses", a_decoder_that_cannot_share_names_both_causes},
+    {"DeclineReleasesTheRegionsAndRefusesWithTheReason", decline_releases_the_regions_and_refuses_with_the_reason},
+    {"ProviderScatterLandsInTheDecodersCells", provider_scatter_lands_in_the_decoders_cells},
+    {"ProviderRefusesAnotherModelsLayoutAndBadFds", provider_refuses_another_models_layout_and_bad_fds},
+    {"ShareRequestedReadsSetAndNonEmpty", share_requested_reads_set_and_non_empty},
+};
+
+int main(int argc, char **argv) {
+    if (argc != 4) {
+        fprintf(stderr, "usage: %s TEST MKMODEL WORK_DIR\n", argv[0]);
+        return 2;
+    }
+    mkmodel = argv[2];
+    work_dir = argv[3];
+    for (size_t i = 0; i < sizeof tests / sizeof tests[0]; ++i) {
+        if (strcmp(argv[1], tests[i].name) != 0) continue;
+        model_path("llama", 3); /* made before counting: system() is not the code under test */
+        model_path("qwen2", 4);
+        const int before = count_open_fds();
+        tests[i].run();
+        const int after = count_open_fds();
+        if (after != before) {
+            fprintf(stderr, "%s: %d descriptor(s) open before, %d after: leaked\n", tests[i].name, before, after);
+            ++failures;
+        }
+        fprintf(stderr, "%s: %s\n", tests[i].name, failures == 0 ? "passed" : "FAILED");
+        return failures == 0 ? 0 : 1;
+    }
+    fprintf(stderr, "%s: no test named %s\n", argv[0], argv[1]);
+    return 2;
+}

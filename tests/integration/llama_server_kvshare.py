@@ -1,0 +1,287 @@
+#!/usr/bin/env python3
+"""llama_server_kvshare: the shared route with the real decoder, a llama-server built with
+the patch series of integrations/llama.cpp (LLAMA_SERVER_KVSHARE=path; skipped, exit 77,
+without it). The provider is llama-kvshare-prefill from the same build (beside the server,
+or LLAMA_KVSHARE_PREFILL=path) and, for the reference pair's provider, kvshare-prefill.
+
+- ONEBIT_KV_SHARE=1, --device hybrid: the greedy reply equals --device cpu on the same
+  server (flag unset), streamed and not; timings.prompt_n is 1; the log line has share Y ms;
+  no fallback, no state file; with llama-kvshare-prefill the decoder's KV after the handoff
+  equals its own prefill exactly (the same llama.cpp computed both);
+- the flag unset: share answers 501 naming ONEBIT_KV_SHARE, and serve keeps the file route;
+- the flag set but no export possible: the server starts, share answers 501 naming why;
+- refusals on the real server: stale and reused share_id, too many tokens, an id outside
+  the vocabulary (400), a share to nobody (500, its id not adoptable);
+- 32 concurrent requests through the shared route: every reply right, nothing left behind.
+
+usage: llama_server_kvshare.py BIN_DIR
+"""
+import concurrent.futures
+import http.client
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+
+from hybrid_common import Serve, check, run_tests, temp_dir, wait_until
+
+BIN = os.path.abspath(sys.argv[1])
+LLAMA = os.environ.get("LLAMA_SERVER_KVSHARE", "")
+if not LLAMA or not os.access(LLAMA, os.X_OK):
+    print("SKIP llama_server_kvshare: set LLAMA_SERVER_KVSHARE=path of a llama-server built with "
+          "scripts/build-llama-server.sh --with-kvshare")
+    sys.exit(77)
+LLAMA_PREFILL = os.environ.get("LLAMA_KVSHARE_PREFILL") or os.path.join(os.path.dirname(LLAMA),
+                                                                          "llama-kvshare-prefill")
+TOOLS = {name: os.path.join(BIN, name) for name in ("kvshare-serve", "kvshare-prefill", "kvshare-mkmodel",
+                                                    "kvshare-state")}
+missing = [name for name, path in TOOLS.items() if not os.access(path, os.X_OK)]
+if missing:
+    print("SKIP llama_server_kvshare: %s not built" % ", ".join(missing))
+    sys.exit(77)
+
+WORK = temp_dir()
+MODEL = os.path.join(WORK, "tiny.gguf")
+subprocess.run([TOOLS["kvshare-mkmodel"], MODEL, "--seed", "7", "--residual-gain", "3"], check=True, timeout=120,
+               capture_output=True)
+SERVE_TMP = os.path.join(WORK, "serve-tmp")
+os.makedirs(SERVE_TMP)
+KV_FLAGS = ["-c", "1024", "-fa", "on", "-ctk", "f16", "-ctv", "f16"]
+# Not anchored at the line start: llama-server's log shares serve's stderr and writes a
+# line's timestamp before its text, so serve's own line can land after one.
+SHARED_LINE = re.compile(r"hybrid: (\d+) prompt tokens: prefill \d+\.\d{3} ms, share (\d+\.\d{3}) ms, "
+                         r"first byte \d+\.\d{3} ms$")
+FILE_LINE = re.compile(r"hybrid: (\d+) prompt tokens: prefill \d+\.\d{3} ms, (share 0\.000 ms, )?restore "
+                       r"\d+\.\d{3} ms, first byte \d+\.\d{3} ms$")
+DECODER_RE = re.compile(r"decoder \S+ on 127\.0\.0\.1:(\d+)")
+PROMPTS = ["Tell me about the sea.", "Write one line of code.",
+           "A longer prompt, so that the handoff carries a few dozen tokens of KV: " + "words " * 20]
+CPU_REPLIES = {}
+
+
+def request(text, stream=False):
+    return {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": text}],
+            "max_tokens": 8, "temperature": 0, "stream": stream}
+
+
+def concurrency_prompts():
+    return ["request number %d: %s" % (i, "go " * (i % 7)) for i in range(32)]
+
+
+def start(device, kv_share=False, provider=None, extra_env=None):
+    args = ["-m", MODEL, "--device", device, "--port", "0", "--backend", LLAMA] + KV_FLAGS
+    env = {"TMPDIR": SERVE_TMP, "ONEBIT_HYBRID_PREFILL": "", "ONEBIT_KV_SHARE": "1" if kv_share else None}
+    if device == "hybrid":
+        args += ["--prefill-provider", provider or TOOLS["kvshare-prefill"]]
+    env.update(extra_env or {})
+    return Serve(TOOLS["kvshare-serve"], args, env, timeout=180)
+
+
+def content_of(status, data, stream):
+    check(status == 200, "status %d: %s" % (status, data[:300]))
+    if not stream:
+        body = json.loads(data)
+        return body["choices"][0]["message"]["content"], body["timings"]["prompt_n"]
+    text, prompt_n = "", None
+    for event in data.decode().split("\n\n"):
+        if event.startswith("data: {"):
+            chunk = json.loads(event[6:])
+            for choice in chunk.get("choices", []):
+                text += (choice.get("delta") or {}).get("content") or ""
+            if "timings" in chunk:
+                prompt_n = chunk["timings"]["prompt_n"]
+    return text, prompt_n
+
+
+def replies(serve, prompts, stream=False):
+    return [content_of(*serve.post("/v1/chat/completions", request(p, stream), timeout=180), stream) for p in prompts]
+
+
+def decoder_port(serve):
+    return int(DECODER_RE.search(serve.wait_line(DECODER_RE, timeout=60)).group(1))
+
+
+def decoder_post(port, path, body, timeout=60):
+    """Talks to the llama-server child directly (serve's own API has no slot actions)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request("POST", path, body=body if isinstance(body, str) else json.dumps(body),
+                 headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    data = response.read()
+    conn.close()
+    return response.status, json.loads(data) if data.startswith(b"{") else data
+
+
+def save_slot(serve, name):
+    status, body = decoder_post(decoder_port(serve), "/slots/0?action=save", {"filename": name})
+    check(status == 200, "save: %s" % body)
+    slot_dirs = [d for d in os.listdir(SERVE_TMP) if d.startswith("kvshare-serve-slots")]
+    check(len(slot_dirs) == 1, "slot dirs %s" % slot_dirs)
+    out = os.path.join(WORK, name)
+    shutil.move(os.path.join(SERVE_TMP, slot_dirs[0], name), out)
+    return out
+
+
+def baseline():
+    serve = start("cpu")
+    try:
+        out = {p: replies(serve, [p])[0][0] for p in PROMPTS + concurrency_prompts()}
+        replies(serve, PROMPTS[:1])
+        save_slot(serve, "cpu-own-prefill.state")
+        return out
+    finally:
+        serve.stop()
+
+
+def check_shared_route(provider, kv_tolerance):
+    serve = start("hybrid", kv_share=True, provider=provider)
+    try:
+        for stream in (False, True):
+            for prompt, (text, prompt_n) in zip(PROMPTS, replies(serve, PROMPTS, stream)):
+                check(text == CPU_REPLIES[prompt], "shared reply %r differs from --device cpu %r (stream=%s)" %
+                      (text, CPU_REPLIES[prompt], stream))
+                check(prompt_n == 1, "prompt_n %s, expected 1 (stream=%s)" % (prompt_n, stream))
+        # The strong check: after the handoff and the reply, the cache equals the cache the
+        # server holds after prefilling the same prompt itself.
+        replies(serve, PROMPTS[:1])
+        handed = save_slot(serve, "shared-handoff.state")
+        result = subprocess.run([TOOLS["kvshare-state"], "diff", handed, os.path.join(WORK, "cpu-own-prefill.state"),
+                                 "--tolerance", str(kv_tolerance)], capture_output=True, text=True, timeout=60)
+        check(result.returncode == 0, "the handed-over KV differs from llama-server's own prefill:\n%s%s" %
+              (result.stdout, result.stderr))
+        lines = serve.wait_count(SHARED_LINE, 2 * len(PROMPTS) + 1)
+        check(len(lines) == 2 * len(PROMPTS) + 1, "shared handoff lines:\n%s" % "\n".join(serve.lines))
+        check(not [line for line in serve.lines if "hybrid: fallback" in line or "shared route not taken" in line],
+              "fallbacks:\n%s" % "\n".join(serve.lines))
+        for line in lines:
+            print("  " + line)
+    finally:
+        code = serve.stop()
+    check(code == 0, "serve exit code %d" % code)
+    check(os.listdir(SERVE_TMP) == [], "left behind in TMPDIR: %s" % os.listdir(SERVE_TMP))
+
+
+def test_shared_route_with_llama_kvshare_prefill_hands_over_the_decoders_own_kv():
+    if not os.access(LLAMA_PREFILL, os.X_OK):
+        print("SKIP: no llama-kvshare-prefill at %s (set LLAMA_KVSHARE_PREFILL)" % LLAMA_PREFILL)
+        return
+    check_shared_route(LLAMA_PREFILL, 0)
+
+
+def test_shared_route_with_the_reference_provider_matches_cpu():
+    # kvshare-prefill computes on refmodel: the same function, f16 rounding apart.
+    check_shared_route(TOOLS["kvshare-prefill"], 0.01)
+
+
+def test_without_the_flag_share_is_501_and_the_file_route_is_taken():
+    serve = start("hybrid", kv_share=False)
+    try:
+        status, body = decoder_post(decoder_port(serve), "/slots/0?action=share", {"socket": "/nonexistent.sock"})
+        check(status == 501, "share without the flag: %s %s" % (status, body))
+        check("ONEBIT_KV_SHARE" in body["error"]["message"] and body["error"]["type"] == "not_supported_error",
+              "501 body %s" % body)
+        for prompt, (text, prompt_n) in zip(PROMPTS, replies(serve, PROMPTS)):
+            check(text == CPU_REPLIES[prompt] and prompt_n == 1, "file route: %r prompt_n %s" % (text, prompt_n))
+        check(len(serve.wait_count(FILE_LINE, len(PROMPTS))) == len(PROMPTS), "\n".join(serve.lines))
+    finally:
+        serve.stop()
+
+
+def test_a_cache_that_cannot_be_exported_degrades_to_501_and_the_file_route():
+    # KVSHARE_EXPORT names no backend: kvshare cannot export, the server must start anyway.
+    serve = start("hybrid", kv_share=True, extra_env={"KVSHARE_EXPORT": "nonesuch"})
+    try:
+        status, body = decoder_post(decoder_port(serve), "/slots/0?action=share", {"socket": "/nonexistent.sock"})
+        check(status == 501, "share with no export: %s %s" % (status, body))
+        check("KVSHARE_EXPORT" in body["error"]["message"], "501 names the cause: %s" % body)
+        for prompt, (text, prompt_n) in zip(PROMPTS, replies(serve, PROMPTS)):
+            check(text == CPU_REPLIES[prompt] and prompt_n == 1, "after the degrade: %r prompt_n %s" % (text, prompt_n))
+    finally:
+        serve.stop()
+
+
+def test_the_real_server_refuses_what_kvshare_decoder_refuses():
+    serve = start("hybrid", kv_share=True)
+    try:
+        port = decoder_port(serve)
+        status, body = decoder_post(port, "/slots/0?action=share", "not json")
+        check(status == 400, "share with a body that is not JSON: %s %s" % (status, body))
+        status, body = decoder_post(port, "/slots/0?action=share", {"socket": ""})
+        check(status == 400 and "socket" in body["error"]["message"], "share without a socket: %s %s" % (status, body))
+        status, body = decoder_post(port, "/slots/0?action=adopt", {"tokens": [1, 2]})
+        check(status == 400 and "share_id" in body["error"]["message"], "adopt without share_id: %s" % body)
+
+        # A share that reaches a broker: listen, share, take the message, then adopt.
+        sock_path = os.path.join(WORK, "broker.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(sock_path)
+        listener.listen(1)
+        status, shared = decoder_post(port, "/slots/0?action=share", {"socket": sock_path})
+        check(status == 200, "share: %s %s" % (status, shared))
+        check(list(shared) == ["id_slot", "share_id", "backend", "n_fds", "region_bytes", "timings"],
+              "share reply keys %s" % list(shared))
+        conn, _ = listener.accept()
+        msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 16)
+        conn.close()
+        listener.close()
+        check(len(fds) == shared["n_fds"], "%d fds for n_fds %d" % (len(fds), shared["n_fds"]))
+        for fd in fds:
+            os.close(fd)
+        share_id = shared["share_id"]
+        status, body = decoder_post(port, "/slots/0?action=adopt", {"tokens": [1, 2, 3], "share_id": share_id + 1})
+        check(status == 400, "adopt of a share_id never given: %s %s" % (status, body))
+        status, body = decoder_post(port, "/slots/0?action=adopt", {"tokens": [1] * 1024, "share_id": share_id})
+        check(status == 400 and "do not fit" in body["error"]["message"], "too many tokens: %s %s" % (status, body))
+        status, body = decoder_post(port, "/slots/0?action=adopt", {"tokens": [10 ** 6], "share_id": share_id})
+        check(status == 400 and "vocabulary" in body["error"]["message"], "id outside the vocabulary: %s" % body)
+        status, adopted = decoder_post(port, "/slots/0?action=adopt", {"tokens": [1, 2, 3], "share_id": share_id})
+        check(status == 200 and adopted["n_adopted"] == 3, "adopt: %s %s" % (status, adopted))
+        check(list(adopted) == ["id_slot", "share_id", "n_adopted", "timings"], "adopt reply keys %s" % list(adopted))
+        status, body = decoder_post(port, "/slots/0?action=adopt", {"tokens": [1, 2, 3], "share_id": share_id})
+        check(status == 400 and "already adopted" in body["error"]["message"], "reused share_id: %s" % body)
+
+        # A share nobody receives: 500 naming the socket, and its id is not adoptable.
+        status, body = decoder_post(port, "/slots/0?action=share", {"socket": os.path.join(WORK, "nobody.sock")})
+        check(status == 500 and "nobody.sock" in body["error"]["message"], "share to nobody: %s %s" % (status, body))
+        status, body = decoder_post(port, "/slots/0?action=adopt", {"tokens": [1, 2, 3], "share_id": share_id + 1})
+        check(status == 400, "adopt of a share that never reached a broker: %s %s" % (status, body))
+    finally:
+        serve.stop()
+
+
+def test_32_concurrent_requests_through_the_shared_route():
+    prompts = concurrency_prompts()
+    serve = start("hybrid", kv_share=True, provider=LLAMA_PREFILL if os.access(LLAMA_PREFILL, os.X_OK) else None)
+    try:
+        pid = serve.proc.pid
+        fds_before = sorted(os.listdir("/proc/%d/fd" % pid))
+
+        def one(i):
+            return content_of(*serve.post("/v1/chat/completions", request(prompts[i], i % 2 == 1), timeout=600),
+                              i % 2 == 1)
+
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            results = list(pool.map(one, range(32)))
+        for i, (text, prompt_n) in enumerate(results):
+            check(text == CPU_REPLIES[prompts[i]], "request %d: %r, --device cpu said %r" %
+                  (i, text, CPU_REPLIES[prompts[i]]))
+        check(len(serve.wait_count(SHARED_LINE, 32)) == 32, "\n".join(serve.lines))
+        wait_until(lambda: len(os.listdir("/proc/%d/fd" % pid)) <= len(fds_before), 10,
+                   "serve holds more fds than before the requests")
+        check([e for e in os.listdir(SERVE_TMP) if not e.startswith("kvshare-serve-slots")] == [],
+              "sockets or their directories left: %s" % os.listdir(SERVE_TMP))
+    finally:
+        serve.stop()
+    check(os.listdir(SERVE_TMP) == [], "left behind after stop: %s" % os.listdir(SERVE_TMP))
+
+
+def main():
+    CPU_REPLIES.update(baseline())
+    run_tests(globals(), WORK)
+
+
+if __name__ == "__main__":
+    main()
