@@ -140,7 +140,7 @@ if [ "$with_kvshare" = 1 ]; then
   if [ "$(cat "$ktree/src/.git/kvshare-series" 2>/dev/null || true)" != "$series_key" ]; then
     say "applying integrations/llama.cpp/series to a copy of llama.cpp $short"
     rm -rf "$ktree/src"
-    git clone -q "$tree/src" "$ktree/src"
+    git -c advice.detachedHead=false clone -q "$tree/src" "$ktree/src"
     git -C "$ktree/src" -c advice.detachedHead=false checkout -q "$LLAMA_CPP_COMMIT"
     while read -r patch; do
       [ -n "$patch" ] || continue

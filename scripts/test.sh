@@ -5,8 +5,9 @@
 #      libFuzzer target for a bounded time (KVSHARE_FUZZ_SECONDS, default 20 per target).
 #      KVSHARE_SANITIZE=0 skips it (a quick local run). On a 2-core VM: build ~5 min,
 #      tests ~35 s, fuzzing 5 x 20 s.
-# First of all the real llama-server (scripts/build-llama-server.sh), so that no test that
-# needs one is skipped.
+# First of all the real llama-server (scripts/build-llama-server.sh), and after kvshare's
+# own build the same llama-server patched to share and adopt (--with-kvshare), so that no
+# test that needs one is skipped.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -31,6 +32,18 @@ fi
 echo "== build (RelWithDebInfo)"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build -j "$jobs"
+
+# The same llama.cpp with integrations/llama.cpp applied and linked against this kvshare
+# (installed from build/ into the cache): share/adopt in the real decoder. Built on top of
+# the stock build through ccache, so only the files the series touches recompile.
+if [ -n "${LLAMA_SERVER_KVSHARE:-}" ]; then
+  echo "== patched llama-server: $LLAMA_SERVER_KVSHARE (from LLAMA_SERVER_KVSHARE)"
+elif [ -n "${LLAMA_SERVER:-}" ] && [ "${KVSHARE_LLAMA_SERVER:-1}" != "0" -o "${CI:-}" = "true" ]; then
+  echo "== patched llama-server (scripts/build-llama-server.sh --with-kvshare)"
+  LLAMA_SERVER_KVSHARE=$(KVSHARE_BUILD_DIR="$root/build" scripts/build-llama-server.sh --with-kvshare)
+  export LLAMA_SERVER_KVSHARE
+  echo "   $LLAMA_SERVER_KVSHARE"
+fi
 echo "== tests"
 (cd build && ctest --output-on-failure -j "$jobs" --timeout 900)
 

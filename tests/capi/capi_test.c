@@ -455,7 +455,15 @@ int main(int argc, char **argv) {
         return 2;
     }
     mkmodel = argv[2];
-    work_dir = argv[3];
+    /* Each test in a private 0700 directory of its own: a decoder sends its KV fds only to a
+       listener in a directory no other user can reach (docs/protocol.md, Trust model). */
+    static char private_dir[4096];
+    snprintf(private_dir, sizeof private_dir, "%s/%s-XXXXXX", argv[3], argv[1]);
+    if (mkdtemp(private_dir) == NULL) {
+        fprintf(stderr, "mkdtemp %s: %s\n", private_dir, strerror(errno));
+        return 1;
+    }
+    work_dir = private_dir;
     for (size_t i = 0; i < sizeof tests / sizeof tests[0]; ++i) {
         if (strcmp(argv[1], tests[i].name) != 0) continue;
         model_path("llama", 3); /* made before counting: system() is not the code under test */
