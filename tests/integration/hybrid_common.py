@@ -202,6 +202,23 @@ def expected_reply(ids):
     return " ".join(fake_decoder.reply_words(ids))
 
 
+def chat_reply_of(status, data, stream):
+    """(content, timings.prompt_n) of a chat completion, JSON or SSE."""
+    check(status == 200, "status %d: %s" % (status, data[:300]))
+    if not stream:
+        body = json.loads(data)
+        return body["choices"][0]["message"]["content"], body["timings"]["prompt_n"]
+    text, prompt_n = "", None
+    for event in data.decode().split("\n\n"):
+        if event.startswith("data: {"):
+            chunk = json.loads(event[6:])
+            for choice in chunk.get("choices", []):
+                text += (choice.get("delta") or {}).get("content") or ""
+            if "timings" in chunk:
+                prompt_n = chunk["timings"]["prompt_n"]
+    return text, prompt_n
+
+
 def state_file_bytes(ids, version=3):
     import struct
     return struct.pack("<III", fake_decoder.STATE_MAGIC, version, len(ids)) + struct.pack("<%di" % len(ids), *ids)

@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import sys
 
-from hybrid_common import Serve, check, run_tests, temp_dir, wait_until
+from hybrid_common import Serve, chat_reply_of, check, run_tests, temp_dir, wait_until
 
 BIN = os.path.abspath(sys.argv[1])
 TOOLS = {name: os.path.join(BIN, name) for name in ("kvshare-serve", "kvshare-decoder", "kvshare-prefill",
@@ -62,27 +62,11 @@ def start(device, backend, kv_share=False, extra_env=None):
     return Serve(TOOLS["kvshare-serve"], args, env, timeout=120)
 
 
-def content_of(status, data, stream):
-    check(status == 200, "status %d: %s" % (status, data[:300]))
-    if not stream:
-        body = json.loads(data)
-        return body["choices"][0]["message"]["content"], body["timings"]["prompt_n"]
-    text, prompt_n = "", None
-    for event in data.decode().split("\n\n"):
-        if event.startswith("data: {"):
-            chunk = json.loads(event[6:])
-            for choice in chunk.get("choices", []):
-                text += (choice.get("delta") or {}).get("content") or ""
-            if "timings" in chunk:
-                prompt_n = chunk["timings"]["prompt_n"]
-    return text, prompt_n
-
-
 def replies(serve, prompts, stream=False):
     out = []
     for text in prompts:
         status, data = serve.post("/v1/chat/completions", request(text, stream), timeout=120)
-        out.append(content_of(status, data, stream))
+        out.append(chat_reply_of(status, data, stream))
     return out
 
 
@@ -178,7 +162,7 @@ def test_32_concurrent_requests_through_the_shared_route():
 
         def one(i):
             status, data = serve.post("/v1/chat/completions", request(prompts[i], i % 2 == 1), timeout=300)
-            return content_of(status, data, i % 2 == 1)
+            return chat_reply_of(status, data, i % 2 == 1)
 
         with concurrent.futures.ThreadPoolExecutor(32) as pool:
             results = list(pool.map(one, range(32)))

@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 
-from hybrid_common import Serve, check, run_tests, temp_dir, wait_until
+from hybrid_common import Serve, chat_reply_of, check, run_tests, temp_dir, wait_until
 
 BIN = os.path.abspath(sys.argv[1])
 LLAMA = os.environ.get("LLAMA_SERVER_KVSHARE", "")
@@ -80,24 +80,8 @@ def start(device, kv_share=False, provider=None, extra_env=None):
     return Serve(TOOLS["kvshare-serve"], args, env, timeout=180)
 
 
-def content_of(status, data, stream):
-    check(status == 200, "status %d: %s" % (status, data[:300]))
-    if not stream:
-        body = json.loads(data)
-        return body["choices"][0]["message"]["content"], body["timings"]["prompt_n"]
-    text, prompt_n = "", None
-    for event in data.decode().split("\n\n"):
-        if event.startswith("data: {"):
-            chunk = json.loads(event[6:])
-            for choice in chunk.get("choices", []):
-                text += (choice.get("delta") or {}).get("content") or ""
-            if "timings" in chunk:
-                prompt_n = chunk["timings"]["prompt_n"]
-    return text, prompt_n
-
-
 def replies(serve, prompts, stream=False):
-    return [content_of(*serve.post("/v1/chat/completions", request(p, stream), timeout=180), stream) for p in prompts]
+    return [chat_reply_of(*serve.post("/v1/chat/completions", request(p, stream), timeout=180), stream) for p in prompts]
 
 
 def decoder_port(serve):
@@ -260,7 +244,7 @@ def test_32_concurrent_requests_through_the_shared_route():
         fds_before = sorted(os.listdir("/proc/%d/fd" % pid))
 
         def one(i):
-            return content_of(*serve.post("/v1/chat/completions", request(prompts[i], i % 2 == 1), timeout=600),
+            return chat_reply_of(*serve.post("/v1/chat/completions", request(prompts[i], i % 2 == 1), timeout=600),
                               i % 2 == 1)
 
         with concurrent.futures.ThreadPoolExecutor(32) as pool:
