@@ -54,8 +54,10 @@ Result<layout::KvParams> to_kv_params(const kvshare_kv_params* in) {
   return params;
 }
 
+// The one place a KvParams becomes the C struct (kvshare_kv_params_init is it for the defaults).
 void from_kv_params(const layout::KvParams& in, kvshare_kv_params* out) {
-  kvshare_kv_params_init(out);
+  std::memset(out, 0, sizeof(*out));
+  out->struct_size = sizeof(*out);
   out->n_ctx = in.n_ctx;
   out->n_seq_max = in.n_seq_max;
   out->n_ubatch = in.n_ubatch;
@@ -167,17 +169,7 @@ extern "C" {
 
 void kvshare_kv_params_init(kvshare_kv_params* params) {
   if (params == nullptr) return;
-  const layout::KvParams defaults;
-  std::memset(params, 0, sizeof(*params));
-  params->struct_size = sizeof(*params);
-  params->n_ctx = defaults.n_ctx;
-  params->n_seq_max = defaults.n_seq_max;
-  params->n_ubatch = defaults.n_ubatch;
-  params->type_k = static_cast<int32_t>(defaults.type_k);
-  params->type_v = static_cast<int32_t>(defaults.type_v);
-  params->kv_unified = defaults.kv_unified;
-  params->flash_attn = defaults.flash_attn;
-  params->swa_full = defaults.swa_full;
+  from_kv_params(layout::KvParams{}, params);
 }
 
 int kvshare_share_requested(void) { return kvshare::kv_share_enabled() ? 1 : 0; }
