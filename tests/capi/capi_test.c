@@ -5,6 +5,7 @@
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,7 +48,8 @@ static int failures;
     } while (0)
 
 static const char *mkmodel;
-static const char *work_dir;
+static const char *models_dir; /* shared by the tests: models are made once */
+static const char *work_dir;   /* this test's own 0700 directory, short enough for sun_path */
 
 static int count_open_fds(void) {
     DIR *dir = opendir("/proc/self/fd");
@@ -59,12 +61,12 @@ static int count_open_fds(void) {
     return n - 1; /* the directory's own descriptor */
 }
 
-/* A model kvshare-mkmodel writes into the work dir (cached across tests). */
+/* A model kvshare-mkmodel writes into the models dir (cached across tests). */
 static const char *model_path(const char *arch, int seed) {
     static char path[4][4096];
     static int next;
     char *out = path[next++ % 4];
-    snprintf(out, sizeof path[0], "%s/capi-%s-%d.gguf", work_dir, arch, seed);
+    snprintf(out, sizeof path[0], "%s/capi-%s-%d.gguf", models_dir, arch, seed);
     if (access(out, R_OK) != 0) {
         char command[8192];
         snprintf(command, sizeof command, "'%s' --arch %s --seed %d '%s' >/dev/null", mkmodel, arch, seed, out);
@@ -87,8 +89,14 @@ static struct kvshare_kv_params small_params(void) {
 static int listen_at(const char *name, char *path_out, size_t path_size) {
     snprintf(path_out, path_size, "%s/%s", work_dir, name);
     unlink(path_out);
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     struct sockaddr_un addr;
+    if (strlen(path_out) >= sizeof addr.sun_path) {
+        /* Truncating it would bind one path while the decoder connects to another. */
+        fprintf(stderr, "socket path %s is %zu bytes, the limit is %zu: set TMPDIR shorter\n", path_out,
+                strlen(path_out), sizeof addr.sun_path - 1);
+        exit(1);
+    }
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     memset(&addr, 0, sizeof addr);
     addr.sun_family = AF_UNIX;
     strncpy(addr.sun_path, path_out, sizeof addr.sun_path - 1);
@@ -449,21 +457,45 @@ static const struct test tests[] = {
     {"ShareRequestedReadsSetAndNonEmpty", share_requested_reads_set_and_non_empty},
 };
 
+static void remove_work_dir(void) {
+    if (work_dir == NULL) return;
+    char command[4200];
+    snprintf(command, sizeof command, "rm -rf '%s'", work_dir);
+    if (system(command) != 0) fprintf(stderr, "could not remove %s\n", work_dir);
+}
+
+static void say_timed_out(int sig) {
+    (void)sig;
+    static const char message[] = "capi_tests: timed out after 60 s (a peer never connected?)\n";
+    ssize_t ignored = write(2, message, sizeof message - 1);
+    (void)ignored;
+    _exit(1);
+}
+
 int main(int argc, char **argv) {
     if (argc != 4) {
         fprintf(stderr, "usage: %s TEST MKMODEL WORK_DIR\n", argv[0]);
         return 2;
     }
     mkmodel = argv[2];
+    models_dir = argv[3];
     /* Each test in a private 0700 directory of its own: a decoder sends its KV fds only to a
-       listener in a directory no other user can reach (docs/protocol.md, Trust model). */
+       listener in a directory no other user can reach (docs/protocol.md, Trust model). It lives
+       under TMPDIR, not the build tree: a socket path must fit sun_path (107 bytes), and a
+       build tree's path can be longer. */
     static char private_dir[4096];
-    snprintf(private_dir, sizeof private_dir, "%s/%s-XXXXXX", argv[3], argv[1]);
+    const char *tmp = getenv("TMPDIR");
+    snprintf(private_dir, sizeof private_dir, "%s/kvshare-capi-XXXXXX", tmp != NULL && *tmp != '\0' ? tmp : "/tmp");
     if (mkdtemp(private_dir) == NULL) {
         fprintf(stderr, "mkdtemp %s: %s\n", private_dir, strerror(errno));
         return 1;
     }
     work_dir = private_dir;
+    atexit(remove_work_dir);
+    /* A share that fails leaves receive_share() waiting in accept(): end with a message
+       well before ctest's timeout instead. */
+    signal(SIGALRM, say_timed_out);
+    alarm(60);
     for (size_t i = 0; i < sizeof tests / sizeof tests[0]; ++i) {
         if (strcmp(argv[1], tests[i].name) != 0) continue;
         model_path("llama", 3); /* made before counting: system() is not the code under test */

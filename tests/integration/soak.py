@@ -75,6 +75,26 @@ class Target:
                 "slot_dir": sorted(os.listdir(self.slot_dir))}
 
 
+SETTLED_KEYS = ("fds", "threads", "children", "tmp", "slot_dir")
+
+
+def quiet_counts(target, quiet_s=1.0, limit_s=15.0):
+    """The counts once they have held still for quiet_s: a request's reply reaches the client
+    a moment before its worker thread and sockets are gone, so a snapshot taken right after
+    a reply can hold a thread and descriptors that end by themselves."""
+    deadline = time.monotonic() + limit_s
+    last = target.counts()
+    still_since = time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = target.counts()
+        if any(now[k] != last[k] for k in SETTLED_KEYS):
+            last, still_since = now, time.monotonic()
+        elif time.monotonic() - still_since >= quiet_s:
+            break
+    return last
+
+
 def prompt_text(rng, n):
     words = ["kv", "cache", "handoff", "npu", "decoder", "prefill", "slot", "region", "memfd", "adopt"]
     length = rng.choice([1, 3, 12, 40, 160])
@@ -129,7 +149,7 @@ def main():
         for target in targets:
             for n in range(3):
                 one_request(target, random.Random(n), -n, warm)
-        before = {t.name: t.counts() for t in targets}
+        before = {t.name: quiet_counts(t) for t in targets}
         stats = {"correct": 0, "left_early": 0}
         errors = []
         lock = threading.Lock()
@@ -161,7 +181,7 @@ def main():
         def settled():
             for target in targets:
                 now, then = target.counts(), before[target.name]
-                if any(now[k] != then[k] for k in ("fds", "threads", "children", "tmp", "slot_dir")):
+                if any(now[k] != then[k] for k in SETTLED_KEYS):
                     return False
             return True
 
@@ -173,7 +193,7 @@ def main():
         for target in targets:
             now, then = target.counts(), before[target.name]
             report[target.name] = {"before": then, "after": now}
-            for key in ("fds", "threads", "children", "tmp", "slot_dir"):
+            for key in SETTLED_KEYS:
                 check(now[key] == then[key], "%s serve: %s %s before, %s after" % (target.name, key, then[key],
                                                                                    now[key]))
             check(SANITIZED or now["rss_kb"] - then["rss_kb"] <= RSS_MARGIN_KB,
