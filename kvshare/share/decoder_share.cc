@@ -13,8 +13,12 @@ std::string share_degrade_warning(bool flag_set, std::string_view backend_reason
 }
 
 std::string share_unavailable_reason(bool flag_set, std::string_view backend_reason) {
-  return fmt::format("this decoder cannot share its KV cache: ONEBIT_KV_SHARE {}, and the KV backend {}",
-                     flag_set ? "is set" : "was not set (set it to any non-empty value)",
+  // Flag unset: the seed's 501 names both causes, since a caller cannot tell from outside
+  // which applies; every decoder (kvshare-decoder, the patched llama-server) says this text.
+  if (!flag_set)
+    return "this decoder cannot share its KV cache: either ONEBIT_KV_SHARE was not set when it started (it was "
+           "not: set it to any non-empty value), or its KV backend cannot export its memory";
+  return fmt::format("this decoder cannot share its KV cache: ONEBIT_KV_SHARE is set, and the KV backend {}",
                      backend_reason.empty() ? std::string("was not asked to export")
                                             : fmt::format("cannot export ({})", backend_reason));
 }

@@ -7,10 +7,7 @@ namespace kvshare::decoder {
 std::string SlotEngine::share_refusal() const {
   switch (share_availability()) {
     case ShareAvailability::enabled: return {};
-    case ShareAvailability::flag_not_set:
-      // The caller cannot tell which cause applies from outside: name both.
-      return "this decoder cannot share its KV cache: either ONEBIT_KV_SHARE was not set when it started (it was "
-             "not: set it to any non-empty value), or its KV backend cannot export its memory";
+    case ShareAvailability::flag_not_set: return share_unavailable_reason(false, "");
     case ShareAvailability::cannot_export: return share_unavailable_reason(true, "no export backend worked");
   }
   return {};
