@@ -677,7 +677,8 @@ Result<ShareHeader> parse_share_header_document(const Json& document, std::strin
   return parse_document(document, source);
 }
 
-Result<void> check_compatible(const ShareHeader& ours, const ShareHeader& theirs, std::string_view peer) {
+Result<void> check_compatible(const ShareHeader& ours, const ShareHeader& theirs, std::string_view peer,
+                              std::string_view self) {
   Comparison cmp;
   cmp.field("format_version", theirs.format_version, ours.format_version);
   cmp.field("model.arch", theirs.model.arch, ours.model.arch);
@@ -730,7 +731,7 @@ Result<void> check_compatible(const ShareHeader& ours, const ShareHeader& theirs
     cmp.field(fmt::format("tensors[{}].offset", i), a.offset, b.offset);
   }
   if (const auto& m = cmp.mismatch())
-    return fail(EINVAL, "{}: field \"{}\" is {}, this decoder uses {}", peer, m->field, m->theirs, m->ours);
+    return fail(EINVAL, "{}: field \"{}\" is {}, this {} uses {}", peer, m->field, m->theirs, self, m->ours);
   return {};
 }
 

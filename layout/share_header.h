@@ -57,8 +57,9 @@ Result<ShareHeader> parse_share_header(std::string_view json, std::string_view s
 Result<ShareHeader> parse_share_header_document(const nlohmann::ordered_json& document, std::string_view source);
 
 // Refuses a peer whose header differs from ours in anything that changes the bytes: the
-// error names the first differing field and both values, e.g.
-// `field "params.type_k" is "q8_0", this decoder uses "f16"`.
-Result<void> check_compatible(const ShareHeader& ours, const ShareHeader& theirs, std::string_view peer);
+// error names the first differing field and both values, and who we are (`self`), e.g.
+// `field "params.type_k" is "q8_0", this provider uses "f16"`.
+Result<void> check_compatible(const ShareHeader& ours, const ShareHeader& theirs, std::string_view peer,
+                              std::string_view self = "provider");
 
 }  // namespace kvshare::layout

@@ -12,7 +12,11 @@ or LLAMA_KVSHARE_PREFILL=path) and, for the reference pair's provider, kvshare-p
 - the flag set but no export possible: the server starts, share answers 501 naming why;
 - refusals on the real server: stale and reused share_id, too many tokens, an id outside
   the vocabulary (400), a share to nobody (500, its id not adoptable);
-- 32 concurrent requests through the shared route: every reply right, nothing left behind.
+- 32 concurrent requests through the shared route: every reply right, nothing left behind;
+- the shared route's fallbacks with the real server: a provider that refuses the server's
+  header (one field altered) and a provider that scribbles over the shared cache and dies
+  are both forwarded to the erased slot (or with cache_prompt false): the reply is still
+  --device cpu's, no adopt, and the provider's reason is on serve's stderr.
 
 usage: llama_server_kvshare.py BIN_DIR
 """
@@ -232,6 +236,80 @@ def test_the_real_server_refuses_what_kvshare_decoder_refuses():
         check(status == 500 and "nobody.sock" in body["error"]["message"], "share to nobody: %s %s" % (status, body))
         status, body = decoder_post(port, "/slots/0?action=adopt", {"tokens": [1, 2, 3], "share_id": share_id + 1})
         check(status == 400, "adopt of a share that never reached a broker: %s %s" % (status, body))
+    finally:
+        serve.stop()
+
+
+def wrapped_provider(name, body, real=None):
+    """A provider command that runs `body` (Python, with `args` the argv it was given) in
+    front of the real provider (kvshare-prefill unless `real`), as kvshare-serve starts it."""
+    path = os.path.join(WORK, name)
+    with open(path, "w") as f:
+        f.write("#!%s\nimport json, mmap, os, sys\nargs = sys.argv[1:]\nREAL = %r\n%s\n"
+                "os.execv(REAL, [REAL] + args)\n" % (sys.executable, real or TOOLS["kvshare-prefill"], body))
+    os.chmod(path, 0o700)
+    return path
+
+
+def check_forwarded_after_share(serve, reason, said_on_stderr):
+    """The request went to the decoder after a share: slot erased, prompt prefilled by the
+    decoder, the reply still --device cpu's."""
+    for prompt in PROMPTS[:2]:
+        text, prompt_n = replies(serve, [prompt])[0]
+        check(text == CPU_REPLIES[prompt], "after %s: %r, --device cpu said %r" % (reason, text, CPU_REPLIES[prompt]))
+        check(prompt_n > 1, "after %s the decoder evaluated %s prompt token(s): it used the shared cells" %
+              (reason, prompt_n))
+    lines = serve.wait_count(r"hybrid: fallback \(%s\)" % reason, 2)
+    # Erased, the slot is forwarded to as the request came; unerased, with cache_prompt false.
+    check(len(lines) == 2 and all("as it came" in line or "cache_prompt false" in line for line in lines),
+          "fallback lines:\n%s" % "\n".join(serve.lines))
+    for said in said_on_stderr:
+        check(any(said in line for line in serve.lines), "serve's stderr does not say %r:\n%s" %
+              (said, "\n".join(serve.lines)))
+    check(not [line for line in serve.lines if "restore" in line and "hybrid:" in line and "first byte" in line],
+          "took the file route after the provider had the cache:\n%s" % "\n".join(serve.lines))
+    check(not [line for line in serve.lines if SHARED_LINE.search(line)], "a shared handoff was reported")
+
+
+ALTER_HEADER = """
+layout = args[args.index("--layout") + 1]
+header = json.load(open(layout))
+header["params"]["type_k"] = "q8_0"
+altered = os.path.join(os.path.dirname(os.path.abspath(sys.argv[0])), "altered-%d.json" % os.getpid())
+json.dump(header, open(altered, "w"))
+args[args.index("--layout") + 1] = altered
+"""
+
+
+def test_a_provider_that_refuses_the_servers_header_is_forwarded_with_the_slot_erased():
+    # The real server's header, one field altered: each provider must refuse it by name.
+    providers = [("kvshare-prefill", TOOLS["kvshare-prefill"])]
+    if os.access(LLAMA_PREFILL, os.X_OK):
+        providers.append(("llama-kvshare-prefill", LLAMA_PREFILL))
+    for name, real in providers:
+        serve = start("hybrid", kv_share=True, provider=wrapped_provider(name + "-altered-header", ALTER_HEADER, real))
+        try:
+            # A provider takes the params from the header and refuses the chunks they
+            # contradict, naming the field and both values.
+            check_forwarded_after_share(serve, "provider_failed",
+                                        ["%s: model " % name, "size_bytes\" is 1048576, this provider uses"])
+        finally:
+            serve.stop()
+
+
+def test_a_provider_that_scribbles_over_the_cache_and_dies_corrupts_no_reply():
+    provider = wrapped_provider("provider-scribbles-and-dies", """
+if "--fds" in args:
+    for fd in args[args.index("--fds") + 1].split(","):
+        size = os.fstat(int(fd)).st_size
+        with mmap.mmap(int(fd), size) as region:
+            region[:] = b"\\x7b" * size
+    sys.stderr.write("provider-scribbles-and-dies: wrote over the whole cache, now failing\\n")
+    sys.exit(3)
+""")
+    serve = start("hybrid", kv_share=True, provider=provider)
+    try:
+        check_forwarded_after_share(serve, "provider_failed", ["wrote over the whole cache"])
     finally:
         serve.stop()
 

@@ -262,7 +262,11 @@ TEST(CheckCompatible, NamesTheFirstDifferingFieldWithBothValues) {
   auto result = check_compatible(example_header(), example_header(params), "handshake from pid 4121");
   ASSERT_FALSE(result.has_value());
   EXPECT_EQ(result.error().message(),
-            "handshake from pid 4121: field \"params.type_k\" is \"q8_0\", this decoder uses \"f16\"");
+            "handshake from pid 4121: field \"params.type_k\" is \"q8_0\", this provider uses \"f16\"");
+  // A decoder checking a provider's header says so.
+  auto from_decoder = check_compatible(example_header(), example_header(params), "provider pid 7", "decoder");
+  ASSERT_FALSE(from_decoder.has_value());
+  EXPECT_NE(from_decoder.error().message().find("this decoder uses \"f16\""), std::string::npos);
 }
 
 TEST(CheckCompatible, CatchesAFlashAttentionMismatchTheHashCannotSee) {
