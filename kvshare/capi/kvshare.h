@@ -237,6 +237,27 @@ int kvshare_provider_scatter(struct kvshare_provider *provider, uint32_t il, uin
                              int32_t src_type, const void *rows, uint64_t row_stride, uint32_t n_embd_k_gqa,
                              uint32_t n_embd_v_gqa);
 
+/*
+ * Since KVSHARE_1.1. Imports every chunk of the share into the first AMD XDNA NPU under
+ * `accel_dir` (NULL: /dev/accel) as the device's own buffer objects (DRM PRIME, then the
+ * driver's GET_BO_INFO for each buffer's device address), so an NPU engine can DMA K and V
+ * straight into the decoder's cache. The CPU keeps writing through this handle's own
+ * mappings, never a driver-made mapping of an imported buffer. The buffer objects live until
+ * kvshare_provider_close. Calling it again is a no-op once it succeeded.
+ * Errors: -ENOENT (no accel directory), -ENODEV (no amdxdna node: the message names every
+ * node looked at and what it was), or the driver's errno naming the chunk (a memfd region
+ * is not a dma-buf: the driver refuses it).
+ */
+int kvshare_provider_import_npu(struct kvshare_provider *provider, const char *accel_dir);
+
+/*
+ * Since KVSHARE_1.1. The NPU's address of tensor `name`'s first byte (its chunk's buffer
+ * address plus the tensor's offset), after kvshare_provider_import_npu. Errors: -ENOENT
+ * (no such tensor), -ENXIO (not imported into an NPU yet), -ENODATA (the driver gave the
+ * buffer no device address).
+ */
+int kvshare_provider_device_address(const struct kvshare_provider *provider, const char *name, uint64_t *address);
+
 #ifdef __cplusplus
 }
 #endif

@@ -21,6 +21,7 @@
 #include "layout/model_shape.h"
 #include "layout/share_header.h"
 #include "layout/tensor_type.h"
+#include "xdna/npu_share.h"
 #include "xdna/scatter.h"
 
 namespace {
@@ -151,6 +152,7 @@ struct kvshare_decoder {
 struct kvshare_provider {
   std::optional<kvshare::ProviderShare> share;
   std::vector<kvshare::DmaBufCpuAccess> write_access;
+  std::optional<kvshare::xdna::NpuShare> npu;  // after kvshare_provider_import_npu
   uint32_t n_embd_head_k = 0;  // every layer's head size when all agree, for scatter's rotation
   uint32_t n_embd_head_v = 0;
   std::string last_error;
@@ -455,6 +457,50 @@ int kvshare_provider_scatter(kvshare_provider* provider, uint32_t il, uint32_t p
       p.last_error = scattered.error().what();
       return negative_errno(scattered.error());
     }
+    return 0;
+  });
+}
+
+int kvshare_provider_import_npu(kvshare_provider* provider, const char* accel_dir) {
+  if (provider == nullptr) return -EINVAL;
+  kvshare_provider& p = *provider;
+  if (!p.share) return provider_not_open(&p);
+  return guarded(p.last_error, "kvshare_provider_import_npu", [&] {
+    if (p.npu) return 0;
+    auto device = kvshare::xdna::find_device(accel_dir != nullptr ? accel_dir : kvshare::xdna::kAccelDir);
+    if (!device) {
+      p.last_error = device.error().what();
+      return negative_errno(device.error());
+    }
+    auto imported = kvshare::xdna::NpuShare::import(std::move(*device), p.share->imported());
+    if (!imported) {
+      p.last_error = imported.error().what();
+      return negative_errno(imported.error());
+    }
+    p.npu = std::move(*imported);
+    return 0;
+  });
+}
+
+int kvshare_provider_device_address(const kvshare_provider* provider, const char* name, uint64_t* address) {
+  if (provider == nullptr || name == nullptr || address == nullptr) return -EINVAL;
+  auto* p = const_cast<kvshare_provider*>(provider);
+  if (!p->share) return provider_not_open(p);
+  return guarded(p->last_error, "kvshare_provider_device_address", [&] {
+    if (!p->npu) {
+      if (auto view = p->share->view(name); !view) {
+        p->last_error = view.error().what();
+        return negative_errno(view.error());
+      }
+      p->last_error = fmt::format("{}: the share is not imported into an NPU (call kvshare_provider_import_npu)", name);
+      return -ENXIO;
+    }
+    auto found = p->npu->device_address(p->share->imported(), name);
+    if (!found) {
+      p->last_error = found.error().what();
+      return negative_errno(found.error());
+    }
+    *address = *found;
     return 0;
   });
 }

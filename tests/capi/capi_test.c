@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -381,6 +382,23 @@ static void provider_scatter_lands_in_the_decoders_cells(void) {
         CHECK(k_cells[7 * n_k + n_k - 1] == f16_bits(3.0f));
         CHECK(v_cells[6 * n_v] == f16_bits(-2.0f));
         CHECK(k_cells[4 * n_k] == 0 && k_cells[8 * n_k] == 0); /* neighbours untouched */
+
+        /* KVSHARE_1.1, the NPU import: no device address before it, and no NPU on a machine
+           without one (the stand-in driver tests of xdna/npu_share cover the import itself). */
+        uint64_t address = 1;
+        CHECK_RC(kvshare_provider_device_address(p, "cache_k_l0", &address), -ENXIO);
+        CHECK_CONTAINS(kvshare_provider_last_error(p), "kvshare_provider_import_npu");
+        CHECK_RC(kvshare_provider_device_address(p, "cache_k_l99", &address), -ENOENT);
+        CHECK_CONTAINS(kvshare_provider_last_error(p), "cache_k_l99");
+        char accel_dir[4200];
+        snprintf(accel_dir, sizeof accel_dir, "%s/accel-none", work_dir);
+        CHECK_RC(kvshare_provider_import_npu(p, accel_dir), -ENOENT);
+        CHECK_CONTAINS(kvshare_provider_last_error(p), "accel-none");
+        CHECK(mkdir(accel_dir, 0700) == 0);
+        CHECK_RC(kvshare_provider_import_npu(p, accel_dir), -ENODEV);
+        CHECK_CONTAINS(kvshare_provider_last_error(p), "no accel<N> node in");
+        CHECK(address == 1); /* untouched by every failure */
+        rmdir(accel_dir);
     } else {
         fprintf(stderr, "provider open: %s\n", kvshare_provider_last_error(p));
     }

@@ -1,0 +1,92 @@
+// A provider's share imported into the NPU (xdna/npu_share.h), on the stand-in driver: no
+// machine here has an NPU. The real device path is FindsTheRealNpuWhenThisMachineHasOne.
+#include "xdna/npu_share.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include "cache_fixture.h"
+#include "fake_amdxdna.h"
+#include "kvshare/region/exporter.h"
+#include "support/test_support.h"
+
+namespace kvshare::xdna {
+namespace {
+
+using kvshare::testing::FdLeakCheck;
+using kvshare::xdna::testing::CacheSpec;
+using kvshare::xdna::testing::fake_device;
+using kvshare::xdna::testing::FakeDriver;
+using kvshare::xdna::testing::make_memory;
+
+class NpuShare_ : public FdLeakCheck {
+ protected:
+  // The decoder's side: a one-chunk memfd region for a two-layer cache; the provider's
+  // side: the same region imported from duplicated fds.
+  void SetUp() override {
+    FdLeakCheck::SetUp();
+    CacheSpec spec;
+    spec.n_embd_k = {64, 64};
+    spec.n_embd_v = {64, 64};
+    layout_ = layout::share_layout(make_memory(spec));
+    ASSERT_EQ(layout_.chunks.size(), 1u);
+    ExportOptions options;
+    options.forced = RegionBackend::memfd;
+    auto regions = export_regions(layout_, options);
+    ASSERT_TRUE(regions) << regions.error().what();
+    std::vector<Fd> fds;
+    for (const auto& region : *regions) fds.emplace_back(::dup(region.fd.get()));
+    auto imported = ImportedShare::import(layout_, std::move(fds), {}, true);
+    ASSERT_TRUE(imported) << imported.error().what();
+    share_.emplace(std::move(*imported));
+  }
+  void TearDown() override {
+    share_.reset();  // its fds, before the leak check counts
+    FdLeakCheck::TearDown();
+  }
+  layout::ShareLayout layout_;
+  std::optional<ImportedShare> share_;
+};
+
+TEST_F(NpuShare_, AddressesEachTensorAtItsChunksBufferAddressPlusItsOffset) {
+  sys::Ops ops = sys::real_ops();
+  ops.ioctl_ptr = FakeDriver::ioctl;
+  sys::ScopedOverride override_ops(ops);
+  FakeDriver::gem_closes = 0;
+  FakeDriver::fail_bo_info = false;
+  {
+    auto npu = NpuShare::import(fake_device(), *share_);
+    ASSERT_TRUE(npu) << npu.error().what();
+    EXPECT_EQ(npu->buffers().size(), 1u);
+    for (const char* name : {"cache_k_l0", "cache_v_l0", "cache_k_l1", "cache_v_l1"}) {
+      const layout::SharedTensor* placed = layout_.find(name);
+      ASSERT_NE(placed, nullptr) << name;
+      auto address = npu->device_address(*share_, name);
+      ASSERT_TRUE(address) << address.error().what();
+      EXPECT_EQ(*address, 0x40000u + placed->offset) << name;
+    }
+    // Distinct tensors, distinct addresses: the offsets are not all 0.
+    EXPECT_NE(*npu->device_address(*share_, "cache_k_l0"), *npu->device_address(*share_, "cache_v_l1"));
+    auto none = npu->device_address(*share_, "cache_k_l9");
+    ASSERT_FALSE(none);
+    EXPECT_NE(none.error().message().find("cache_k_l9"), std::string::npos) << none.error().message();
+  }
+  EXPECT_EQ(FakeDriver::gem_closes, 1);  // the buffer objects went with the NpuShare
+}
+
+TEST_F(NpuShare_, NamesTheDeviceAndChunkWhenTheDriverRefusesTheImport) {
+  sys::Ops ops = sys::real_ops();
+  ops.ioctl_ptr = FakeDriver::ioctl;
+  sys::ScopedOverride override_ops(ops);
+  FakeDriver::fail_bo_info = true;
+  auto npu = NpuShare::import(fake_device(), *share_);
+  FakeDriver::fail_bo_info = false;
+  ASSERT_FALSE(npu);
+  EXPECT_EQ(npu.error().errno_value(), EINVAL);
+  EXPECT_NE(npu.error().message().find("importing the share into /dev/accel/accel0"), std::string::npos)
+      << npu.error().message();
+  EXPECT_NE(npu.error().message().find("region chunk 0"), std::string::npos) << npu.error().message();
+}
+
+}  // namespace
+}  // namespace kvshare::xdna
