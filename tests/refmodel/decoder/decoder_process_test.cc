@@ -6,7 +6,11 @@
 // a server already running (tests that need its slot directory are skipped then).
 #include <gtest/gtest.h>
 
+#include <sys/socket.h>
+#include <sys/un.h>
+
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -404,6 +408,27 @@ TEST_P(SharedRoute, AnswersShareWith500NamingTheSocketWhenNoBrokerListens) {
   // A share that reached no broker leaves nothing to adopt.
   expect_error(backend_->post("/slots/0?action=adopt", {{"tokens", {1, 2}}, {"share_id", 1}}), 400,
                "invalid_request_error");
+}
+
+TEST_P(SharedRoute, AnswersShareWith403WhenOthersCanReachTheListener) {
+  // A listener in a directory group or others can reach may not be the broker: no fd goes
+  // to it, and the refusal is the caller's fault (403), not the server's.
+  const std::filesystem::path open_dir = backend_->slots() / "open-to-others";
+  std::filesystem::create_directory(open_dir);
+  std::filesystem::permissions(open_dir, std::filesystem::perms::owner_all | std::filesystem::perms::group_read |
+                                             std::filesystem::perms::group_exec | std::filesystem::perms::others_read |
+                                             std::filesystem::perms::others_exec);
+  const std::string socket_path = (open_dir / "b.sock").string();
+  Fd listener(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  ASSERT_LT(socket_path.size(), sizeof address.sun_path);
+  std::memcpy(address.sun_path, socket_path.data(), socket_path.size());
+  ASSERT_EQ(::bind(listener.get(), reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
+  ASSERT_EQ(::listen(listener.get(), 1), 0);
+  const HttpReply reply = backend_->post("/slots/0?action=share", {{"socket", socket_path}});
+  expect_error(reply, 403, "permission_error");
+  EXPECT_NE(reply.body.find("mode 0755"), std::string::npos) << reply.body;
 }
 
 INSTANTIATE_TEST_SUITE_P(Decoders, SharedRoute, ::testing::Values("kvshare-decoder", "llama-server-kvshare"),
