@@ -29,6 +29,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 
 from hybrid_common import Serve, chat_reply_of, check, run_tests, temp_dir, wait_until
 
@@ -75,8 +76,9 @@ def concurrency_prompts():
     return ["request number %d: %s" % (i, "go " * (i % 7)) for i in range(32)]
 
 
-def start(device, kv_share=False, provider=None, extra_env=None):
-    args = ["-m", MODEL, "--device", device, "--port", "0", "--backend", LLAMA] + KV_FLAGS
+def start(device, kv_share=False, provider=None, extra_env=None, n_ctx=None):
+    kv_flags = KV_FLAGS if n_ctx is None else ["-c", str(n_ctx)] + KV_FLAGS[2:]
+    args = ["-m", MODEL, "--device", device, "--port", "0", "--backend", LLAMA] + kv_flags
     env = {"TMPDIR": SERVE_TMP, "ONEBIT_HYBRID_PREFILL": "", "ONEBIT_KV_SHARE": "1" if kv_share else None}
     if device == "hybrid":
         args += ["--prefill-provider", provider or TOOLS["kvshare-prefill"]]
@@ -310,6 +312,38 @@ if "--fds" in args:
     serve = start("hybrid", kv_share=True, provider=provider)
     try:
         check_forwarded_after_share(serve, "provider_failed", ["wrote over the whole cache"])
+    finally:
+        serve.stop()
+
+
+def test_a_cache_of_two_chunks_is_placed_and_handed_over_through_both():
+    # 1.2 M cells of this model's four cache tensors are 1.23 GB: past share_layout's 1 GiB
+    # chunk limit, so the region is two chunks (cache_v_l1 alone in the second) and both
+    # sides must place every tensor at its chunk and offset.
+    provider = LLAMA_PREFILL if os.access(LLAMA_PREFILL, os.X_OK) else None
+    serve = start("hybrid", kv_share=True, provider=provider, n_ctx=1200000)
+    try:
+        for prompt, (text, prompt_n) in zip(PROMPTS, replies(serve, PROMPTS)):
+            check(text == CPU_REPLIES[prompt], "two chunks: %r, --device cpu said %r" % (text, CPU_REPLIES[prompt]))
+            check(prompt_n == 1, "two chunks: prompt_n %s" % prompt_n)
+        check(len(serve.wait_count(SHARED_LINE, len(PROMPTS))) == len(PROMPTS), "\n".join(serve.lines))
+        # What the decoder exports: two fds.
+        listen_dir = tempfile.mkdtemp(dir=WORK)
+        sock_path = os.path.join(listen_dir, "b.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(sock_path)
+        listener.listen(1)
+        status, shared = decoder_post(decoder_port(serve), "/slots/0?action=share", {"socket": sock_path})
+        check(status == 200 and shared["n_fds"] == 2, "share: %s %s" % (status, shared))
+        conn, _ = listener.accept()
+        _, fds, _, _ = socket.recv_fds(conn, 1 << 20, 16)
+        conn.close()
+        listener.close()
+        sizes = [os.fstat(fd).st_size for fd in fds]
+        for fd in fds:
+            os.close(fd)
+        check(len(sizes) == 2 and max(sizes) <= 1 << 30 and sum(sizes) == shared["region_bytes"],
+              "chunk sizes %s for region_bytes %s" % (sizes, shared["region_bytes"]))
     finally:
         serve.stop()
 
