@@ -19,6 +19,7 @@
 #include <span>
 #include <vector>
 
+#include "kvshare/region/chunk_file.h"
 #include "layout/error.h"
 #include "layout/memory_shape.h"
 #include "layout/share_layout.h"
@@ -38,6 +39,13 @@ struct ScatterTarget {
   // ScatterBatch::rotation_disabled then.
   uint32_t n_embd_head_k = 0;
   uint32_t n_embd_head_v = 0;
+  // Optional, one per chunk in fd order (ImportedShare::chunk_files): position-major rows
+  // of a chunk with a writable descriptor are converted into a small buffer of the
+  // provider's own and written with pwrite(), not through `chunks`. A fresh process's
+  // mapping takes one page fault per 4 KiB page on first write (kvshare/region/chunk_file.h
+  // has the figures); the descriptor does not. Empty: everything goes through `chunks`.
+  // A transposed V (one element per cell row) always goes through `chunks`.
+  std::vector<ChunkFile> chunk_files;
 };
 
 // One layer's rows in the provider's buffer: token t's row starts at
