@@ -6,7 +6,7 @@ One command runs the benches and redraws every plot:
     scripts/plot-bench.py --bench build/bin/kvshare-bench [--backend PATH-to-patched-llama-server]
 
 It runs `equal`, `handoff`, `route` (twice with --backend: kvshare-decoder and that
-llama-server), `scatter` and `statefile` with --json, keeps their lines in
+llama-server), `serve`, `scatter` and `statefile` with --json, keeps their lines in
 docs/plots/bench.jsonl and writes:
 
     handoff-cost.svg   what each route adds to writing the KV, vs prompt length (log-log)
@@ -200,7 +200,7 @@ def main():
         lines = load_lines(args.from_file)
     else:
         lines = []
-        for group in ("equal", "handoff", "route", "scatter", "statefile"):
+        for group in ("equal", "handoff", "route", "serve", "scatter", "statefile"):
             lines += run_group(args.bench, group)
         if args.backend:
             lines += run_group(args.bench, "route", ["--backend", args.backend])

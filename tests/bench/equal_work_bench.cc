@@ -24,6 +24,7 @@
 // Group flags (after --): --dir PATH for the state files (default $TMPDIR or /tmp).
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -60,6 +61,14 @@ struct Settings {
 Settings& settings() {
   static Settings s;
   return s;
+}
+
+// Minor page faults this process has taken so far (every thread): a side's delta is the
+// first touches it paid for, the figure `perf stat -e page-faults` would give.
+long minor_faults() {
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_minflt;
 }
 
 double ms_since(Clock::time_point start) {
@@ -211,18 +220,20 @@ void bm_equal(benchmark::State& state) {
   if (!decoder().can_share()) return state.SkipWithError(decoder().startup_warning().c_str());
   const ProviderRows rows(n_tokens);
   const auto path = settings().dir / fmt::format("kvshare-equal-bench-{}.state", ::getpid());
-  std::map<Side, std::vector<double>> ms;
+  std::map<Side, std::vector<double>> ms, faults;
   std::vector<double> shared_added, map_added, file_added, added_ratio;
   size_t turn = 0;
   for (auto _ : state) {
     std::map<Side, double> round;
     for (size_t k = 0; k < kSideCount; ++k) {
       const Side side = kSides[(turn + k) % kSideCount];
+      const long faults_before = minor_faults();
       Result<double> took = side == Side::file    ? file_side(rows, n_tokens, path)
                             : side == Side::floor ? floor_side(rows, n_tokens)
                                                   : shared_side(rows, n_tokens, side == Side::shared);
       if (!took) return state.SkipWithError(took.error().what().c_str());
       round[side] = *took;
+      faults[side].push_back(static_cast<double>(minor_faults() - faults_before));
     }
     ++turn;
     std::error_code ec;
@@ -234,7 +245,10 @@ void bm_equal(benchmark::State& state) {
     file_added.push_back(round[Side::file] - round[Side::floor]);
     added_ratio.push_back(shared_added.back() / file_added.back());
   }
-  for (Side side : kSides) record(state, std::string(side_name(side)) + "_ms", ms[side]);
+  for (Side side : kSides) {
+    record(state, std::string(side_name(side)) + "_ms", ms[side]);
+    state.counters[std::string(side_name(side)) + "_faults"] = spread_of(faults[side]).median;
+  }
   record(state, "shared_added_ms", shared_added);
   record(state, "shared_map_added_ms", map_added);
   record(state, "file_added_ms", file_added);
@@ -286,6 +300,7 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
       for (const char* key : keys)
         fmt::print(",\"{0}\":{1:.4f},\"{0}_p25\":{2:.4f},\"{0}_p75\":{3:.4f}", key, c(key),
                    c(std::string(key) + "_p25"), c(std::string(key) + "_p75"));
+      for (Side side : kSides) fmt::print(",\"{}_faults\":{:.0f}", side_name(side), c(std::string(side_name(side)) + "_faults"));
       fmt::print("}}\n");
     } else {
       auto cell = [&](const std::string& key, int digits) {
@@ -295,6 +310,8 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
       fmt::print("{:>6} {:>10} {:>22} {:>22} {:>22} {:>22} {:>22} {:>22} {:>20} {:>6}\n", n, kv_bytes,
                  cell("shared_ms", 1), cell("shared_map_ms", 1), cell("file_ms", 1), cell("floor_ms", 1),
                  cell("shared_added_ms", 1), cell("file_added_ms", 1), cell("added_ratio", 3), c("rounds"));
+      fmt::print("{:>17} minor page faults (median per side): shared {:.0f}, shared_map {:.0f}, file {:.0f}, floor {:.0f}\n",
+                 "", c("shared_faults"), c("shared_map_faults"), c("file_faults"), c("floor_faults"));
     }
   }
   if (!args.json && first_added != 0)
