@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """plot-bench.py: the benchmark plots in docs/plots/, from `kvshare-bench GROUP --json`.
 
 One command runs the benches and redraws every plot:
@@ -14,7 +14,8 @@ docs/plots/bench.jsonl and writes:
     throughput.svg     scatter and state-file GB/s beside memcpy and plain write()/read()
 
 `--from FILE.jsonl` redraws from lines kept earlier without running anything. Needs
-Debian's python3-matplotlib (scripts/install-deps.sh installs it).
+Debian's python3-matplotlib (scripts/install-deps.sh installs it), hence /usr/bin/python3
+rather than whatever python3 comes first on PATH.
 """
 import argparse
 import datetime
@@ -54,7 +55,9 @@ def of(lines, bench):
 
 def errorbar(ax, xs, lines, key, label, color, style="-o"):
     ys = [line[key] for line in lines]
-    lo = [max(0.0, line[key] - line.get(key + "_p25", line[key])) for line in lines]
+    # A quartile at or below zero (a route that beat the floor in some rounds) cannot be
+    # drawn on a log axis: its bar stops at a tenth of the median.
+    lo = [min(0.9 * line[key], max(0.0, line[key] - line.get(key + "_p25", line[key]))) for line in lines]
     hi = [max(0.0, line.get(key + "_p75", line[key]) - line[key]) for line in lines]
     ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style, color=color, label=label, capsize=3)
 
@@ -86,7 +89,7 @@ def plot_handoff_cost(lines, out, stamp):
     fig.text(0.99, 0.01, stamp, ha="right", fontsize=7, color="#666666")
     path = os.path.join(out, "handoff-cost.svg")
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, metadata={"Date": None})
     plt.close(fig)
     return path
 
@@ -126,7 +129,7 @@ def plot_first_byte(lines, out, stamp):
     fig.text(0.99, 0.01, stamp, ha="right", fontsize=7, color="#666666")
     path = os.path.join(out, "first-byte.svg")
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, metadata={"Date": None})
     plt.close(fig)
     return path
 
@@ -181,7 +184,7 @@ def plot_throughput(lines, out, stamp):
     fig.text(0.99, 0.01, stamp, ha="right", fontsize=7, color="#666666")
     path = os.path.join(out, "throughput.svg")
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, metadata={"Date": None})
     plt.close(fig)
     return path
 
