@@ -73,7 +73,9 @@ struct ScatterBatch {
 // writing anything: an unknown layer, a width that differs from the cache tensor, a
 // position range past kv_size, a stream past n_stream, a chunk span shorter than the
 // layout says, a quantized transposed V or an unsupported type fail with EINVAL naming the
-// layer, tensor and position, and the region is left untouched.
+// layer, tensor and position, and the region is left untouched. With chunk_files, a
+// pwrite that fails (EBADF for a descriptor not open for writing, ENOSPC, ...) ends the
+// scatter with that error naming the layer, tensor and chunk; rows written before it stay.
 Result<void> scatter(const ScatterTarget& target, const ScatterBatch& batch);
 
 // The checks scatter makes, without writing (for planners such as plan_layer_dma).
