@@ -9,6 +9,7 @@ packages=(
   libfmt-dev nlohmann-json3-dev libcli11-dev libexpected-dev libcpp-httplib-dev
   liburing-dev libdrm-dev libopenblas-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  python3-matplotlib                  # scripts/plot-bench.py: the benchmark plots in docs/
 )
 sudo_cmd=()
 if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi

@@ -1,9 +1,13 @@
 #include "xdna/scatter.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -26,6 +30,12 @@ struct LayerPlan {
   std::byte* k_stream = nullptr;    // cell 0 of the stream in cache_k_l<il>
   const CacheTensor* v = nullptr;   // nullptr for a K-only layer
   std::byte* v_stream = nullptr;
+  // Set when the tensor's chunk is written through its descriptor: where cell 0 of the
+  // stream sits inside the chunk.
+  const ChunkFile* k_file = nullptr;
+  uint64_t k_stream_offset = 0;
+  const ChunkFile* v_file = nullptr;
+  uint64_t v_stream_offset = 0;
   int rotation_k = 0;
   int rotation_v = 0;
 };
@@ -45,6 +55,16 @@ Result<std::byte*> tensor_base(const ScatterTarget& target, const layout::Shared
     return fail(EINVAL, "{} needs bytes {}..{} of chunk {}, whose mapping has {} bytes", placed.tensor.name,
                 placed.offset, placed.offset + placed.tensor.nbytes, placed.chunk, chunk.size());
   return chunk.data() + placed.offset;
+}
+
+// The descriptor to write `placed` through, or nullptr for the mapping.
+Result<const ChunkFile*> tensor_file(const ScatterTarget& target, const layout::SharedTensor& placed) {
+  if (target.chunk_files.empty()) return nullptr;
+  if (target.chunk_files.size() != target.chunks.size())
+    return fail(EINVAL, "{} chunk descriptors for {} chunk mappings (one per chunk, in fd order)",
+                target.chunk_files.size(), target.chunks.size());
+  const ChunkFile& file = target.chunk_files[placed.chunk];
+  return file.writable() ? &file : nullptr;
 }
 
 // The rotation llama.cpp applies to this tensor; an error when the head size it depends
@@ -102,6 +122,10 @@ Result<LayerPlan> plan_layer(const ScatterTarget& target, const layout::KvCacheS
   auto k_base = tensor_base(target, *k);
   if (!k_base) return fail(k_base.error());
   plan.k_stream = *k_base + static_cast<uint64_t>(stream) * cache.kv_size * k->tensor.row_bytes;
+  auto k_file = tensor_file(target, *k);
+  if (!k_file) return fail(k_file.error());
+  plan.k_file = *k_file;
+  plan.k_stream_offset = k->offset + static_cast<uint64_t>(stream) * cache.kv_size * k->tensor.row_bytes;
   auto rot_k = rotation_for(k->tensor, target.n_embd_head_k, n_embd_k, rotation_disabled);
   if (!rot_k) return fail(rot_k.error());
   plan.rotation_k = *rot_k;
@@ -129,6 +153,12 @@ Result<LayerPlan> plan_layer(const ScatterTarget& target, const layout::KvCacheS
   auto v_base = tensor_base(target, *v);
   if (!v_base) return fail(v_base.error());
   plan.v_stream = *v_base + static_cast<uint64_t>(stream) * cache.kv_size * v->tensor.row_bytes;
+  if (!cache.v_trans) {
+    auto v_file = tensor_file(target, *v);
+    if (!v_file) return fail(v_file.error());
+    plan.v_file = *v_file;
+    plan.v_stream_offset = v->offset + static_cast<uint64_t>(stream) * cache.kv_size * v->tensor.row_bytes;
+  }
   auto rot_v = rotation_for(v->tensor, target.n_embd_head_v, n_embd_v, rotation_disabled);
   if (!rot_v) return fail(rot_v.error());
   plan.rotation_v = *rot_v;
@@ -171,26 +201,58 @@ constexpr uint32_t kTokensPerItem = 256;
 // Tokens converted together before a transposed V is written out column by column.
 constexpr uint32_t kTransposeTile = 64;
 
+// Converts tokens [t0, t1) of one position-major tensor into `staging` (the provider's own,
+// warm memory) and writes them to the chunk with one pwrite().
+Result<void> write_rows_through_file(const LayerPlan& layer, const CacheTensor& tensor, const ChunkFile& file,
+                                     uint64_t stream_offset, uint64_t src_offset, uint32_t n_embd, int rotation,
+                                     const ScatterBatch& batch, uint32_t t0, uint32_t t1,
+                                     std::vector<std::byte>& staging) {
+  staging.resize(static_cast<size_t>(t1 - t0) * tensor.row_bytes);
+  for (uint32_t t = t0; t < t1; ++t) {
+    const std::byte* row = layer.src + static_cast<uint64_t>(t) * batch.row_stride + src_offset;
+    layout::convert_row(batch.src_type, row, tensor.type, staging.data() + static_cast<size_t>(t - t0) * tensor.row_bytes,
+                        n_embd, rotation);
+  }
+  auto written = write_chunk_file(file, stream_offset + static_cast<uint64_t>(batch.pos0 + t0) * tensor.row_bytes,
+                                  staging);
+  if (!written) return fail(written.error().with_context(fmt::format("scatter of layer {} {}", layer.il, tensor.name)));
+  return {};
+}
+
 // Writes tokens [t0, t1) of one layer.
-void scatter_range(const CachePlan& plan, const LayerPlan& layer, const ScatterBatch& batch, uint32_t t0, uint32_t t1,
-                   std::vector<std::byte>& tile) {
+Result<void> scatter_range(const CachePlan& plan, const LayerPlan& layer, const ScatterBatch& batch, uint32_t t0,
+                           uint32_t t1, std::vector<std::byte>& tile) {
   const layout::KvCacheShape& cache = *plan.cache;
   const uint64_t element_bytes = layout::ggml_row_size(batch.src_type, 1);
   const uint64_t v_src_offset = layer.n_embd_k * element_bytes;
-  for (uint32_t t = t0; t < t1; ++t) {
-    const std::byte* row = layer.src + static_cast<uint64_t>(t) * batch.row_stride;
-    // Streaming stores: the decoder reads these rows later, from another process; caching
-    // them here would only evict the provider's own working set.
-    layout::convert_row_streaming(batch.src_type, row, layer.k->type,
-                        layer.k_stream + static_cast<uint64_t>(batch.pos0 + t) * layer.k->row_bytes, layer.n_embd_k,
-                        layer.rotation_k);
-    if (layer.v != nullptr && !cache.v_trans)
-      layout::convert_row_streaming(batch.src_type, row + v_src_offset, layer.v->type,
-                          layer.v_stream + static_cast<uint64_t>(batch.pos0 + t) * layer.v->row_bytes, layer.n_embd_v,
-                          layer.rotation_v);
+  const bool v_by_mapping = layer.v != nullptr && !cache.v_trans && layer.v_file == nullptr;
+  if (layer.k_file != nullptr) {
+    auto k = write_rows_through_file(layer, *layer.k, *layer.k_file, layer.k_stream_offset, 0, layer.n_embd_k,
+                                     layer.rotation_k, batch, t0, t1, tile);
+    if (!k) return k;
   }
-  layout::convert_stream_fence();
-  if (layer.v == nullptr || !cache.v_trans) return;
+  if (layer.v_file != nullptr) {
+    auto v = write_rows_through_file(layer, *layer.v, *layer.v_file, layer.v_stream_offset, v_src_offset,
+                                     layer.n_embd_v, layer.rotation_v, batch, t0, t1, tile);
+    if (!v) return v;
+  }
+  if (layer.k_file == nullptr || v_by_mapping) {
+    for (uint32_t t = t0; t < t1; ++t) {
+      const std::byte* row = layer.src + static_cast<uint64_t>(t) * batch.row_stride;
+      // Streaming stores: the decoder reads these rows later, from another process; caching
+      // them here would only evict the provider's own working set.
+      if (layer.k_file == nullptr)
+        layout::convert_row_streaming(batch.src_type, row, layer.k->type,
+                                      layer.k_stream + static_cast<uint64_t>(batch.pos0 + t) * layer.k->row_bytes,
+                                      layer.n_embd_k, layer.rotation_k);
+      if (v_by_mapping)
+        layout::convert_row_streaming(batch.src_type, row + v_src_offset, layer.v->type,
+                                      layer.v_stream + static_cast<uint64_t>(batch.pos0 + t) * layer.v->row_bytes,
+                                      layer.n_embd_v, layer.rotation_v);
+    }
+    layout::convert_stream_fence();
+  }
+  if (layer.v == nullptr || !cache.v_trans) return {};
 
   // Transposed V: convert a tile of rows, then write each of the v_width element rows of
   // the tensor as one contiguous run of cells.
@@ -218,6 +280,7 @@ void scatter_range(const CachePlan& plan, const LayerPlan& layer, const ScatterB
       }
     }
   }
+  return {};
 }
 
 }  // namespace
@@ -239,11 +302,19 @@ Result<void> scatter(const ScatterTarget& target, const ScatterBatch& batch) {
   unsigned n_threads = batch.n_threads != 0 ? batch.n_threads : std::max(1u, std::thread::hardware_concurrency());
   n_threads = static_cast<unsigned>(std::min<size_t>(n_threads, items.size()));
   std::atomic<size_t> next{0};
+  std::mutex error_mutex;
+  std::optional<Error> first_error;
   auto work = [&] {
     std::vector<std::byte> tile;
     for (size_t i = next.fetch_add(1); i < items.size(); i = next.fetch_add(1)) {
       const Item& item = items[i];
-      scatter_range(*plan, plan->layers[item.layer], batch, item.t0, item.t1, tile);
+      auto done = scatter_range(*plan, plan->layers[item.layer], batch, item.t0, item.t1, tile);
+      if (!done) {
+        const std::lock_guard lock(error_mutex);
+        if (!first_error) first_error = done.error();
+        next.store(items.size());  // the others stop at their next item
+        return;
+      }
     }
   };
   {
@@ -251,6 +322,7 @@ Result<void> scatter(const ScatterTarget& target, const ScatterBatch& batch) {
     for (unsigned i = 1; i < n_threads; ++i) helpers.emplace_back(work);
     work();
   }
+  if (first_error) return fail(*first_error);
   return {};
 }
 

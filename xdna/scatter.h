@@ -19,6 +19,7 @@
 #include <span>
 #include <vector>
 
+#include "kvshare/region/chunk_file.h"
 #include "layout/error.h"
 #include "layout/memory_shape.h"
 #include "layout/share_layout.h"
@@ -38,6 +39,13 @@ struct ScatterTarget {
   // ScatterBatch::rotation_disabled then.
   uint32_t n_embd_head_k = 0;
   uint32_t n_embd_head_v = 0;
+  // Optional, one per chunk in fd order (ImportedShare::chunk_files): position-major rows
+  // of a chunk with a writable descriptor are converted into a small buffer of the
+  // provider's own and written with pwrite(), not through `chunks`. A fresh process's
+  // mapping takes one page fault per 4 KiB page on first write (kvshare/region/chunk_file.h
+  // has the figures); the descriptor does not. Empty: everything goes through `chunks`.
+  // A transposed V (one element per cell row) always goes through `chunks`.
+  std::vector<ChunkFile> chunk_files;
 };
 
 // One layer's rows in the provider's buffer: token t's row starts at
@@ -65,7 +73,9 @@ struct ScatterBatch {
 // writing anything: an unknown layer, a width that differs from the cache tensor, a
 // position range past kv_size, a stream past n_stream, a chunk span shorter than the
 // layout says, a quantized transposed V or an unsupported type fail with EINVAL naming the
-// layer, tensor and position, and the region is left untouched.
+// layer, tensor and position, and the region is left untouched. With chunk_files, a
+// pwrite that fails (EBADF for a descriptor not open for writing, ENOSPC, ...) ends the
+// scatter with that error naming the layer, tensor and chunk; rows written before it stay.
 Result<void> scatter(const ScatterTarget& target, const ScatterBatch& batch);
 
 // The checks scatter makes, without writing (for planners such as plan_layer_dma).

@@ -444,7 +444,8 @@ int kvshare_provider_scatter(kvshare_provider* provider, uint32_t il, uint32_t p
     const bool heads_agree = p.n_embd_head_k != UINT32_MAX && p.n_embd_head_v != UINT32_MAX;
     kvshare::xdna::ScatterTarget target{header.layout, header.memory,
                                         std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()), 0,
-                                        heads_agree ? p.n_embd_head_k : 0, heads_agree ? p.n_embd_head_v : 0};
+                                        heads_agree ? p.n_embd_head_k : 0, heads_agree ? p.n_embd_head_v : 0,
+                                        p.share->imported().chunk_files()};
     kvshare::xdna::ScatterBatch batch;
     batch.layers.push_back({il, rows, n_embd_k_gqa, n_embd_v_gqa});
     batch.pos0 = pos0;

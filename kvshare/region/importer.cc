@@ -48,6 +48,14 @@ Result<ImportedShare> ImportedShare::import(const layout::ShareLayout& layout, s
   return share;
 }
 
+std::vector<ChunkFile> ImportedShare::chunk_files() const {
+  std::vector<ChunkFile> files;
+  for (const auto& region : regions_)
+    files.push_back(region.kind == FdKind::memfd ? ChunkFile{region.fd.get(), region.offset, region.chunk}
+                                                 : ChunkFile{-1, 0, region.chunk});
+  return files;
+}
+
 Result<TensorView> ImportedShare::view(std::string_view name) const {
   return tensor_view(layout_, chunk_bytes_, name);
 }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvshare/fd.h"
+#include "kvshare/region/chunk_file.h"
 #include "kvshare/mapping.h"
 #include "kvshare/region/dmabuf_sync.h"
 #include "kvshare/region/fd_inspect.h"
@@ -45,6 +46,9 @@ class ImportedShare {
   const layout::ShareLayout& layout() const { return layout_; }
   const std::vector<ImportedRegion>& regions() const { return regions_; }
   std::span<const std::span<std::byte>> chunk_bytes() const { return chunk_bytes_; }
+  // Each chunk's descriptor (borrowed from this share) for writing without the mapping's
+  // first-touch faults (chunk_file.h); fd -1 for a dma-buf chunk, which has no write(2).
+  std::vector<ChunkFile> chunk_files() const;
 
   Result<TensorView> view(std::string_view name) const;
   Result<LayerDestination> layer(uint32_t cache_index, uint32_t il) const;

@@ -165,7 +165,7 @@ Result<PrefillReport> run_shared_route(const PrefillRequest& r, std::vector<Fd> 
   const auto& chunks = share->imported().chunk_bytes();
   xdna::ScatterTarget target{theirs->layout, theirs->memory,
                              std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
-                             0, head_k(model), head_v(model)};
+                             0, head_k(model), head_v(model), share->imported().chunk_files()};
   const bool rotation_disabled = statefile::attn_rotation_disabled_by_env();
   double write_ms = 0;
   const auto t0 = Clock::now();

@@ -51,7 +51,8 @@ class CollectingReporter : public benchmark::ConsoleReporter {
 
 void print_usage() {
   std::fprintf(stderr,
-               "usage: kvshare-bench GROUP [--json] [--smoke] [--tokens N[,N...]] [--benchmark_* flags]\n"
+               "usage: kvshare-bench GROUP [--json] [--smoke] [--tokens N[,N...]] [--benchmark_* flags] [-- group flags]\n"
+               "       kvshare-bench route [--backend PATH] [--provider PATH] ...   (another decoder, e.g. llama-server)\n"
                "       kvshare-bench all --smoke   (every group, tiny sizes: a check that they run)\n\n"
                "groups:\n");
   for (const auto& [name, group] : groups()) std::fprintf(stderr, "  %-10s %s\n", name.c_str(), group.help.c_str());
@@ -123,6 +124,9 @@ int main(int argc, char** argv) {
       args.json = true;
     } else if (arg == "--smoke") {
       args.smoke = true;
+    } else if ((arg == "--backend" || arg == "--provider") && i + 1 < argc) {
+      args.rest.push_back(arg);  // the route group's decoder and provider (route_bench.cc)
+      args.rest.push_back(argv[++i]);
     } else if (arg == "--tokens" && i + 1 < argc) {
       std::string list = argv[++i];
       size_t start = 0;

@@ -1,9 +1,22 @@
-// kvshare-bench route: end-to-end time to first byte through kvshare-serve for prompts of
-// 307 and 4096 tokens on a generated model, three ways in one run: --device cpu (the
-// decoder prefills), the file route and the shared route (kvshare-prefill + kvshare-decoder).
-// The handoff column is serve's own figure from its `hybrid:` line (restore, or share +
-// adopt): the shared route's must stay flat as the prompt grows, the file route's grows
-// with the bytes of KV.
+// kvshare-bench route: what each route adds to the time to first byte through
+// kvshare-serve, for prompts of 307 and 4096 tokens on a generated model. Three serves run
+// side by side (--device cpu, the file route, the shared route, each with its own decoder)
+// and every round sends the same fresh prompt to each, the order rotating from round to
+// round, so a slow moment of the machine falls on every route alike.
+//
+// Per request: first_byte_ms (measured here), and from serve's `hybrid:` line the
+// provider's own prefill_ms and serve's handoff_ms (restore, or share + adopt).
+// overhead_ms = first_byte_ms - prefill_ms is what the route adds to the provider's work:
+// starting the provider and loading the model, the handoff, the decoder's one-token step,
+// the HTTP hops. The 2-second spread of a CPU prefill drowns a 6 ms handoff in first_byte_ms;
+// overhead_ms takes the prefill out, request by request.
+//
+// The decoder is kvshare-decoder (with kvshare-prefill as the provider) unless
+// --backend PATH names another, such as a llama-server built with the patch series of
+// integrations/llama.cpp; its provider is then llama-kvshare-prefill beside it (or
+// --provider PATH), so that both run the same llama.cpp.
+// Group flags (after --, or before it for these two): --backend PATH, --provider PATH;
+// --rounds N (default 9).
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 
@@ -13,15 +26,16 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <regex>
 #include <sstream>
 #include <thread>
 
 #include "bench_registry.h"
-#include "kvshare/share/spawn.h"
 #include "kvshare/route/decoder_client.h"
 #include "kvshare/route/decoder_process.h"
 #include "kvshare/route/upstream_stream.h"
+#include "kvshare/share/spawn.h"
 
 namespace kvshare::bench {
 namespace {
@@ -39,7 +53,21 @@ std::string read_all(const fs::path& path) {
   return text.str();
 }
 
-// One kvshare-serve for a route, started once per benchmark case.
+const char* const kRoutes[] = {"cpu", "file", "shared"};
+
+struct Settings {
+  fs::path backend;   // the decoder binary
+  fs::path provider;  // the prefill provider
+  bool is_llama_server = false;
+  int rounds = 9;
+};
+
+Settings& settings() {
+  static Settings s;
+  return s;
+}
+
+// One kvshare-serve for a route, started once per run and stopped at exit.
 struct ServeUnderTest {
   ChildProcess process;
   fs::path stderr_path;
@@ -48,16 +76,22 @@ struct ServeUnderTest {
   ~ServeUnderTest() { process.terminate(std::chrono::seconds(10)); }
 };
 
-std::unique_ptr<ServeUnderTest> start_serve(const std::string& route, const fs::path& model, const fs::path& dir) {
+std::unique_ptr<ServeUnderTest> start_serve(const std::string& route, const fs::path& model, const fs::path& dir,
+                                            std::string& why) {
   auto serve = std::make_unique<ServeUnderTest>();
   auto port = route::pick_free_loopback_port();
-  if (!port) return nullptr;
+  if (!port) {
+    why = port.error().what();
+    return nullptr;
+  }
   serve->port = *port;
   serve->stderr_path = dir / ("serve-" + route + ".log");
   std::vector<std::string> argv = {bin("kvshare-serve").string(), "-m", model.string(), "--device",
-                                   route == "cpu" ? "cpu" : "hybrid", "--backend", bin("kvshare-decoder").string(),
-                                   "--port", std::to_string(serve->port), "-c", "8192", "-fa", "on"};
-  if (route != "cpu") argv.insert(argv.end(), {"--prefill-provider", bin("kvshare-prefill").string()});
+                                   route == "cpu" ? "cpu" : "hybrid", "--backend", settings().backend.string(),
+                                   "--port", std::to_string(serve->port), "-c", "8192", "-fa", "on",
+                                   "-ctk", "f16", "-ctv", "f16"};
+  if (route != "cpu") argv.insert(argv.end(), {"--prefill-provider", settings().provider.string()});
+  // The child takes serve's environment: ONEBIT_KV_SHARE only for the shared route's.
   if (route == "shared") ::setenv("ONEBIT_KV_SHARE", "1", 1);
   else ::unsetenv("ONEBIT_KV_SHARE");
   SpawnOptions options;
@@ -65,24 +99,29 @@ std::unique_ptr<ServeUnderTest> start_serve(const std::string& route, const fs::
   options.die_with_parent = true;
   auto child = ChildProcess::spawn(argv, options);
   ::unsetenv("ONEBIT_KV_SHARE");
-  if (!child) return nullptr;
+  if (!child) {
+    why = child.error().what();
+    return nullptr;
+  }
   serve->process = std::move(*child);
   const std::regex decoder_re(R"(decoder \S+ on 127\.0\.0\.1:(\d+))");
-  for (int i = 0; i < 1200; ++i) {
+  for (int i = 0; i < 2400; ++i) {
     std::smatch match;
     const std::string log = read_all(serve->stderr_path);
     if (std::regex_search(log, match, decoder_re)) {
       serve->decoder_port = std::stoi(match[1]);
       return serve;
     }
-    if (serve->process.poll_exit()) return nullptr;
+    if (serve->process.poll_exit()) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
+  why = fmt::format("kvshare-serve for route {} did not report its decoder (log {})", route,
+                    serve->stderr_path.string());
   return nullptr;
 }
 
 // A prompt text the decoder tokenizes to exactly `n_tokens` (BOS included), starting with
-// `salt` so that no two requests share a cached prefix.
+// `salt` so that no two rounds share a cached prefix.
 std::string prompt_of(const route::DecoderClient& decoder, int n_tokens, int salt) {
   std::string text = fmt::format("{} ", salt);
   const char* words[] = {"alpha ", "beta ", "gamma ", "delta ", "x", "y "};
@@ -102,28 +141,49 @@ std::string prompt_of(const route::DecoderClient& decoder, int n_tokens, int sal
   return text;
 }
 
-// handoff ms of the newest `hybrid:` line in serve's log.
-double last_handoff_ms(const fs::path& log_path) {
-  const std::regex line_re(R"(hybrid: \d+ prompt tokens: prefill [\d.]+ ms, (?:share|restore) ([\d.]+) ms,)");
+// Serve's `hybrid:` lines: the provider's prefill and serve's handoff, per request.
+struct HybridLine {
+  double prefill_ms = 0;
+  double handoff_ms = 0;
+  bool is_shared = false;
+};
+
+std::vector<HybridLine> hybrid_lines(const fs::path& log_path) {
+  const std::regex line_re(
+      R"(hybrid: \d+ prompt tokens: prefill ([\d.]+) ms, (share ([\d.]+) ms, )?(restore ([\d.]+) ms, )?first byte)");
   const std::string log = read_all(log_path);
-  double ms = 0;
-  for (std::sregex_iterator it(log.begin(), log.end(), line_re), end; it != end; ++it) ms = std::stod((*it)[1]);
-  return ms;
+  std::vector<HybridLine> lines;
+  for (std::sregex_iterator it(log.begin(), log.end(), line_re), end; it != end; ++it) {
+    HybridLine line;
+    line.prefill_ms = std::stod((*it)[1]);
+    line.is_shared = (*it)[3].matched && !(*it)[5].matched;
+    line.handoff_ms = (*it)[5].matched ? std::stod((*it)[5]) : (*it)[3].matched ? std::stod((*it)[3]) : 0;
+    lines.push_back(line);
+  }
+  return lines;
 }
 
 struct Setup {
   fs::path dir;
   fs::path model;
-  bool ok = false;
-  std::string why;
+  std::map<std::string, std::unique_ptr<ServeUnderTest>> serves;
+  std::string why;  // empty when ready
 };
 
+bool g_setup_started = false;
+
 Setup& setup() {
+  g_setup_started = true;
   static Setup s = [] {
     Setup made;
-    for (const char* tool : {"kvshare-serve", "kvshare-decoder", "kvshare-prefill", "kvshare-mkmodel"})
+    for (const char* tool : {"kvshare-serve", "kvshare-mkmodel"})
       if (!fs::exists(bin(tool))) {
         made.why = fmt::format("{} not built", tool);
+        return made;
+      }
+    for (const fs::path& tool : {settings().backend, settings().provider})
+      if (!fs::exists(tool)) {
+        made.why = fmt::format("{} does not exist", tool.string());
         return made;
       }
     auto dir = route::make_private_dir("kvshare-bench-route");
@@ -135,95 +195,206 @@ Setup& setup() {
     made.model = made.dir / "tiny.gguf";
     const std::string command = fmt::format("{} {} --ctx 8192 --seed 3 > /dev/null 2>&1", bin("kvshare-mkmodel").string(),
                                             made.model.string());
-    made.ok = std::system(command.c_str()) == 0;
-    if (!made.ok) made.why = "kvshare-mkmodel failed";
+    if (std::system(command.c_str()) != 0) {
+      made.why = "kvshare-mkmodel failed";
+      return made;
+    }
+    for (const char* route_name : kRoutes) {
+      auto serve = start_serve(route_name, made.model, made.dir, made.why);
+      if (!serve) return made;
+      made.serves[route_name] = std::move(serve);
+    }
     return made;
   }();
   return s;
 }
 
-void bm_route(benchmark::State& state, std::string route_name) {
+struct Request {
+  double first_byte_ms = 0;
+  double prefill_ms = 0;
+  double handoff_ms = 0;
+};
+
+Result<Request> one_request(ServeUnderTest& serve, const std::string& route_name, const std::string& prompt) {
+  const size_t lines_before = hybrid_lines(serve.stderr_path).size();
+  route::UpstreamStream::Request request;
+  request.host = "127.0.0.1";
+  request.port = serve.port;
+  request.method = "POST";
+  request.path = "/v1/completions";
+  request.body = nlohmann::json{{"prompt", prompt}, {"max_tokens", 1}, {"temperature", 0}, {"stream", true}}.dump();
+  const auto start = Clock::now();
+  auto stream = route::UpstreamStream::start(request, nullptr);
+  std::string piece;
+  const bool got = stream->wait_head().has_value() && stream->next(piece);
+  Request out;
+  out.first_byte_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  while (stream->next(piece)) {
+  }
+  stream.reset();
+  if (!got) return fail(EPROTO, "no reply from kvshare-serve (route {}, log {})", route_name, serve.stderr_path.string());
+  if (route_name == "cpu") return out;
+  // Serve writes its line before the first byte goes out; the pipe to the file may lag.
+  for (int i = 0; i < 200; ++i) {
+    const auto lines = hybrid_lines(serve.stderr_path);
+    if (lines.size() > lines_before) {
+      const HybridLine& line = lines.back();
+      if (line.is_shared != (route_name == "shared"))
+        return fail(EPROTO, "route {}: serve's line says the {} route was taken (log {})", route_name,
+                    line.is_shared ? "shared" : "file", serve.stderr_path.string());
+      out.prefill_ms = line.prefill_ms;
+      out.handoff_ms = line.handoff_ms;
+      return out;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return fail(EPROTO, "route {}: no new hybrid: line in {} (a fallback?)", route_name, serve.stderr_path.string());
+}
+
+struct Spread {
+  double p25 = 0, median = 0, p75 = 0;
+};
+
+Spread spread_of(std::vector<double> values) {
+  if (values.empty()) return {};
+  std::sort(values.begin(), values.end());
+  auto at = [&](double q) { return values[static_cast<size_t>(q * static_cast<double>(values.size() - 1) + 0.5)]; };
+  return {at(0.25), at(0.5), at(0.75)};
+}
+
+void record(benchmark::State& state, const std::string& key, const std::vector<double>& values) {
+  const Spread s = spread_of(values);
+  state.counters[key + "_p25"] = s.p25;
+  state.counters[key] = s.median;
+  state.counters[key + "_p75"] = s.p75;
+}
+
+void bm_rounds(benchmark::State& state) {
   Setup& s = setup();
-  if (!s.ok) {
-    state.SkipWithError(s.why.c_str());
-    return;
-  }
+  if (!s.why.empty()) return state.SkipWithError(s.why.c_str());
   const int n_tokens = static_cast<int>(state.range(0));
-  auto serve = start_serve(route_name, s.model, s.dir);
-  if (!serve) {
-    state.SkipWithError(("kvshare-serve did not start for route " + route_name).c_str());
-    return;
-  }
-  const route::DecoderClient decoder("127.0.0.1", serve->decoder_port, std::chrono::seconds(120));
-  int salt = 0;
-  double first_byte_total_ms = 0, handoff_total_ms = 0;
+  const route::DecoderClient decoder("127.0.0.1", s.serves["file"]->decoder_port, std::chrono::seconds(120));
+  static int salt = 0;
+  std::map<std::string, std::vector<Request>> done;
+  std::vector<double> overhead_saved;  // file - shared, per round
+  size_t turn = 0;
   for (auto _ : state) {
-    state.PauseTiming();
     const std::string prompt = prompt_of(decoder, n_tokens, ++salt);
-    state.ResumeTiming();
-    route::UpstreamStream::Request request;
-    request.host = "127.0.0.1";
-    request.port = serve->port;
-    request.method = "POST";
-    request.path = "/v1/completions";
-    request.body = nlohmann::json{{"prompt", prompt}, {"max_tokens", 1}, {"temperature", 0}, {"stream", true}}.dump();
-    const auto start = Clock::now();
-    auto stream = route::UpstreamStream::start(request, nullptr);
-    std::string piece;
-    const bool got = stream->wait_head().has_value() && stream->next(piece);
-    const double first_byte_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-    while (stream->next(piece)) {
+    std::map<std::string, Request> round;
+    for (size_t k = 0; k < std::size(kRoutes); ++k) {
+      const std::string route_name = kRoutes[(turn + k) % std::size(kRoutes)];
+      auto request = one_request(*s.serves[route_name], route_name, prompt);
+      if (!request) return state.SkipWithError(request.error().what().c_str());
+      round[route_name] = *request;
     }
-    stream.reset();
-    if (!got) {
-      state.SkipWithError("no reply from kvshare-serve");
-      return;
-    }
-    state.PauseTiming();
-    // The log line is written before the first byte goes out; give the pipe a moment.
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    first_byte_total_ms += first_byte_ms;
-    handoff_total_ms += route_name == "cpu" ? 0.0 : last_handoff_ms(serve->stderr_path);
-    state.ResumeTiming();
+    ++turn;
+    for (const auto& [name, request] : round) done[name].push_back(request);
+    overhead_saved.push_back((round["file"].first_byte_ms - round["file"].prefill_ms) -
+                             (round["shared"].first_byte_ms - round["shared"].prefill_ms));
+    state.SetIterationTime(round["shared"].first_byte_ms / 1e3);
   }
-  const double n = static_cast<double>(state.iterations());
-  state.counters["first_byte_ms"] = first_byte_total_ms / n;
-  state.counters["handoff_ms"] = handoff_total_ms / n;
+  for (const auto& [name, requests] : done) {
+    std::vector<double> first_byte, prefill, handoff, overhead;
+    for (const Request& r : requests) {
+      first_byte.push_back(r.first_byte_ms);
+      prefill.push_back(r.prefill_ms);
+      handoff.push_back(r.handoff_ms);
+      overhead.push_back(r.first_byte_ms - r.prefill_ms);
+    }
+    record(state, name + ".first_byte_ms", first_byte);
+    record(state, name + ".prefill_ms", prefill);
+    record(state, name + ".handoff_ms", handoff);
+    record(state, name + ".overhead_ms", overhead);
+  }
+  record(state, "overhead_saved_ms", overhead_saved);
+  state.counters["rounds"] = static_cast<double>(state.iterations());
   state.counters["tokens"] = n_tokens;
+}
+
+void register_all(const BenchArgs& args) {
+  Settings& s = settings();
+  s.backend = bin("kvshare-decoder");
+  s.provider = bin("kvshare-prefill");
+  bool provider_given = false;
+  for (size_t i = 0; i + 1 < args.rest.size(); ++i) {
+    if (args.rest[i] == "--backend") s.backend = args.rest[++i];
+    else if (args.rest[i] == "--provider") s.provider = args.rest[++i], provider_given = true;
+    else if (args.rest[i] == "--rounds") s.rounds = std::max(1, std::atoi(args.rest[++i].c_str()));
+  }
+  s.is_llama_server = s.backend.filename() != "kvshare-decoder";
+  if (s.is_llama_server && !provider_given) s.provider = s.backend.parent_path() / "llama-kvshare-prefill";
+  std::vector<int> tokens = args.tokens;
+  if (tokens.empty()) tokens = args.smoke ? std::vector<int>{16} : std::vector<int>{307, 4096};
+  for (int n : tokens)
+    benchmark::RegisterBenchmark(fmt::format("route/{}", n).c_str(), bm_rounds)
+        ->Arg(n)
+        ->Iterations(args.smoke ? 1 : s.rounds)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+}
+
+int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
+  const Settings& s = settings();
+  if (!args.json)
+    fmt::print("\nroute (decoder {}, provider {}; generated model, -c 8192 -fa on f16; rounds of cpu, file, shared "
+               "with the order rotating)\n{:<7} {:>6} {:>26} {:>26} {:>22} {:>22} {:>7}\n",
+               s.backend.filename().string(), s.provider.filename().string(), "route", "tokens",
+               "first_byte_ms [p25..p75]", "overhead_ms [p25..p75]", "prefill_ms", "handoff_ms", "rounds");
+  std::map<int, double> file_handoff, shared_overhead, saved;
+  for (const RunResult* run : runs_with_prefix(runs, "route/")) {
+    auto c = [&](const std::string& key) { return run->counters.count(key) ? run->counters.at(key) : 0.0; };
+    const int tokens = static_cast<int>(c("tokens"));
+    if (tokens == 0) continue;  // skipped: nothing measured
+    for (const char* name : kRoutes) {
+      const std::string p = std::string(name) + ".";
+      if (args.json) {
+        fmt::print("{{\"bench\":\"route\",\"route\":\"{}\",\"tokens\":{},\"rounds\":{},\"decoder\":\"{}\"", name, tokens,
+                   c("rounds"), s.backend.filename().string());
+        for (const char* key : {"first_byte_ms", "overhead_ms", "prefill_ms", "handoff_ms"})
+          fmt::print(",\"{0}\":{1:.3f},\"{0}_p25\":{2:.3f},\"{0}_p75\":{3:.3f}", key, c(p + key),
+                     c(p + key + "_p25"), c(p + key + "_p75"));
+        fmt::print("}}\n");
+      } else {
+        auto cell = [&](const std::string& key) {
+          return fmt::format("{:.1f} [{:.1f}..{:.1f}]", c(p + key), c(p + key + "_p25"), c(p + key + "_p75"));
+        };
+        fmt::print("{:<7} {:>6} {:>26} {:>26} {:>22} {:>22} {:>7}\n", name, tokens, cell("first_byte_ms"),
+                   name == std::string("cpu") ? std::string("-") : cell("overhead_ms"),
+                   name == std::string("cpu") ? std::string("-") : cell("prefill_ms"),
+                   name == std::string("cpu") ? std::string("-") : cell("handoff_ms"), c("rounds"));
+      }
+    }
+    file_handoff[tokens] = c("file.handoff_ms");
+    shared_overhead[tokens] = c("shared.overhead_ms");
+    saved[tokens] = c("overhead_saved_ms");
+    if (args.json)
+      fmt::print("{{\"bench\":\"route_paired\",\"tokens\":{},\"overhead_saved_ms\":{:.3f},\"overhead_saved_ms_p25\":{:.3f},"
+                 "\"overhead_saved_ms_p75\":{:.3f},\"file_handoff_ms\":{:.3f}}}\n",
+                 tokens, saved[tokens], c("overhead_saved_ms_p25"), c("overhead_saved_ms_p75"), file_handoff[tokens]);
+  }
+  if (!args.json)
+    for (const auto& [tokens, value] : saved)
+      fmt::print("{} tokens: file - shared overhead_ms per round, median {:.1f} ms; target >= half the file handoff "
+                 "({:.1f} ms): {}\n",
+                 tokens, value, file_handoff[tokens] / 2, value >= file_handoff[tokens] / 2 ? "met" : "missed");
+  if (!args.json && shared_overhead.size() >= 2 && shared_overhead.begin()->second > 0)
+    fmt::print("shared overhead_ms {} / {} tokens: {:.2f}x (target <= 1.5)\n", shared_overhead.rbegin()->first,
+               shared_overhead.begin()->first, shared_overhead.rbegin()->second / shared_overhead.begin()->second);
+  if (g_setup_started) {
+    Setup& made = setup();
+    made.serves.clear();
+    std::error_code ec;
+    if (!made.dir.empty()) fs::remove_all(made.dir, ec);
+  }
+  return 0;
 }
 
 const bool registered = add_group({
     "route",
-    "kvshare-serve end to end: time to first byte for --device cpu, the file route and the shared route "
-    "(generated model, kvshare-prefill + kvshare-decoder), with serve's own handoff figure",
-    [](const BenchArgs& args) {
-      std::vector<int> tokens = args.tokens;
-      if (tokens.empty()) tokens = args.smoke ? std::vector<int>{16} : std::vector<int>{307, 4096};
-      for (const char* route_name : {"cpu", "file", "shared"}) {
-        auto* bench = benchmark::RegisterBenchmark(fmt::format("route/{}", route_name).c_str(), bm_route,
-                                                   std::string(route_name));
-        for (int n : tokens) bench->Arg(n);
-        bench->Iterations(args.smoke ? 1 : 5)->Unit(benchmark::kMillisecond);
-      }
-    },
-    [](const std::vector<RunResult>& runs, const BenchArgs& args) {
-      if (!args.json)
-        fmt::print("{:<8} {:>7} {:>15} {:>12}\n", "route", "tokens", "first_byte_ms", "handoff_ms");
-      for (const RunResult* run : runs_with_prefix(runs, "route/")) {
-        const std::string name = run->name.substr(6, run->name.find('/', 6) - 6);
-        auto counter = [&](const char* key) { return run->counters.count(key) ? run->counters.at(key) : 0.0; };
-        const int tokens = static_cast<int>(counter("tokens"));
-        if (tokens == 0) continue;  // skipped (tools missing): nothing measured
-        if (args.json)
-          fmt::print("{{\"bench\":\"route\",\"route\":\"{}\",\"tokens\":{},\"first_byte_ms\":{:.3f},\"handoff_ms\":{:.3f}}}\n",
-                     name, tokens, counter("first_byte_ms"), counter("handoff_ms"));
-        else
-          fmt::print("{:<8} {:>7} {:>15.3f} {:>12.3f}\n", name, tokens, counter("first_byte_ms"), counter("handoff_ms"));
-      }
-      std::error_code ec;
-      if (!setup().dir.empty()) fs::remove_all(setup().dir, ec);
-      return 0;
-    },
+    "kvshare-serve end to end, paired rounds of --device cpu / file / shared on the same prompts: first byte and "
+    "overhead_ms (first byte - the provider's prefill_ms); --backend PATH for another decoder (llama-server)",
+    register_all,
+    report,
 });
 
 }  // namespace

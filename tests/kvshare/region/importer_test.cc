@@ -159,6 +159,24 @@ TEST_F(RegionImport, NeedsNoCpuAccessBracketForMemfdRegions) {
   EXPECT_TRUE(guards->empty());
 }
 
+TEST_F(RegionImport, HandsOutEachMemfdChunksDescriptorToWriteThrough) {
+  const auto share = testing::small_share_layout(3, 128, 32, 2);
+  std::vector<ExportedRegion> regions;
+  auto imported = ImportedShare::import(share, exported_fds(share, regions), {}, true);
+  ASSERT_TRUE(imported) << imported.error().what();
+  const auto files = imported->chunk_files();
+  ASSERT_EQ(files.size(), share.chunks.size());
+  for (uint32_t i = 0; i < files.size(); ++i) {
+    EXPECT_EQ(files[i].fd, imported->regions()[i].fd.get());
+    EXPECT_EQ(files[i].offset, 0u);
+    EXPECT_EQ(files[i].chunk, i);
+  }
+  // What goes through the descriptor is what the mapping shows.
+  const std::byte pattern[3] = {std::byte{1}, std::byte{2}, std::byte{3}};
+  ASSERT_TRUE(write_chunk_file(files[0], 4096, pattern));
+  EXPECT_EQ(std::memcmp(imported->chunk_bytes()[0].data() + 4096, pattern, 3), 0);
+}
+
 // The dma-buf sync guard, driven through the seam (no dma-buf exists on this machine).
 struct SyncLog {
   static inline std::vector<unsigned long long> flags;

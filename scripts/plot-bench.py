@@ -1,0 +1,227 @@
+#!/usr/bin/python3
+"""plot-bench.py: the benchmark plots in docs/plots/, from `kvshare-bench GROUP --json`.
+
+One command runs the benches and redraws every plot:
+
+    scripts/plot-bench.py --bench build/bin/kvshare-bench [--backend PATH-to-patched-llama-server]
+
+It runs `equal`, `handoff`, `route` (twice with --backend: kvshare-decoder and that
+llama-server), `serve`, `scatter` and `statefile` with --json, keeps their lines in
+docs/plots/bench.jsonl and writes:
+
+    handoff-cost.svg   what each route adds to writing the KV, vs prompt length (log-log)
+    first-byte.svg     first byte by route, split into the provider's prefill and the rest
+    throughput.svg     scatter and state-file GB/s beside memcpy and plain write()/read()
+
+`--from FILE.jsonl` redraws from lines kept earlier without running anything. Needs
+Debian's python3-matplotlib (scripts/install-deps.sh installs it), hence /usr/bin/python3
+rather than whatever python3 comes first on PATH.
+"""
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+import matplotlib
+
+matplotlib.use("svg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_OUT = os.path.join(os.path.dirname(HERE), "docs", "plots")
+# SVGs that differ only in matplotlib's random ids and dates make noisy diffs.
+matplotlib.rcParams["svg.hashsalt"] = "kvshare"
+matplotlib.rcParams["svg.fonttype"] = "none"
+COLORS = {"shared": "#1b7837", "shared_map": "#a6dba0", "file": "#762a83", "cpu": "#999999", "floor": "#444444"}
+
+
+def run_group(bench, group, extra=()):
+    cmd = [bench, group, "--json", *extra]
+    print("plot-bench: running %s" % " ".join(cmd), file=sys.stderr)
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def load_lines(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.startswith("{")]
+
+
+def of(lines, bench):
+    return [line for line in lines if line.get("bench") == bench]
+
+
+def errorbar(ax, xs, lines, key, label, color, style="-o"):
+    ys = [line[key] for line in lines]
+    # A quartile at or below zero (a route that beat the floor in some rounds) cannot be
+    # drawn on a log axis: its bar stops at a tenth of the median.
+    lo = [min(0.9 * line[key], max(0.0, line[key] - line.get(key + "_p25", line[key]))) for line in lines]
+    hi = [max(0.0, line.get(key + "_p75", line[key]) - line[key]) for line in lines]
+    ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style, color=color, label=label, capsize=3)
+
+
+def plot_handoff_cost(lines, out, stamp):
+    equal = sorted(of(lines, "equal"), key=lambda line: line["tokens"])
+    handoff = sorted(of(lines, "handoff"), key=lambda line: line["tokens"])
+    if not equal:
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    xs = [line["tokens"] for line in equal]
+    errorbar(ax, xs, equal, "file_added_ms", "file route: write + read + restore", COLORS["file"])
+    errorbar(ax, xs, equal, "shared_map_added_ms", "shared route, scatter through a fresh mapping (before)",
+             COLORS["shared_map"])
+    errorbar(ax, xs, equal, "shared_added_ms", "shared route, scatter through the memfd (now)", COLORS["shared"])
+    errorbar(ax, xs, equal, "floor_ms", "floor: the scatter alone into warm memory (not added)", COLORS["floor"],
+             style=":x")
+    if handoff:
+        hx = [line["tokens"] for line in handoff]
+        ax.plot(hx, [line["shared_ms"] for line in handoff], "--", color=COLORS["shared"], alpha=0.6,
+                label="handshake only (share + map + adopt, no KV written)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens (Qwen3-Coder-30B-A3B shape: 96 KiB of f16 KV per token)")
+    ax.set_ylabel("ms added to writing the KV (median, p25..p75)")
+    ax.set_title("What the handoff adds, equal work per route")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.text(0.99, 0.01, stamp, ha="right", fontsize=7, color="#666666")
+    path = os.path.join(out, "handoff-cost.svg")
+    fig.tight_layout()
+    fig.savefig(path, metadata={"Date": None})
+    plt.close(fig)
+    return path
+
+
+def plot_first_byte(lines, out, stamp):
+    route = of(lines, "route")
+    if not route:
+        return None
+    decoders = sorted({line.get("decoder", "kvshare-decoder") for line in route})
+    fig, axes = plt.subplots(1, len(decoders), figsize=(6.5 * len(decoders), 5), squeeze=False)
+    for ax, decoder in zip(axes[0], decoders):
+        mine = [line for line in route if line.get("decoder", "kvshare-decoder") == decoder]
+        tokens = sorted({line["tokens"] for line in mine})
+        names = ["cpu", "file", "shared"]
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            rows = [next((line for line in mine if line["tokens"] == t and line["route"] == name), None) for t in tokens]
+            xs = [k + (i - 1) * width for k in range(len(tokens))]
+            first = [row["first_byte_ms"] if row else 0 for row in rows]
+            if name == "cpu":
+                ax.bar(xs, first, width, color=COLORS["cpu"], label="--device cpu (the decoder prefills)")
+                continue
+            prefill = [row["prefill_ms"] if row else 0 for row in rows]
+            overhead = [row["overhead_ms"] if row else 0 for row in rows]
+            ax.bar(xs, prefill, width, color=COLORS[name], alpha=0.35, label="%s: provider's prefill_ms" % name)
+            ax.bar(xs, overhead, width, bottom=prefill, color=COLORS[name],
+                   label="%s: overhead_ms (first byte - prefill)" % name)
+            for x, p, o in zip(xs, prefill, overhead):
+                ax.text(x, p + o, "%.0f" % o, ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(tokens)))
+        ax.set_xticklabels(["%d tokens" % t for t in tokens])
+        ax.set_yscale("log")
+        ax.set_ylabel("ms to first byte (medians over paired rounds)")
+        ax.set_title("first byte by route, decoder %s" % decoder)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.text(0.99, 0.01, stamp, ha="right", fontsize=7, color="#666666")
+    path = os.path.join(out, "first-byte.svg")
+    fig.tight_layout()
+    fig.savefig(path, metadata={"Date": None})
+    plt.close(fig)
+    return path
+
+
+def plot_throughput(lines, out, stamp):
+    scatter = of(lines, "scatter")
+    statefile = sorted(of(lines, "statefile"), key=lambda line: line["tokens"])
+    if not scatter and not statefile:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    if scatter:
+        labels, values, lo, hi, colors = [], [], [], [], []
+        memcpy = scatter[0]
+        labels.append("memcpy")
+        values.append(memcpy["memcpy_gbps"])
+        lo.append(memcpy["memcpy_gbps"] - memcpy.get("memcpy_gbps_p25", memcpy["memcpy_gbps"]))
+        hi.append(memcpy.get("memcpy_gbps_p75", memcpy["memcpy_gbps"]) - memcpy["memcpy_gbps"])
+        colors.append(COLORS["floor"])
+        for line in scatter:
+            labels.append("scatter %s\n(%.2fx memcpy)" % (line["case"], line["ratio"]))
+            values.append(line["gbps"])
+            lo.append(line["gbps"] - line.get("gbps_p25", line["gbps"]))
+            hi.append(line.get("gbps_p75", line["gbps"]) - line["gbps"])
+            colors.append(COLORS["shared"])
+        left.bar(range(len(values)), values, yerr=[lo, hi], color=colors, capsize=4)
+        left.set_xticks(range(len(values)))
+        left.set_xticklabels(labels, fontsize=8)
+        left.set_ylabel("GB/s of f16 cache written (median, p25..p75)")
+        left.set_title("scatter at %s tokens, %s threads" % (scatter[0]["tokens"], scatter[0]["threads"]))
+        left.grid(True, axis="y", alpha=0.3)
+    if statefile:
+        tokens = [line["tokens"] for line in statefile]
+        keys = [("write_gbps", "state-file writer", COLORS["file"], 1.0),
+                ("plain_write_gbps", "plain write()", COLORS["file"], 0.35),
+                ("read_gbps", "state-file reader", COLORS["shared"], 1.0),
+                ("plain_read_gbps", "plain read()", COLORS["shared"], 0.35)]
+        width = 0.8 / len(keys)
+        for i, (key, label, color, alpha) in enumerate(keys):
+            xs = [k + (i - 1.5) * width for k in range(len(tokens))]
+            right.bar(xs, [line[key] for line in statefile], width, color=color, alpha=alpha, label=label)
+        for k, line in enumerate(statefile):
+            right.text(k, max(line["write_gbps"], line["plain_write_gbps"], line["read_gbps"], line["plain_read_gbps"]),
+                       "w %.2fx, r %.2fx" % (line["write_ratio"], line["read_ratio"]), ha="center", va="bottom",
+                       fontsize=7)
+        right.axhline(statefile[0]["memcpy_gbps"], color=COLORS["floor"], linestyle=":", label="memcpy")
+        right.set_xticks(range(len(tokens)))
+        right.set_xticklabels(["%d tokens" % t for t in tokens])
+        right.set_ylabel("GB/s (medians of paired runs)")
+        right.set_title("state files vs plain I/O of the same bytes")
+        right.grid(True, axis="y", alpha=0.3)
+        right.legend(fontsize=7)
+    fig.text(0.99, 0.01, stamp, ha="right", fontsize=7, color="#666666")
+    path = os.path.join(out, "throughput.svg")
+    fig.tight_layout()
+    fig.savefig(path, metadata={"Date": None})
+    plt.close(fig)
+    return path
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--bench", help="kvshare-bench to run (build/bin/kvshare-bench)")
+    source.add_argument("--from", dest="from_file", help="redraw from a kept bench.jsonl")
+    parser.add_argument("--backend", help="also run `route` with this decoder (a patched llama-server)")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="where the SVGs and bench.jsonl go (default docs/plots)")
+    parser.add_argument("--note", default="", help="a few words on the machine, printed on every plot")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.from_file:
+        lines = load_lines(args.from_file)
+    else:
+        lines = []
+        for group in ("equal", "handoff", "route", "serve", "scatter", "statefile"):
+            lines += run_group(args.bench, group)
+        if args.backend:
+            lines += run_group(args.bench, "route", ["--backend", args.backend])
+        load = os.getloadavg()[0]
+        lines.append({"bench": "meta", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                      "load_before_last_group": round(load, 2), "cpus": os.cpu_count(), "note": args.note})
+        with open(os.path.join(args.out, "bench.jsonl"), "w") as f:
+            for line in lines:
+                f.write(json.dumps(line) + "\n")
+    meta = next((line for line in lines if line.get("bench") == "meta"), {})
+    stamp = "%s, %s CPUs, load %s%s" % (meta.get("date", "?"), meta.get("cpus", "?"), meta.get("load_before_last_group", "?"),
+                                        (", " + meta["note"]) if meta.get("note") else "")
+    for draw in (plot_handoff_cost, plot_first_byte, plot_throughput):
+        path = draw(lines, args.out, stamp)
+        if path:
+            print("plot-bench: wrote %s" % path, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
