@@ -16,6 +16,10 @@ bool is_transposed_v(const KvCacheShape& cache, const SharedTensor& t) {
 // Bytes of one cell in a transposed V row (one element).
 uint64_t v_element_bytes(const KvCacheShape& cache) { return ggml_row_size(cache.type_v, 1); }
 
+// A transposed V is ne = {v_width, kv_size} stored element-major: element j of cell c at
+// (j * kv_size + c) * element (xdna::scatter, llama.cpp's v_trans views).
+uint64_t v_element_row_bytes(const KvCacheShape& cache) { return cache.kv_size * v_element_bytes(cache); }
+
 }  // namespace
 
 Result<void> check_grant(const CellGrant& grant) {
@@ -45,11 +49,14 @@ std::vector<ChunkRange> cell_ranges(const ShareLayout& layout, const MemoryShape
       ranges.push_back({t->chunk, t->offset + cell_begin * t->tensor.row_bytes, n * t->tensor.row_bytes});
       continue;
     }
-    // v_trans: ne[1] element rows of kv_size cells each; the cells are a slice of every row.
+    // v_trans: one element row of kv_size cells per V element of the layer; the cells
+    // are a slice of every row.
     const uint64_t elem = v_element_bytes(cache);
-    for (int64_t j = 0; j < t->tensor.ne[1]; ++j)
-      ranges.push_back({t->chunk, t->offset + static_cast<uint64_t>(j) * t->tensor.row_bytes + cell_begin * elem,
-                        n * elem});
+    uint32_t n_embd_v = 0;
+    for (const KvCacheLayer& layer : cache.layers)
+      if (layer.il == il) n_embd_v = layer.n_embd_v_gqa;
+    for (uint32_t j = 0; j < n_embd_v; ++j)
+      ranges.push_back({t->chunk, t->offset + j * v_element_row_bytes(cache) + cell_begin * elem, n * elem});
   }
   return ranges;
 }
@@ -76,7 +83,7 @@ Result<void> check_write(const CellGrant& grant, uint32_t chunk, uint64_t offset
     if (!is_transposed_v(cache, t)) {
       granted = static_cast<uint64_t>(grant.n_cells) * t.tensor.row_bytes;
     } else {
-      row_start = rel / t.tensor.row_bytes * t.tensor.row_bytes;
+      row_start = rel / v_element_row_bytes(cache) * v_element_row_bytes(cache);
       granted = static_cast<uint64_t>(grant.n_cells) * v_element_bytes(cache);
     }
     const uint64_t in_slice = rel - row_start;

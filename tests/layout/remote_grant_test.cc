@@ -37,7 +37,8 @@ TEST(RemoteGrant, RefusesAWriteThatRunsOneByteIntoTheFirstCellNotGranted) {
 TEST(RemoteGrant, RefusesPaddingOtherChunksAndOffsetsThatWouldOverflow) {
   Grant g{remote_example_header()};
   const SharedTensor& k0 = g.k(0);
-  EXPECT_EQ(check_write(g.cells(1), k0.chunk, k0.offset + k0.tensor.nbytes, 16).error().errno_value(), EFAULT);
+  const uint64_t chunk_bytes = g.header.layout.chunks[k0.chunk].size_bytes;
+  EXPECT_EQ(check_write(g.cells(1), k0.chunk, chunk_bytes, 16).error().errno_value(), EFAULT);
   EXPECT_EQ(check_write(g.cells(1), k0.chunk + 7, 0, 16).error().errno_value(), EFAULT);
   EXPECT_EQ(check_write(g.cells(1), k0.chunk, k0.offset + 8, UINT64_MAX).error().errno_value(), EFAULT);
   EXPECT_EQ(check_write(g.cells(1), k0.chunk, UINT64_MAX, 2).error().errno_value(), EFAULT);
@@ -68,12 +69,14 @@ TEST(RemoteGrant, SlicesEveryElementRowOfATransposedV) {
   const auto ranges = cell_ranges(g.header.layout, g.header.memory, 0, 0, 5);
   ASSERT_EQ(ranges.size(), 1u + 128u);  // K, then one slice per V element row
   const SharedTensor& v0 = g.v(0);
-  EXPECT_EQ(ranges[2].offset, v0.offset + v0.tensor.row_bytes);
+  const uint64_t element_row = 512 * 2;  // kv_size f16 elements: element j of cell c at (j*kv_size + c)*2
+  EXPECT_EQ(ranges[2].offset, v0.offset + element_row);
   EXPECT_EQ(ranges[2].size_bytes, 5u * 2);
+  EXPECT_EQ(granted_bytes(g.header.layout, g.header.memory, 5), 2u * 2 * 5 * 256);
   for (const ChunkRange& r : ranges) EXPECT_TRUE(check_write(g.cells(5), r.chunk, r.offset, r.size_bytes));
   // Cell 5 of element row 1 is not granted, nor is a write spanning two element rows.
-  EXPECT_FALSE(check_write(g.cells(5), v0.chunk, v0.offset + v0.tensor.row_bytes + 10, 2));
-  EXPECT_FALSE(check_write(g.cells(5), v0.chunk, v0.offset + 8, v0.tensor.row_bytes));
+  EXPECT_FALSE(check_write(g.cells(5), v0.chunk, v0.offset + element_row + 10, 2));
+  EXPECT_FALSE(check_write(g.cells(5), v0.chunk, v0.offset + 8, element_row));
 }
 
 TEST(RemoteGrant, HashesTheWholeLayoutSoAnotherContextSizeDiffers) {

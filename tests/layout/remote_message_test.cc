@@ -2,6 +2,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
 namespace kvshare::layout {
 namespace {
 
@@ -46,6 +53,44 @@ TEST(RemoteMessage, NamesTheFieldOfEachKindOfGarbage) {
   auto reserved = bytes;
   reserved[21] = std::byte{1};
   EXPECT_NE(decode_remote_write(reserved).error().message().find("reserved"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvshare::layout
+
+namespace kvshare::layout {
+namespace {
+
+std::vector<std::byte> read_vector(const char* name) {
+  std::ifstream in(std::string(KVSHARE_TEST_DATA_DIR) + "/" + name, std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::byte> out(bytes.size());
+  std::memcpy(out.data(), bytes.data(), bytes.size());
+  return out;
+}
+
+TEST(RemoteMessageVector, DecodesTheWorkedWriteExampleAndEncodesItBackToTheSameBytes) {
+  const auto bytes = read_vector("remote-write-v1.bin");
+  auto w = decode_remote_write(bytes);
+  ASSERT_TRUE(w) << w.error().what();
+  EXPECT_EQ(w->share_id, 0x1122334455667788ull);
+  EXPECT_EQ(w->chunk, 2u);
+  EXPECT_EQ(w->offset, 0x3000u);
+  EXPECT_EQ(w->size_bytes, 0x4c00u);
+  const auto again = encode(*w);
+  EXPECT_TRUE(std::equal(again.begin(), again.end(), bytes.begin(), bytes.end()));
+}
+
+TEST(RemoteMessageVector, DecodesTheWorkedCompletionExampleAndEncodesItBackToTheSameBytes) {
+  const auto bytes = read_vector("remote-done-v1.bin");
+  auto d = decode_remote_done(bytes);
+  ASSERT_TRUE(d) << d.error().what();
+  EXPECT_EQ(d->share_id, 0x1122334455667788ull);
+  EXPECT_EQ(d->n_tokens, 306u);
+  EXPECT_EQ(d->bytes, 0x9900u);
+  EXPECT_EQ(d->layout_hash, 0x0123456789abcdefull);
+  const auto again = encode(*d);
+  EXPECT_TRUE(std::equal(again.begin(), again.end(), bytes.begin(), bytes.end()));
 }
 
 }  // namespace
