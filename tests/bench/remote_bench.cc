@@ -217,6 +217,8 @@ void bm_first_token_remote(benchmark::State& state, bool smoke) {
     if (!offer) return state.SkipWithError(offer.error().what().c_str());
     auto pushed = setup.prefiller->run(head, *offer);
     if (!pushed) return state.SkipWithError(pushed.error().what().c_str());
+    state.counters["forward_ms"] = pushed->forward_ms;
+    state.counters["transfer_ms"] = pushed->transfer_ms;
     if (auto adopted = setup.engine->adopt(head, offer->share_id); !adopted)
       return state.SkipWithError(adopted.error().error.what().c_str());
     auto logits = setup.engine->eval(std::span(ids).subspan(n - 1), static_cast<int32_t>(n - 1));
@@ -284,14 +286,19 @@ const bool registered = add_group({
         const double ucx = rate("remote/ucx/" + s), mc = rate("remote/memcpy/" + s), file = rate("remote/file/" + s);
         const double first_remote = 1e3 * seconds("remote/first_remote/" + s);
         const double first_self = 1e3 * seconds("remote/first_self/" + s);
+        const double forward_ms = counter("remote/first_remote/" + s, "forward_ms");
+        const double transfer_ms = counter("remote/first_remote/" + s, "transfer_ms");
         if (args.json) {
           fmt::print("{{\"bench\":\"remote\",\"tokens\":{},\"bytes\":{:.0f},\"ucx_bytes_per_s\":{:.0f},\"memcpy_bytes_per_s\":"
-                     "{:.0f},\"file_bytes_per_s\":{:.0f},\"first_token_remote_ms\":{:.3f},\"first_token_self_ms\":{:.3f}}}\n",
-                     n, bytes("remote/ucx/" + s), ucx, mc, file, first_remote, first_self);
+                     "{:.0f},\"file_bytes_per_s\":{:.0f},\"first_token_remote_ms\":{:.3f},\"first_token_self_ms\":{:.3f},"
+                     "\"provider_forward_ms\":{:.3f},\"provider_transfer_ms\":{:.3f}}}\n",
+                     n, bytes("remote/ucx/" + s), ucx, mc, file, first_remote, first_self, forward_ms, transfer_ms);
         } else {
           fmt::print("{:>7} {:>10.2f} {:>12.1f} {:>12.1f} {:>12.1f} {:>9.3f} {:>9.3f} {:>13.3f} {:>13.3f} {:>9.2f}\n", n,
                      bytes("remote/ucx/" + s) / (1 << 20), ucx / 1e6, mc / 1e6, file / 1e6, ratio(ucx, mc),
                      ratio(ucx, file), first_remote, first_self, ratio(first_self, first_remote));
+          fmt::print("{:>7} first remote = provider forward {:.3f} ms + placing/sending {:.3f} ms + connect, adopt, "
+                     "one eval\n", "", forward_ms, transfer_ms);
         }
       }
       if (!args.json)
