@@ -236,5 +236,15 @@ TEST_F(RemoteTransfer, MakesTheEarlierShareStaleWhenANewOneIsGranted) {
   EXPECT_EQ(adopted.error().errno_value(), ESTALE);
 }
 
+TEST(RemoteSenderConnect, RefusesAWorkerAddressOfZerosWithoutCrashing) {
+  ::setenv("UCX_TLS", "tcp", 0);
+  const std::vector<std::byte> garbage(60, std::byte{0});
+  auto sender = RemoteSender::connect(garbage);
+  if (!sender && sender.error().errno_value() == ENOTSUP) GTEST_SKIP() << sender.error().what();
+  ASSERT_FALSE(sender);
+  EXPECT_NE(sender.error().message().find("connecting to the decoder's worker (60-byte address)"), std::string::npos)
+      << sender.error().what();
+}
+
 }  // namespace
 }  // namespace kvshare::remote
