@@ -273,8 +273,12 @@ Result<std::unique_ptr<RemoteReceiver>> RemoteReceiver::start(const layout::Shar
                                                       in.worker_address.size(), kMaxWorkerAddressBytes)));
   for (auto [id, cb] : {std::pair{kAmWrite, &Impl::on_write}, std::pair{kAmDone, &Impl::on_done}}) {
     ucp_am_handler_param_t handler{};
-    handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                         UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
     handler.id = id;
+    // One callback per message, header and whole payload (or its rendezvous descriptor):
+    // the check sees every write whole, never a fragment.
+    handler.flags = UCP_AM_FLAG_WHOLE_MSG;
     handler.cb = cb;
     handler.arg = &in;
     if (ucs_status_t s = ucp_worker_set_am_recv_handler(in.ucx->worker(), &handler); s != UCS_OK)
