@@ -63,6 +63,7 @@ struct RemoteReceiver::Impl {
   Clock::time_point deadline{};
   uint64_t bytes_received = 0;
   uint32_t in_flight = 0;
+  bool drain_given_up = false;           // wait_drained timed out for this share
   std::string fault;                     // first refused write or failed receive of the open share
   std::optional<layout::RemoteDone> done;
   ReceiverCounters counters;
@@ -84,10 +85,15 @@ struct RemoteReceiver::Impl {
     is_open = false;
   }
 
+  // Waits (at most 5 s, once per share: eval revokes before every token and must not
+  // wait again on receives UCX never ends) until no receive is in flight.
   void wait_drained(std::unique_lock<std::mutex>& lock) {
-    if (!drained.wait_for(lock, std::chrono::seconds(5), [&] { return in_flight == 0; }))
-      say(fmt::format("kvshare remote: share {}: {} receive(s) still in flight 5 s after the revoke; the cells stay "
-                      "the peer's until they end", share_id, in_flight));
+    if (in_flight == 0 || drain_given_up) return;
+    if (!drained.wait_for(lock, std::chrono::seconds(5), [&] { return in_flight == 0; })) {
+      drain_given_up = true;
+      say(fmt::format("kvshare remote: share {}: {} receive(s) still in flight 5 s after the revoke (a peer that "
+                      "stalled mid-write); not waiting for them again", share_id, in_flight));
+    }
   }
 
   static ucs_status_t on_write(void* arg, const void* header, size_t header_length, void* data, size_t length,
@@ -313,6 +319,7 @@ Result<RemoteOffer> RemoteReceiver::grant(uint32_t n_cells, std::chrono::millise
   in.n_cells = n_cells;
   in.deadline = Clock::now() + timeout;
   in.bytes_received = 0;
+  in.drain_given_up = false;
   in.fault.clear();
   in.done.reset();
   in.state = ShareState::open;
@@ -333,7 +340,7 @@ void RemoteReceiver::revoke(std::string_view why) {
   if (!in.is_open.load()) {
     // Still wait for receives of a share closed by its deadline or a refusal.
     std::unique_lock lock(in.mutex);
-    if (in.in_flight != 0) in.wait_drained(lock);
+    in.wait_drained(lock);
     return;
   }
   std::unique_lock lock(in.mutex);

@@ -63,7 +63,7 @@ class RemoteReceiver {
   Result<void> complete(uint64_t share_id, uint32_t n_tokens);
 
   // Stops accepting writes for the open share (if any) and waits until none is in flight
-  // (at most 5 s, then says so on the log). Cheap when no share is open: the decoder
+  // (at most 5 s, once per share, then says so on the log). Cheap when no share is open: the decoder
   // calls it before any evaluation or restore touches the cells.
   void revoke(std::string_view why);
 
