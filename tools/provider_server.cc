@@ -13,6 +13,11 @@ int main(int argc, char** argv) {
   app.add_option("--host", o.host, "address to listen on")->capture_default_str();
   app.add_option("--port", o.port, "port to listen on (0: any free port)")->capture_default_str();
   app.add_option("-t,--threads", o.n_threads, "CPU threads for the forward pass (0: all)");
+  app.add_option("--provider-command", o.provider_command,
+                 "prefill with this program (NPU engine, kvshare-prefill) on the file route's contract instead of "
+                 "the reference model; its state file's rows are sent");
+  app.add_option("--provider-timeout", o.provider_timeout_s, "seconds before the provider command is killed")
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -80,7 +80,11 @@ int run_provider_server(const ProviderServerOptions& options) {
       return reply_error(res, 400, body.error().what());
     }
     std::lock_guard lock(one_at_a_time);
-    auto report = (*prefiller)->run(body->tokens, body->offer);
+    auto report = options.provider_command.empty()
+                      ? (*prefiller)->run(body->tokens, body->offer)
+                      : (*prefiller)->run_command(body->tokens, body->offer, options.provider_command,
+                                                  std::chrono::milliseconds(static_cast<int64_t>(
+                                                      options.provider_timeout_s * 1000)));
     if (!report) {
       // Refusals before any byte moved (EINVAL) are the request's fault; the rest the transfer's.
       const int status = report.error().errno_value() == EINVAL ? 400 : 502;
@@ -110,8 +114,9 @@ int run_provider_server(const ProviderServerOptions& options) {
                  options.host.c_str(), port);
     return 1;
   }
-  std::fprintf(stderr, "kvshare-provider-server: listening on http://%s:%d (model %s)\n", options.host.c_str(), port,
-               options.model_path.c_str());
+  std::fprintf(stderr, "kvshare-provider-server: listening on http://%s:%d (model %s, prefill by %s)\n",
+               options.host.c_str(), port, options.model_path.c_str(),
+               options.provider_command.empty() ? "the reference model" : options.provider_command.c_str());
   std::atomic<bool> listen_done{false};
   std::thread listener([&] {
     http.listen_after_bind();

@@ -24,6 +24,10 @@ struct ProviderServerOptions {
   std::string host = "127.0.0.1";
   int port = 8090;          // 0: any free port (printed)
   int n_threads = 0;        // 0: all cores
+  // --provider-command: prefill with this program instead (the NPU engine, or
+  // kvshare-prefill), on the file route's contract; its state file's rows are sent.
+  std::string provider_command;
+  double provider_timeout_s = 120;  // --provider-timeout
 };
 
 // A /prefill body: token ids (0..INT32_MAX, at least one) and the offer. Errors name the

@@ -5,6 +5,7 @@
 // incompatible decoder is refused before any byte moves.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -37,6 +38,15 @@ class RemotePrefiller {
   // ECONNREFUSED: the decoder refused a write; ETIMEDOUT: past the offer's deadline;
   // other UCX errors name the step. Blocking; callers serialize.
   Result<RemotePrefillReport> run(std::span<const int32_t> tokens, const remote::RemoteOffer& offer);
+
+  // The same with another provider doing the prefill (the NPU engine's command, or
+  // kvshare-prefill): `command` runs on the file route's contract (`--tokens IDS --out
+  // STATE --model M --ctx-size --flash-attn --cache-type-k --cache-type-v`, the decoder's
+  // KV params), at most `timeout`; its state file is checked against the offer's layout
+  // and its rows placed and sent as run() sends them. Fails naming the command's exit
+  // or the state file's fault (EIO), before any write.
+  Result<RemotePrefillReport> run_command(std::span<const int32_t> tokens, const remote::RemoteOffer& offer,
+                                          const std::string& command, std::chrono::milliseconds timeout);
 
  private:
   struct Impl;

@@ -30,7 +30,7 @@ BIN = os.path.abspath(sys.argv[1])
 TESTS = os.path.abspath(sys.argv[2])
 MODE = sys.argv[3] if len(sys.argv) > 3 else "--loopback"
 TOOLS = {name: os.path.join(BIN, name) for name in ("kvshare-serve", "kvshare-decoder", "kvshare-provider-server",
-                                                    "kvshare-mkmodel", "kvshare-state")}
+                                                    "kvshare-mkmodel", "kvshare-state", "kvshare-prefill")}
 ATTACK_PEER = os.path.join(TESTS, "kvshare-remote-attack-peer")
 missing = [p for p in list(TOOLS.values()) + [ATTACK_PEER] if not os.access(p, os.X_OK)]
 if missing:
@@ -118,9 +118,9 @@ def request(text, stream=False, max_tokens=8):
 class Provider:
     """kvshare-provider-server (in namespace B with --netns), on a free port."""
 
-    def __init__(self, model=MODEL):
+    def __init__(self, model=MODEL, extra=()):
         self.proc = subprocess.Popen(PROVIDER_PREFIX + [TOOLS["kvshare-provider-server"], "-m", model, "--host",
-                                                        PROVIDER_HOST, "--port", "0", "-t", "2"],
+                                                        PROVIDER_HOST, "--port", "0", "-t", "2"] + list(extra),
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         line = self.proc.stderr.readline().decode()
         match = LISTEN_RE.search(line)
@@ -139,8 +139,8 @@ class Provider:
             self.proc.wait(5)
 
 
-def start_serve(device, url=None):
-    args = ["-m", MODEL, "--device", device, "--port", "0", "--backend", TOOLS["kvshare-decoder"]] + KV_FLAGS
+def start_serve(device, url=None, kv_flags=KV_FLAGS):
+    args = ["-m", MODEL, "--device", device, "--port", "0", "--backend", TOOLS["kvshare-decoder"]] + kv_flags
     env = dict(DECODER_ENV, TMPDIR=SERVE_TMP, ONEBIT_HYBRID_PREFILL="", ONEBIT_KV_SHARE=None)
     if url:
         args += ["--prefill-remote", url]
@@ -209,6 +209,44 @@ DECODER_RE = re.compile(r"decoder \S+ on 127\.0\.0\.1:(\d+)")
 
 def decoder_port(serve):
     return int(DECODER_RE.search(serve.wait_line(DECODER_RE)).group(1))
+
+
+def test_a_provider_command_prefills_and_its_rows_go_over_ucx():
+    # The NPU engine's place, played by kvshare-prefill on the file route's contract.
+    provider = Provider(extra=["--provider-command", TOOLS["kvshare-prefill"]])
+    serve = start_serve("hybrid", provider.url)
+    try:
+        for prompt in PROMPTS:
+            text, prompt_n = reply(serve, prompt)
+            check(text == cpu_reply(prompt), "reply %r differs from --device cpu %r" % (text, cpu_reply(prompt)))
+            check(prompt_n == 1, "prompt_n %s, expected 1" % prompt_n)
+        lines = serve.wait_count(REMOTE_LINE, len(PROMPTS))
+        check(len(lines) == len(PROMPTS), "remote lines:\n%s" % "\n".join(serve.lines))
+    finally:
+        serve.stop()
+        provider.stop()
+
+
+def test_a_transposed_v_cache_goes_over_in_element_rows():
+    # -fa off: V is element-major (v_trans), so each layer's V goes as one write per
+    # element row, each checked against the grant on its own.
+    flags = ["-c", "1024", "-fa", "off", "-ctk", "f16", "-ctv", "f16"]
+    cpu = start_serve("cpu", kv_flags=flags)
+    try:
+        expected = [reply(cpu, prompt)[0] for prompt in PROMPTS]
+    finally:
+        cpu.stop()
+    provider = Provider()
+    serve = start_serve("hybrid", provider.url, kv_flags=flags)
+    try:
+        for prompt, want in zip(PROMPTS, expected):
+            text, prompt_n = reply(serve, prompt)
+            check(text == want, "-fa off reply %r differs from --device cpu %r" % (text, want))
+            check(prompt_n == 1, "prompt_n %s, expected 1" % prompt_n)
+        check(len(serve.wait_count(REMOTE_LINE, len(PROMPTS))) == len(PROMPTS), "\n".join(serve.lines))
+    finally:
+        serve.stop()
+        provider.stop()
 
 
 def decoder_post(port, path, body):
