@@ -137,6 +137,22 @@ class Provider:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(5)
+        if sig != signal.SIGKILL and self.proc.stderr is not None:
+            rest = self.proc.stderr.read().decode("utf-8", "replace")
+            self.proc.stderr.close()
+            self.proc.stderr = None
+            check_no_sanitizer_report(rest.splitlines(), "kvshare-provider-server")
+
+
+def check_no_sanitizer_report(lines, who):
+    """Under the ASan+UBSan build a child's report would only show on its stderr."""
+    bad = [line for line in lines if "Sanitizer" in line or "runtime error:" in line]
+    check(not bad, "%s reported:\n%s" % (who, "\n".join(bad[:20])))
+
+
+def stop_checked(serve):
+    serve.stop()
+    check_no_sanitizer_report(serve.lines, "kvshare-serve or its decoder")
 
 
 def start_serve(device, url=None, kv_flags=KV_FLAGS):
@@ -162,7 +178,7 @@ def cpu_reply(text):
             for prompt in PROMPTS + [LONG_PROMPT]:
                 CPU[prompt] = reply(serve, prompt)[0]
         finally:
-            serve.stop()
+            stop_checked(serve)
     return CPU[text]
 
 
@@ -176,7 +192,7 @@ def expect_fallback(url, reason, why_pattern, prompts=PROMPTS[:1]):
         check(re.search(why_pattern, line), "fallback line %r does not say %r" % (line, why_pattern))
         return serve.lines
     finally:
-        serve.stop()
+        stop_checked(serve)
 
 
 def test_reply_equals_cpu_and_kv_equals_own_prefill():
@@ -200,7 +216,7 @@ def test_reply_equals_cpu_and_kv_equals_own_prefill():
         check(result.returncode == 0, "the KV moved over UCX differs from the decoder's own prefill:\n%s%s" %
               (result.stdout, result.stderr))
     finally:
-        serve.stop()
+        stop_checked(serve)
         provider.stop()
 
 
@@ -223,7 +239,7 @@ def test_a_provider_command_prefills_and_its_rows_go_over_ucx():
         lines = serve.wait_count(REMOTE_LINE, len(PROMPTS))
         check(len(lines) == len(PROMPTS), "remote lines:\n%s" % "\n".join(serve.lines))
     finally:
-        serve.stop()
+        stop_checked(serve)
         provider.stop()
 
 
@@ -235,7 +251,7 @@ def test_a_transposed_v_cache_goes_over_in_element_rows():
     try:
         expected = [reply(cpu, prompt)[0] for prompt in PROMPTS]
     finally:
-        cpu.stop()
+        stop_checked(cpu)
     provider = Provider()
     serve = start_serve("hybrid", provider.url, kv_flags=flags)
     try:
@@ -245,7 +261,7 @@ def test_a_transposed_v_cache_goes_over_in_element_rows():
             check(prompt_n == 1, "prompt_n %s, expected 1" % prompt_n)
         check(len(serve.wait_count(REMOTE_LINE, len(PROMPTS))) == len(PROMPTS), "\n".join(serve.lines))
     finally:
-        serve.stop()
+        stop_checked(serve)
         provider.stop()
 
 
@@ -278,7 +294,7 @@ def own_prefill_state(prompt):
         port = decoder_port(serve)
         return save_slot(port, "own-prefill.state")
     finally:
-        serve.stop()
+        stop_checked(serve)
 
 
 class Decoder:
@@ -312,6 +328,7 @@ def test_a_peer_writing_outside_its_share_is_refused():
         result = subprocess.run(prefix + [ATTACK_PEER, offer_path], capture_output=True, text=True, timeout=120)
         check(result.returncode == 0, "the attack peer got a write accepted:\n%s%s" % (result.stdout, result.stderr))
         check(result.stdout.count("refused:") == 5, "attack peer output:\n%s" % result.stdout)
+        check_no_sanitizer_report(result.stderr.splitlines(), "the attack peer")
         decoder.serve.wait_line("remote write refused: share \\d+: remote write of \\d+ bytes .* outside cells 0..7", 10)
         # The share is spoiled: its adopt is refused, with the first refusal as the reason.
         status, data = decoder_post(decoder.port, "/slots/0?action=adopt",
@@ -321,7 +338,7 @@ def test_a_peer_writing_outside_its_share_is_refused():
         after = decoder_post(decoder.port, "/v1/chat/completions", request(PROMPTS[2]))
         check(json.loads(after[1])["choices"] == json.loads(before[1])["choices"], "reply changed after the attack")
     finally:
-        decoder.serve.stop()
+        stop_checked(decoder.serve)
 
 
 def test_adopt_without_the_providers_completion_is_refused():
@@ -336,7 +353,7 @@ def test_adopt_without_the_providers_completion_is_refused():
                                     {"tokens": [1, 2, 3, 4], "share_id": shared["share_id"]})
         check(status != 200, "a second adopt of a revoked share was accepted: %s" % data)
     finally:
-        decoder.serve.stop()
+        stop_checked(decoder.serve)
 
 
 def test_no_provider_listening_falls_back():
@@ -384,7 +401,7 @@ def test_a_provider_killed_mid_prefill_falls_back():
         text, _ = reply(serve, PROMPTS[0])
         check(text == cpu_reply(PROMPTS[0]), "reply after the provider died: %r" % text)
     finally:
-        serve.stop()
+        stop_checked(serve)
         provider.stop()
 
 
