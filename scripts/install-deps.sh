@@ -8,6 +8,7 @@ packages=(
   clang libclang-rt-14-dev            # libFuzzer targets and the ASan+UBSan build
   libfmt-dev nlohmann-json3-dev libcli11-dev libexpected-dev libcpp-httplib-dev libucx-dev
   liburing-dev libdrm-dev libopenblas-dev
+  iproute2                            # ip netns: the remote route's two-namespace test
   libgtest-dev libgmock-dev libbenchmark-dev
 )
 sudo_cmd=()
