@@ -6,8 +6,9 @@ packages=(
   build-essential cmake ninja-build pkg-config git python3 curl
   ccache                              # the real llama-server's build (scripts/build-llama-server.sh)
   clang libclang-rt-14-dev            # libFuzzer targets and the ASan+UBSan build
-  libfmt-dev nlohmann-json3-dev libcli11-dev libexpected-dev libcpp-httplib-dev
+  libfmt-dev nlohmann-json3-dev libcli11-dev libexpected-dev libcpp-httplib-dev libucx-dev
   liburing-dev libdrm-dev libopenblas-dev
+  iproute2                            # ip netns: the remote route's two-namespace test
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-matplotlib                  # scripts/plot-bench.py: the benchmark plots in docs/
 )

@@ -20,6 +20,9 @@ int main(int argc, char** argv) {
   app.add_option("--device", device, "hybrid (provider prefills, decoder decodes) or cpu (plain relay)")
       ->check(CLI::IsMember({"hybrid", "cpu"}));
   app.add_option("--prefill-provider", config.prefill_provider, "the provider program (else ONEBIT_HYBRID_PREFILL)");
+  app.add_option("--prefill-remote", config.prefill_remote,
+                 "http://HOST:PORT of a kvshare-provider-server: prompts are prefilled there and their KV moved into "
+                 "the decoder over UCX (docs/remote.md)");
   app.add_option("--host", config.host, "address to listen on")->capture_default_str();
   app.add_option("--port", config.port, "port to listen on (0: any free port)")->capture_default_str();
   auto* ctx = app.add_option("-c,--ctx-size", config.ctx_size, "decoder context (tokens)")->capture_default_str();
@@ -60,6 +63,8 @@ int main(int argc, char** argv) {
   // The decoder child inherits the environment, not a command line any user can read;
   // no thread exists yet, so setenv is safe here.
   if (!api_key.empty()) ::setenv("LLAMA_API_KEY", api_key.c_str(), 1);
+  // The decoder child starts its UCX receiver when it sees this (kvshare-decoder does).
+  if (!config.prefill_remote.empty()) ::setenv("KVSHARE_REMOTE", "ucx", 1);
   config.kv_flags_given = ctx->count() + fa->count() + ctk->count() + ctv->count() > 0;
   if (mtp) config.refused_flags.push_back("--mtp");
   if (dflash) config.refused_flags.push_back("--dflash");

@@ -224,6 +224,64 @@ StepResult shared_route(const HandoffContext& context, std::span<const int32_t> 
   return {Step::handed_off, "", ""};
 }
 
+// The remote route (docs/remote.md): the decoder grants the prompt's cells to a remote
+// provider (share, transport ucx), the provider server prefills and writes them over UCX,
+// and the decoder adopts them once the provider's completion matches. Before the share
+// nothing has changed; after it the slot's cells may hold a peer's partial work, so every
+// failure from there erases the slot (the decoder revokes the share first).
+StepResult remote_route(const HandoffContext& context, std::span<const int32_t> handoff_ids, HandoffReport& report) {
+  const ServeConfig& config = *context.config;
+  auto url = parse_prefill_remote_url(config.prefill_remote);
+  if (!url) return {Step::take_file_route, "remote_url", url.error().what()};
+  if (!context.slot->wait_idle(provider_timeout(config)))
+    return {Step::take_file_route, "decoder_busy", "the decoder is still generating an earlier reply"};
+  const auto share_start = std::chrono::steady_clock::now();
+  auto shared = context.decoder->slot_action(
+      "share", Json{{"transport", "ucx"}, {"n_tokens", handoff_ids.size()}});
+  const double share_wall_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - share_start).count();
+  if (!shared) return {Step::take_file_route, "remote_share_failed", shared.error().what()};
+  if (!shared->ok() || !shared->body.contains("offer") || !shared->body["share_id"].is_number_unsigned())
+    return {Step::take_file_route, "remote_share_refused",
+            fmt::format("the decoder refused a remote share ({}: {})", shared->status, shared->error_message)};
+  const uint64_t share_id = shared->body["share_id"].get<uint64_t>();
+  // The decoder forgot slot 0's tokens when it granted the cells: from here a failure
+  // erases (which also revokes the share) and the decoder prefills the prompt itself.
+  auto after_share = [&](std::string reason, std::string why) {
+    const bool erased = erase_slot(context);
+    return forward_because(std::move(reason), std::move(why), !erased);
+  };
+  const DecoderClient provider(url->host, url->port, provider_timeout(config));
+  const Json prefill_body = {{"tokens", ids_json(handoff_ids)}, {"share", shared->body["offer"]}};
+  const auto prefill_start = std::chrono::steady_clock::now();
+  auto prefilled = provider.post_json("/prefill", prefill_body.dump());
+  const double prefill_wall_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - prefill_start).count();
+  report.prefill_ms = prefill_wall_ms;
+  if (!prefilled)
+    return after_share("remote_provider_failed",
+                       fmt::format("the remote provider {} did not answer: {}", config.prefill_remote,
+                                   prefilled.error().what()));
+  if (prefilled->status != 200)
+    return after_share("remote_provider_failed",
+                       fmt::format("the remote provider {} answered {}: {}", config.prefill_remote, prefilled->status,
+                                   error_message_of(prefilled->body)));
+  const Json answer = Json::parse(prefilled->body, nullptr, false);
+  if (answer.is_object() && answer.contains("prefill_ms") && answer["prefill_ms"].is_number())
+    report.prefill_ms = answer["prefill_ms"].get<double>();
+  const auto adopt_start = std::chrono::steady_clock::now();
+  const Json body = {{"tokens", ids_json(handoff_ids)}, {"share_id", share_id}, {"leave_one_token", true}};
+  auto adopted = context.decoder->slot_action("adopt", body);
+  const double adopt_wall_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - adopt_start).count();
+  if (!adopted || !adopted->ok())
+    return after_share("adopt_failed", adopted ? fmt::format("POST /slots/0?action=adopt answered {}: {}",
+                                                             adopted->status, adopted->error_message)
+                                               : adopted.error().what());
+  report.handoff_ms = shared->timings_ms().value_or(share_wall_ms) + adopted->timings_ms().value_or(adopt_wall_ms);
+  return {Step::handed_off, "", ""};
+}
+
 }  // namespace
 
 std::string_view endpoint_path(Endpoint endpoint) {
@@ -234,6 +292,9 @@ std::string hybrid_line(const HandoffReport& report, double first_byte_ms) {
   switch (report.route) {
     case HandoffRoute::shared:
       return fmt::format("hybrid: {} prompt tokens: prefill {:.3f} ms, share {:.3f} ms, first byte {:.3f} ms",
+                         report.n_prompt_tokens, report.prefill_ms, report.handoff_ms, first_byte_ms);
+    case HandoffRoute::remote:
+      return fmt::format("hybrid: {} prompt tokens: prefill {:.3f} ms, share {:.3f} ms remote, first byte {:.3f} ms",
                          report.n_prompt_tokens, report.prefill_ms, report.handoff_ms, first_byte_ms);
     case HandoffRoute::shared_then_file:
       return fmt::format(
@@ -294,6 +355,24 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
   if (auto written = write_ids_file(ids_file.path, handoff_ids); !written)
     return fall_back("ids_file_failed", written.error().what());
 
+  if (!context.config->prefill_remote.empty()) {
+    StepResult remote = remote_route(context, handoff_ids, report);
+    if (remote.step == Step::handed_off) {
+      report.route = HandoffRoute::remote;
+      report.body = forward_body(request);
+      context.metrics->count_handoff("remote", "ok");
+      return report;
+    }
+    // No local provider: the decoder prefills the prompt itself.
+    if (remote.step == Step::forward || context.config->prefill_provider.empty()) {
+      context.metrics->count_handoff("remote", "forwarded");
+      return fall_back(remote.reason, remote.why, remote.slot_may_be_stale);
+    }
+    context.metrics->count_handoff("remote", "file_fallback");
+    context.metrics->count_fallback(remote.reason);
+    context.log(fmt::format("hybrid: remote route not taken ({}): {}; this request takes the local provider's route",
+                            remote.reason, remote.why));
+  }
   bool tried_shared = false;
   if (context.config->kv_share) {
     tried_shared = true;

@@ -28,7 +28,7 @@ namespace kvshare::route {
 enum class Endpoint { chat_completions, completions };
 std::string_view endpoint_path(Endpoint endpoint);
 
-enum class HandoffRoute { none, file, shared, shared_then_file };
+enum class HandoffRoute { none, file, shared, shared_then_file, remote };
 
 struct HandoffReport {
   HandoffRoute route = HandoffRoute::none;  // none: forwarded as it came
@@ -45,6 +45,7 @@ struct HandoffReport {
 //   hybrid: N prompt tokens: prefill X ms, restore Y ms, first byte Z ms
 //   hybrid: N prompt tokens: prefill X ms, share Y ms, first byte Z ms
 //   hybrid: N prompt tokens: prefill X ms, share 0.000 ms, restore Y ms, first byte Z ms
+//   hybrid: N prompt tokens: prefill X ms, share Y ms remote, first byte Z ms
 std::string hybrid_line(const HandoffReport& report, double first_byte_ms);
 
 // Writes one whole line to serve's stderr (thread-safe; tests capture it instead).

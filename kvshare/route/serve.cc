@@ -71,7 +71,9 @@ void on_first_relayed(RelayState& state) {
   const double first_byte_ms = ms_since(state.start);
   if (state.report.handed_off()) {
     log_line(hybrid_line(state.report, first_byte_ms));
-    const std::string route = state.report.route == HandoffRoute::shared ? "shared" : "file";
+    const std::string route = state.report.route == HandoffRoute::shared   ? "shared"
+                              : state.report.route == HandoffRoute::remote ? "remote"
+                                                                           : "file";
     state.metrics->observe(route, state.report.prefill_ms, state.report.handoff_ms, first_byte_ms);
   } else {
     log_line(fmt::format("hybrid: {} prompt tokens: forwarded as it came, first byte {:.3f} ms",
@@ -102,7 +104,9 @@ class Server {
  private:
   // The key serve's own calls to the decoder carry (the decoder has the same list).
   std::string decoder_api_key() const { return config_.api_keys.empty() ? std::string() : config_.api_keys.front(); }
-  bool hybrid_active() const { return config_.device == Device::hybrid && !config_.prefill_provider.empty(); }
+  bool hybrid_active() const {
+    return config_.device == Device::hybrid && (!config_.prefill_provider.empty() || !config_.prefill_remote.empty());
+  }
   void relay_get(const std::string& path, httplib::Response& res);
   void handle_completion(Endpoint endpoint, const httplib::Request& req, httplib::Response& res);
   void forward(const std::string& path, std::shared_ptr<RelayState> state, httplib::Response& res);
@@ -197,7 +201,7 @@ int Server::run() {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
 
-  if (config_.device == Device::hybrid && config_.prefill_provider.empty())
+  if (config_.device == Device::hybrid && !hybrid_active())
     log_line("kvshare-serve: --device hybrid without a prefill provider (--prefill-provider or "
              "ONEBIT_HYBRID_PREFILL): every prompt is prefilled by the decoder itself, one slot, plain relay");
 
@@ -304,8 +308,13 @@ int Server::run() {
   log_line(fmt::format("kvshare-serve: listening on http://{}:{} (device {}, decoder {} on 127.0.0.1:{}, "
                        "provider {}, route {})",
                        config_.host, port, device_name(config_.device), backend_kind_name(backend_.kind),
-                       decoder_->port(), config_.prefill_provider.empty() ? "none" : config_.prefill_provider,
-                       !hybrid_active() ? "relay" : (config_.kv_share ? "shared" : "file")));
+                       decoder_->port(),
+                       !config_.prefill_remote.empty() ? config_.prefill_remote
+                       : config_.prefill_provider.empty() ? "none" : config_.prefill_provider,
+                       !hybrid_active()                   ? "relay"
+                       : !config_.prefill_remote.empty() ? "remote"
+                       : config_.kv_share                 ? "shared"
+                                                          : "file"));
 
   // httplib's stop() does nothing until listen_after_bind() has started its loop, so a
   // SIGTERM (or the decoder's death) that lands just before it would be lost and serve

@@ -109,6 +109,9 @@ Result<void> validate(const ServeConfig& config) {
       return fail(EINVAL, "backend flag {} refused: give --api-key to kvshare-serve (or set LLAMA_API_KEY); it "
                   "checks its clients with it and passes it to the decoder through the environment", name);
   }
+  if (!config.prefill_remote.empty()) {
+    if (auto url = parse_prefill_remote_url(config.prefill_remote); !url) return fail(url.error());
+  }
   if (config.model.empty()) return fail(EINVAL, "no model: give -m MODEL.gguf");
   std::error_code ec;
   if (!std::filesystem::is_regular_file(config.model, ec))
@@ -217,6 +220,30 @@ std::string_view device_name(Device device) { return device == Device::hybrid ? 
 
 std::string_view backend_kind_name(BackendKind kind) {
   return kind == BackendKind::llama_server ? "llama-server" : "kvshare-decoder";
+}
+
+Result<RemoteProviderUrl> parse_prefill_remote_url(const std::string& url) {
+  constexpr std::string_view kScheme = "http://";
+  std::string_view rest = url;
+  if (rest.substr(0, kScheme.size()) != kScheme)
+    return fail(EINVAL, "--prefill-remote {}: expected http://HOST:PORT", url);
+  rest.remove_prefix(kScheme.size());
+  if (!rest.empty() && rest.back() == '/') rest.remove_suffix(1);
+  const size_t colon = rest.rfind(':');
+  if (colon == std::string_view::npos || colon == 0 || rest.find('/') != std::string_view::npos)
+    return fail(EINVAL, "--prefill-remote {}: expected http://HOST:PORT (a port, no path)", url);
+  RemoteProviderUrl out;
+  out.host = std::string(rest.substr(0, colon));
+  const std::string_view port = rest.substr(colon + 1);
+  int value = 0;
+  for (char c : port) {
+    if (c < '0' || c > '9' || value > 65535) return fail(EINVAL, "--prefill-remote {}: port \"{}\" is not a number", url, port);
+    value = value * 10 + (c - '0');
+  }
+  if (port.empty() || value < 1 || value > 65535)
+    return fail(EINVAL, "--prefill-remote {}: port \"{}\" is not 1..65535", url, port);
+  out.port = value;
+  return out;
 }
 
 }  // namespace kvshare::route

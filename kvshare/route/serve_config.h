@@ -22,6 +22,7 @@ struct ServeConfig {
   std::filesystem::path model;            // -m
   Device device = Device::hybrid;         // --device
   std::string prefill_provider;           // --prefill-provider, else ONEBIT_HYBRID_PREFILL
+  std::string prefill_remote;             // --prefill-remote URL: a kvshare-provider-server (docs/remote.md)
   std::string elfs_dir;                   // ONEBIT_HYBRID_ELFS: adds --elfs DIR to the provider
   std::string host = "127.0.0.1";         // --host (serve's own listening address)
   int port = 8080;                        // --port (0: any free port, printed at start)
@@ -102,6 +103,14 @@ std::vector<std::string> shared_provider_command(const ServeConfig& config, cons
 std::string join_command(const std::vector<std::string>& argv);
 
 std::chrono::milliseconds provider_timeout(const ServeConfig& config);
+
+// --prefill-remote's URL, "http://HOST:PORT" (an optional trailing "/"): EINVAL naming
+// what is wrong (another scheme, no port, a path).
+struct RemoteProviderUrl {
+  std::string host;
+  int port = 0;
+};
+Result<RemoteProviderUrl> parse_prefill_remote_url(const std::string& url);
 
 std::string_view device_name(Device device);
 std::string_view backend_kind_name(BackendKind kind);

@@ -19,6 +19,7 @@
 #include "layout/share_layout.h"
 #include "refmodel/engine.h"
 #include "refmodel/model_impl.h"
+#include "refmodel/provider/private_kv.h"
 #include "xdna/scatter.h"
 
 namespace kvshare::refmodel {
@@ -34,26 +35,6 @@ Result<std::string> read_text_file(const std::string& path, std::string_view wha
   ss << in.rdbuf();
   if (in.bad()) return fail(EIO, "{} {}: read failed", what, path);
   return ss.str();
-}
-
-// A Context's own cache, sized for the prompt only: the provider attends over its own
-// K/V and hands the rows to a sink that places them in the real destination.
-struct PrivateKv {
-  std::vector<std::vector<std::byte>> buffers;
-  KvMemory kv;
-};
-
-Result<std::unique_ptr<PrivateKv>> make_private_kv(const Model& model, layout::KvParams params, uint32_t n_tokens) {
-  params.n_ctx = std::max<uint32_t>(256, (n_tokens + 255) / 256 * 256);
-  params.n_seq_max = 1;
-  auto memory = layout::derive_memory_shape(model.shape(), params);
-  if (!memory) return fail(memory.error().with_context("sizing the provider's own KV cache"));
-  auto out = std::make_unique<PrivateKv>();
-  out->kv.memory = std::move(*memory);
-  out->kv.layout = layout::share_layout(out->kv.memory);
-  for (const auto& chunk : out->kv.layout.chunks) out->buffers.emplace_back(chunk.size_bytes);
-  for (auto& b : out->buffers) out->kv.chunks.emplace_back(b);
-  return out;
 }
 
 struct Loaded {
@@ -79,8 +60,6 @@ Result<Loaded> load_inputs(const PrefillRequest& r) {
   return Loaded{std::move(*model), std::move(*tokens)};
 }
 
-uint32_t head_k(const Model& m) { return static_cast<const LoadedModel&>(m).hparams().n_embd_head_k; }
-uint32_t head_v(const Model& m) { return static_cast<const LoadedModel&>(m).hparams().n_embd_head_v; }
 
 Result<PrefillReport> run_file_route(const PrefillRequest& r) {
   auto in = load_inputs(r);

@@ -29,6 +29,11 @@ TEST(HybridLine, SharedRouteThatFellBackSaysShareZeroThenRestore) {
             "hybrid: 307 prompt tokens: prefill 95.123 ms, share 0.000 ms, restore 6.500 ms, first byte 1.000 ms");
 }
 
+TEST(HybridLine, RemoteRouteSaysShareThenRemote) {
+  EXPECT_EQ(hybrid_line(report(HandoffRoute::remote), 140.0),
+            "hybrid: 307 prompt tokens: prefill 95.123 ms, share 6.500 ms remote, first byte 140.000 ms");
+}
+
 TEST(ForwardBody, SetsSlotZeroCachePromptAndLeaveOneTokenKeepingTheRest) {
   const auto body = nlohmann::json::parse(forward_body({{"messages", nlohmann::json::array()}, {"id_slot", 3},
                                                         {"cache_prompt", false}, {"max_tokens", 8}}));

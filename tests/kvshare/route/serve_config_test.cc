@@ -183,6 +183,30 @@ TEST(ProviderCommand, FollowsTheFileContractAndAddsElfsWhenSet) {
   EXPECT_EQ(join_command(shared_provider_command(config, "ids")), "/p --tokens ids --model m.gguf --elfs /elfs");
 }
 
+TEST(PrefillRemoteUrl, TakesHttpHostAndPortWithAnOptionalTrailingSlash) {
+  auto url = parse_prefill_remote_url("http://10.88.0.2:8090/");
+  ASSERT_TRUE(url) << url.error().what();
+  EXPECT_EQ(url->host, "10.88.0.2");
+  EXPECT_EQ(url->port, 8090);
+}
+
+TEST(PrefillRemoteUrl, RefusesAnotherSchemeAPathOrABadPortByName) {
+  EXPECT_NE(parse_prefill_remote_url("https://h:1").error().message().find("expected http://HOST:PORT"), std::string::npos);
+  EXPECT_NE(parse_prefill_remote_url("http://h:1/prefill").error().message().find("no path"), std::string::npos);
+  EXPECT_NE(parse_prefill_remote_url("http://h:99999").error().message().find("not 1..65535"), std::string::npos);
+  EXPECT_NE(parse_prefill_remote_url("http://h:8x").error().message().find("not a number"), std::string::npos);
+  EXPECT_FALSE(parse_prefill_remote_url("http://h"));
+}
+
+TEST(Validate, RefusesAMalformedPrefillRemoteUrl) {
+  ServeConfig config;
+  config.model = KVSHARE_TEST_DATA_DIR "/gguf-tiny.gguf";
+  config.prefill_remote = "ftp://x:1";
+  auto valid = validate(config);
+  ASSERT_FALSE(valid);
+  EXPECT_NE(valid.error().message().find("--prefill-remote ftp://x:1"), std::string::npos);
+}
+
 TEST(JoinCommand, QuotesArgumentsAShellWouldSplit) {
   EXPECT_EQ(join_command({"a", "b c", "it's", ""}), "a 'b c' 'it'\\''s' ''");
 }

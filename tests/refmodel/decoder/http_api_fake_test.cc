@@ -235,6 +235,15 @@ TEST(DecoderHttpFake, RefusesAStaleShareIdAndTooManyTokensWith400) {
   expect_error(server.post("/slots/0?action=share", Json::object()), 400, "invalid_request_error", "socket");
 }
 
+TEST(DecoderHttpFake, AnswersARemoteShareWith501WhenItHasNoReceiverAnd400ForABadBody) {
+  FakeServer server(ShareAvailability::enabled);
+  expect_error(server.post("/slots/0?action=share", {{"transport", "ucx"}, {"n_tokens", 4}}), 501,
+               "not_supported_error", "KVSHARE_REMOTE");
+  expect_error(server.post("/slots/0?action=share", {{"transport", "ucx"}}), 400, "invalid_request_error", "n_tokens");
+  expect_error(server.post("/slots/0?action=share", {{"transport", "rdma"}, {"n_tokens", 4}}), 400,
+               "invalid_request_error", "\"transport\" must be \"ucx\"");
+}
+
 TEST(DecoderHttpFake, AnswersShareWith501NamingBothCausesWhenTheFlagIsUnset) {
   FakeServer server;
   const HttpReply reply = server.post("/slots/0?action=share", {{"socket", "/a"}});

@@ -67,6 +67,8 @@ const char* const kBodies[] = {
     "{\"filename\": 5}", "{\"filename\": \"\"}", "{\"filename\": \"a\\u0000b\"}", "{\"socket\": 5}",
     "{\"socket\": \"/nonexistent/dir/sock\"}", "{\"tokens\": [1, \"a\"], \"share_id\": 1}",
     "{\"tokens\": [1], \"share_id\": -1}", "{\"tokens\": null, \"share_id\": null}",
+    "{\"transport\": \"ucx\"}", "{\"transport\": \"ucx\", \"n_tokens\": 0}", "{\"transport\": 7, \"n_tokens\": 1}",
+    "{\"transport\": \"ucx\", \"n_tokens\": 3}", "{\"transport\": \"ucx\", \"n_tokens\": 1e30}",
 };
 
 TEST(DecoderMalformedRequests, AnswerEveryBadBodyOnEveryRouteWithJsonAndKeepServing) {

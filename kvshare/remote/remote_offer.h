@@ -1,0 +1,49 @@
+// The offer: what the decoder answers `POST /slots/0?action=share {"transport":"ucx"}`
+// with, and what a remote provider needs to write the share — the decoder's UCX worker
+// address, the layout header, the share_id, how many cells are granted, the byte count
+// and layout hash the completion must repeat, and how long the grant lives. JSON, so it
+// rides inside the HTTP bodies unchanged (docs/remote.md, "The offer").
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "layout/error.h"
+#include "layout/share_header.h"
+
+namespace kvshare::remote {
+
+inline constexpr std::string_view kTransportUcx = "ucx";
+inline constexpr uint32_t kOfferVersion = 1;
+// A UCX 1.13 worker address is 50-186 bytes here; a few interfaces more stay far below.
+inline constexpr size_t kMaxWorkerAddressBytes = 4096;
+inline constexpr size_t kMaxOfferBytes = size_t{16} << 20;
+
+struct RemoteOffer {
+  uint32_t version = kOfferVersion;
+  uint64_t share_id = 0;                 // random, unguessable: a write must carry it
+  std::vector<std::byte> worker_address; // ucp_worker_get_address, opaque
+  uint32_t n_cells = 0;                  // cells 0..n_cells-1 of every K/V tensor are granted
+  uint64_t bytes = 0;                    // layout::granted_bytes for n_cells
+  uint64_t layout_hash = 0;              // layout::whole_layout_hash
+  uint64_t timeout_ms = 0;               // the grant ends this long after the share answered
+  layout::ShareHeader header;
+};
+
+nlohmann::ordered_json to_json(const RemoteOffer& offer);
+
+// Parses and checks an offer (EINVAL naming the field): transport "ucx", a version this
+// side speaks, a hex worker address of at most kMaxWorkerAddressBytes, a valid layout
+// header (layout::parse_share_header_document), n_cells within the cache, and bytes and
+// layout_hash equal to what the header gives for n_cells — a provider refuses before
+// connecting, so an incompatible peer fails fast and no byte moves.
+Result<RemoteOffer> parse_offer(const nlohmann::json& json, std::string_view source);
+Result<RemoteOffer> parse_offer_text(std::string_view text, std::string_view source);
+
+std::string to_hex(const std::vector<std::byte>& bytes);
+
+}  // namespace kvshare::remote

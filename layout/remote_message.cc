@@ -1,0 +1,78 @@
+#include "layout/remote_message.h"
+
+#include <cerrno>
+
+namespace kvshare::layout {
+namespace {
+
+// Offsets: magic u32 @0, version u16 @4, kind u16 @6, share_id u64 @8, then per kind:
+//   write: chunk u32 @16, reserved u32 @20 (0), offset u64 @24, size u64 @32
+//   done:  n_tokens u32 @16, reserved u32 @20 (0), bytes u64 @24, layout_hash u64 @32
+template <class T>
+void put(RemoteHeaderBytes& out, size_t at, T value) {
+  for (size_t i = 0; i < sizeof(T); ++i) out[at + i] = static_cast<std::byte>((static_cast<uint64_t>(value) >> (8 * i)) & 0xff);
+}
+
+template <class T>
+T get(std::span<const std::byte> in, size_t at) {
+  uint64_t v = 0;
+  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<uint64_t>(in[at + i]) << (8 * i);
+  return static_cast<T>(v);
+}
+
+RemoteHeaderBytes prologue(RemoteKind kind, uint64_t share_id) {
+  RemoteHeaderBytes out{};
+  put<uint32_t>(out, 0, kRemoteMagic);
+  put<uint16_t>(out, 4, kRemoteVersion);
+  put<uint16_t>(out, 6, static_cast<uint16_t>(kind));
+  put<uint64_t>(out, 8, share_id);
+  return out;
+}
+
+Result<void> check_prologue(std::span<const std::byte> in, RemoteKind kind) {
+  const char* name = kind == RemoteKind::write ? "write" : "completion";
+  if (in.size() != kRemoteHeaderBytes)
+    return fail(EPROTO, "remote {} header: {} bytes, expected {}", name, in.size(), kRemoteHeaderBytes);
+  if (get<uint32_t>(in, 0) != kRemoteMagic)
+    return fail(EPROTO, "remote {} header: magic {:#010x} at offset 0, expected {:#010x}", name, get<uint32_t>(in, 0),
+                kRemoteMagic);
+  if (get<uint16_t>(in, 4) != kRemoteVersion)
+    return fail(EPROTO, "remote {} header: version {} at offset 4, this decoder speaks version {}", name,
+                get<uint16_t>(in, 4), kRemoteVersion);
+  if (get<uint16_t>(in, 6) != static_cast<uint16_t>(kind))
+    return fail(EPROTO, "remote {} header: kind {} at offset 6, expected {}", name, get<uint16_t>(in, 6),
+                static_cast<uint16_t>(kind));
+  if (get<uint32_t>(in, 20) != 0)
+    return fail(EPROTO, "remote {} header: reserved field at offset 20 is {:#x}, must be 0", name, get<uint32_t>(in, 20));
+  return {};
+}
+
+}  // namespace
+
+RemoteHeaderBytes encode(const RemoteWrite& write) {
+  RemoteHeaderBytes out = prologue(RemoteKind::write, write.share_id);
+  put<uint32_t>(out, 16, write.chunk);
+  put<uint64_t>(out, 24, write.offset);
+  put<uint64_t>(out, 32, write.size_bytes);
+  return out;
+}
+
+RemoteHeaderBytes encode(const RemoteDone& done) {
+  RemoteHeaderBytes out = prologue(RemoteKind::done, done.share_id);
+  put<uint32_t>(out, 16, done.n_tokens);
+  put<uint64_t>(out, 24, done.bytes);
+  put<uint64_t>(out, 32, done.layout_hash);
+  return out;
+}
+
+Result<RemoteWrite> decode_remote_write(std::span<const std::byte> in) {
+  if (auto ok = check_prologue(in, RemoteKind::write); !ok) return fail(ok.error());
+  return RemoteWrite{get<uint64_t>(in, 8), get<uint32_t>(in, 16), get<uint64_t>(in, 24), get<uint64_t>(in, 32)};
+}
+
+Result<RemoteDone> decode_remote_done(std::span<const std::byte> in) {
+  if (auto ok = check_prologue(in, RemoteKind::done); !ok) return fail(ok.error());
+  return RemoteDone{get<uint64_t>(in, 8), get<uint32_t>(in, 16), get<uint64_t>(in, 24), get<uint64_t>(in, 32)};
+}
+
+}  // namespace kvshare::layout
