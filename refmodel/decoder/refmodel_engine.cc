@@ -216,7 +216,10 @@ Result<uint64_t> RefModelEngine::save_state(const std::filesystem::path& path, s
   auto writer = statefile::StateFileWriter::create(path, memory, tokens, static_cast<int32_t>(n_cells), options);
   if (!writer) return fail(writer.error());
   std::vector<std::byte> gathered;
-  for (const layout::KvCacheLayer& layer : cache.layers) {
+  // An empty slot's file has no sections: llama.cpp writes the stream's cell count 0 and
+  // nothing after it (serve's state-version probe saves exactly that).
+  for (const layout::KvCacheLayer& layer : n_cells == 0 ? std::span<const layout::KvCacheLayer>{}
+                                                        : std::span<const layout::KvCacheLayer>(cache.layers)) {
     const TensorPlace k = place(layer.il, layout::TensorKind::k);
     const TensorPlace v = place(layer.il, layout::TensorKind::v);
     if (k.base == nullptr) return fail(EINVAL, "save {}: layer {} has no K tensor in the cache", path.string(), layer.il);

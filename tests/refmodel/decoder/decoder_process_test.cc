@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 
+#include "kvshare/route/decoder_client.h"
 #include "kvshare/route/state_version_probe.h"
 #include "kvshare/share/broker.h"
 #include "live_server.h"
@@ -302,6 +303,17 @@ TEST_P(DecoderProcess, AnswersShareWith501WhenTheFlagIsUnset) {
     // The patched server names the route that still works.
     EXPECT_NE(reply.body.find("?action=restore"), std::string::npos) << reply.body;
   }
+}
+
+TEST_P(DecoderProcess, SavesAnEmptySlotWhoseHeaderNamesItsStateVersion) {
+  // kvshare-serve learns a decoder's state-file version by saving its empty slot.
+  if (backend_->server() == nullptr) GTEST_SKIP() << "KVSHARE_DECODER_URL: the server's slot directory is unknown";
+  backend_->post_json("/slots/0?action=erase", Json::object());
+  const route::DecoderClient client("127.0.0.1", backend_->server()->port(), std::chrono::seconds(30));
+  auto version = route::probe_decoder_state_version(client, backend_->slots());
+  ASSERT_TRUE(version) << version.error().what();
+  EXPECT_TRUE(*version == 2 || *version == 3) << *version;
+  if (is_llama_server(GetParam())) EXPECT_EQ(*version, 3);
 }
 
 TEST_P(DecoderProcess, ExitsCleanlyOnSigterm) {

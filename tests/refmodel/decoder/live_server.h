@@ -129,6 +129,7 @@ class LiveServer {
 
   bool ready() const { return ready_; }
   std::string base_url() const { return "http://127.0.0.1:" + std::to_string(port_); }
+  int port() const { return port_; }
   const HttpClient& client() const { return *client_; }
   std::string log_text() const {
     std::ifstream in(log_);
