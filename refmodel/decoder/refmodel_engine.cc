@@ -231,7 +231,9 @@ Result<uint64_t> RefModelEngine::save_state(const std::filesystem::path& path, s
       } else {
         // V is element-major in a v_trans cache: gather each cell's row.
         const uint64_t elem = layout::ggml_row_size(cache.type_v, 1);
-        const uint64_t stride = v.tensor->tensor.row_bytes;  // one element of every cell
+        // Element j of cell c at (j * kv_size + c) * elem, as refmodel's store_kv and
+        // xdna::scatter place it: one element row spans every cell, not the V width.
+        const uint64_t stride = static_cast<uint64_t>(cache.kv_size) * elem;
         gathered.assign(static_cast<size_t>(n_cells) * layer.n_embd_v_gqa * elem, std::byte{0});
         for (uint32_t c = 0; c < n_cells; ++c) {
           for (uint32_t j = 0; j < layer.n_embd_v_gqa; ++j) {
@@ -292,7 +294,7 @@ Result<RestoredState> RefModelEngine::restore_state(const std::filesystem::path&
     const uint64_t row_bytes = section->row_bytes;
     if (section->kind == layout::TensorKind::v && cache.v_trans) {
       const uint64_t elem = layout::ggml_row_size(cache.type_v, 1);
-      const uint64_t stride = dst.tensor->tensor.row_bytes;
+      const uint64_t stride = static_cast<uint64_t>(cache.kv_size) * elem;  // one element of every cell
       for (uint32_t c = 0; c < section->n_rows; ++c) {
         for (uint32_t j = 0; j < section->n_embd; ++j) {
           std::memcpy(dst.base + j * stride + c * elem, rows.data() + (static_cast<size_t>(c) * section->n_embd + j) * elem,

@@ -49,7 +49,9 @@ bool is_llama_server(const std::string& kind) { return *binary_variable(kind) !=
 // One decoder under test and its slot directory.
 class Backend {
  public:
-  Backend(const std::string& kind, const std::vector<std::string>& env = {}) : kind_(kind) {
+  // `flash_attn` "off" makes the V cache transposed (element-major), as in llama.cpp.
+  Backend(const std::string& kind, const std::vector<std::string>& env = {}, const std::string& flash_attn = "on")
+      : kind_(kind) {
     model_ = dir_ / "tiny.gguf";
     slots_ = dir_ / "slots";
     std::filesystem::create_directories(slots_);
@@ -59,7 +61,7 @@ class Backend {
       return;
     }
     const std::vector<std::string> args = {"-m", model_.string(), "-c", std::to_string(kCtx), "-np", "1",
-                                           "-fa", "on", "--slot-save-path", slots_.string()};
+                                           "-fa", flash_attn, "--slot-save-path", slots_.string()};
     if (is_llama_server(kind)) {
       // The share flag reaches a llama-server only when a test passes it.
       server_ = std::make_unique<LiveServer>(env_or_empty(binary_variable(kind)), args, dir_ / "server.log", env,
@@ -158,10 +160,9 @@ TEST_P(DecoderProcess, DecodesARestoredPromptMinusOneLikeItsOwnPrefillWithOneEva
   EXPECT_EQ(reply["timings"]["cache_n"], static_cast<int>(head.size()));
 }
 
-TEST_P(DecoderProcess, DecodesAStateFileFromKvsharePrefillLikeItsOwnPrefill) {
-  const Backend& b = *backend_;
-  if (!b.owns_slot_dir()) GTEST_SKIP() << "KVSHARE_DECODER_URL: the server's slot directory is unknown";
-  if (!std::filesystem::exists(tool_path("kvshare-prefill"))) GTEST_SKIP() << "kvshare-prefill is not built";
+// kvshare-prefill's state file of the prompt less its last token, restored, decodes as the
+// decoder's own prefill did, with one evaluated token.
+void expect_kvshare_prefill_file_decodes_like_own_prefill(const Backend& b, const std::string& flash_attn) {
   const std::vector<int32_t> prompt = b.tokenize(kText);
   const Json own = b.greedy(prompt, 12, false);
   // The state version this decoder reads is the one its own save writes.
@@ -177,13 +178,38 @@ TEST_P(DecoderProcess, DecodesAStateFileFromKvsharePrefillLikeItsOwnPrefill) {
   }
   const auto made = run_command(tool_path("kvshare-prefill").string() + " --tokens " + ids.string() + " --out " +
                                 (b.slots() / "prefill.bin").string() + " --model " + b.model().string() + " -c " +
-                                std::to_string(kCtx) + " -fa on --state-version " + std::to_string(*version));
+                                std::to_string(kCtx) + " -fa " + flash_attn + " --state-version " +
+                                std::to_string(*version));
   ASSERT_EQ(made.exit_code, 0) << made.err;
   const Json restored = b.post_json("/slots/0?action=restore", {{"filename", "prefill.bin"}});
   EXPECT_EQ(restored["n_restored"], static_cast<int>(prompt.size()) - 1);
   const Json reply = b.greedy(prompt, 12);
   EXPECT_EQ(reply["tokens"], own["tokens"]);
   EXPECT_EQ(reply["timings"]["prompt_n"], 1);
+
+  // Its own save of the restored cells is the file it restored, cell for cell.
+  b.post_json("/slots/0?action=erase", Json::object());
+  b.post_json("/slots/0?action=restore", {{"filename", "prefill.bin"}});
+  b.post_json("/slots/0?action=save", {{"filename", "resaved.bin"}});
+  const auto diff = run_command(tool_path("kvshare-state").string() + " diff " + (b.slots() / "prefill.bin").string() +
+                                " " + (b.slots() / "resaved.bin").string());
+  EXPECT_EQ(diff.exit_code, 0) << diff.out << diff.err;
+}
+
+TEST_P(DecoderProcess, DecodesAStateFileFromKvsharePrefillLikeItsOwnPrefill) {
+  if (!backend_->owns_slot_dir()) GTEST_SKIP() << "KVSHARE_DECODER_URL: the server's slot directory is unknown";
+  if (!std::filesystem::exists(tool_path("kvshare-prefill"))) GTEST_SKIP() << "kvshare-prefill is not built";
+  expect_kvshare_prefill_file_decodes_like_own_prefill(*backend_, "on");
+}
+
+TEST_P(DecoderProcess, DecodesAStateFileWithATransposedVLikeItsOwnPrefill) {
+  // -fa off: V is element-major, element j of cell c at j * kv_size + c. kv_size (512) is
+  // not the V width, so a stride of the V width lands elements in the wrong cells.
+  if (!backend_->owns_slot_dir()) GTEST_SKIP() << "KVSHARE_DECODER_URL: the server's slot directory is unknown";
+  if (!std::filesystem::exists(tool_path("kvshare-prefill"))) GTEST_SKIP() << "kvshare-prefill is not built";
+  const Backend transposed(GetParam(), {}, "off");
+  ASSERT_TRUE(transposed.ready()) << GetParam() << " -fa off did not start";
+  expect_kvshare_prefill_file_decodes_like_own_prefill(transposed, "off");
 }
 
 TEST_P(DecoderProcess, SamplesOneTokenForNPredictZeroAndKeepsThePrompt) {
