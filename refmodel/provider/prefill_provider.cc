@@ -150,14 +150,7 @@ Result<PrefillReport> run_shared_route(const PrefillRequest& r, std::vector<Fd> 
   const auto t0 = Clock::now();
   auto ok = (*ctx)->prefill(in->tokens, [&](const LayerRows& rows) -> Result<void> {
     const auto w0 = Clock::now();
-    xdna::ScatterBatch batch;
-    batch.layers.push_back({rows.il, rows.rows.data(), rows.n_embd_k_gqa, rows.n_embd_v_gqa});
-    batch.pos0 = static_cast<uint32_t>(rows.pos0);
-    batch.n_tokens = rows.n_tokens;
-    batch.src_type = layout::GgmlType::F32;
-    batch.row_stride = (rows.n_embd_k_gqa + rows.n_embd_v_gqa) * sizeof(float);
-    batch.rotation_disabled = rotation_disabled;
-    batch.n_threads = r.n_threads > 0 ? static_cast<unsigned>(r.n_threads) : 0;
+    const xdna::ScatterBatch batch = scatter_batch_of(rows, rotation_disabled, r.n_threads);
     auto scattered = xdna::scatter(target, batch);
     write_ms += ms_since(w0);
     return scattered;

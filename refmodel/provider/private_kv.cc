@@ -24,4 +24,16 @@ Result<std::unique_ptr<PrivateKv>> make_private_kv(const Model& model, layout::K
 uint32_t head_k(const Model& model) { return static_cast<const LoadedModel&>(model).hparams().n_embd_head_k; }
 uint32_t head_v(const Model& model) { return static_cast<const LoadedModel&>(model).hparams().n_embd_head_v; }
 
+xdna::ScatterBatch scatter_batch_of(const LayerRows& rows, bool rotation_disabled, int n_threads) {
+  xdna::ScatterBatch batch;
+  batch.layers.push_back({rows.il, rows.rows.data(), rows.n_embd_k_gqa, rows.n_embd_v_gqa});
+  batch.pos0 = static_cast<uint32_t>(rows.pos0);
+  batch.n_tokens = rows.n_tokens;
+  batch.src_type = layout::GgmlType::F32;
+  batch.row_stride = (rows.n_embd_k_gqa + rows.n_embd_v_gqa) * sizeof(float);
+  batch.rotation_disabled = rotation_disabled;
+  batch.n_threads = n_threads > 0 ? static_cast<unsigned>(n_threads) : 0;
+  return batch;
+}
+
 }  // namespace kvshare::refmodel

@@ -133,14 +133,7 @@ Result<RemotePrefillReport> RemotePrefiller::run(std::span<const int32_t> tokens
   double transfer_ms = 0;
   auto ok = (*ctx)->prefill(tokens, [&](const LayerRows& rows) -> Result<void> {
     const auto w0 = Clock::now();
-    xdna::ScatterBatch batch;
-    batch.layers.push_back({rows.il, rows.rows.data(), rows.n_embd_k_gqa, rows.n_embd_v_gqa});
-    batch.pos0 = static_cast<uint32_t>(rows.pos0);
-    batch.n_tokens = rows.n_tokens;
-    batch.src_type = layout::GgmlType::F32;
-    batch.row_stride = (rows.n_embd_k_gqa + rows.n_embd_v_gqa) * sizeof(float);
-    batch.rotation_disabled = rotation_disabled;
-    batch.n_threads = impl_->n_threads > 0 ? static_cast<unsigned>(impl_->n_threads) : 0;
+    const xdna::ScatterBatch batch = scatter_batch_of(rows, rotation_disabled, impl_->n_threads);
     if (auto scattered = xdna::scatter(target, batch); !scattered) return scattered;
     if (auto sent = send_cells(**sender, offer, staging, rows.il, batch.pos0, batch.pos0 + batch.n_tokens); !sent)
       return sent;

@@ -37,7 +37,9 @@
 #include <optional>
 #include <vector>
 
+#include "bench_files.h"
 #include "bench_registry.h"
+#include "bench_stats.h"
 #include "kvshare/region/importer.h"
 #include "kvshare/share/broker.h"
 #include "kvshare/share/decoder_share.h"
@@ -197,24 +199,6 @@ Result<double> file_side(const ProviderRows& rows, uint32_t n_tokens, const std:
   return ms_since(start);
 }
 
-struct Spread {
-  double p25 = 0, median = 0, p75 = 0;
-};
-
-Spread spread_of(std::vector<double> values) {
-  if (values.empty()) return {};
-  std::sort(values.begin(), values.end());
-  auto at = [&](double q) { return values[static_cast<size_t>(q * static_cast<double>(values.size() - 1) + 0.5)]; };
-  return {at(0.25), at(0.5), at(0.75)};
-}
-
-void record(benchmark::State& state, const std::string& key, const std::vector<double>& values) {
-  const Spread s = spread_of(values);
-  state.counters[key + "_p25"] = s.p25;
-  state.counters[key] = s.median;
-  state.counters[key + "_p75"] = s.p75;
-}
-
 void bm_equal(benchmark::State& state) {
   const auto n_tokens = static_cast<uint32_t>(state.range(0));
   if (!decoder().can_share()) return state.SkipWithError(decoder().startup_warning().c_str());
@@ -246,22 +230,19 @@ void bm_equal(benchmark::State& state) {
     added_ratio.push_back(shared_added.back() / file_added.back());
   }
   for (Side side : kSides) {
-    record(state, std::string(side_name(side)) + "_ms", ms[side]);
+    record_spread(state, std::string(side_name(side)) + "_ms", ms[side]);
     state.counters[std::string(side_name(side)) + "_faults"] = spread_of(faults[side]).median;
   }
-  record(state, "shared_added_ms", shared_added);
-  record(state, "shared_map_added_ms", map_added);
-  record(state, "file_added_ms", file_added);
-  record(state, "added_ratio", added_ratio);
+  record_spread(state, "shared_added_ms", shared_added);
+  record_spread(state, "shared_map_added_ms", map_added);
+  record_spread(state, "file_added_ms", file_added);
+  record_spread(state, "added_ratio", added_ratio);
   state.counters["rounds"] = static_cast<double>(state.iterations());
 }
 
 void register_all(const BenchArgs& args) {
   Settings& s = settings();
-  const char* tmp = std::getenv("TMPDIR");
-  s.dir = tmp && *tmp ? tmp : "/tmp";
-  for (size_t i = 0; i + 1 < args.rest.size(); ++i)
-    if (args.rest[i] == "--dir") s.dir = args.rest[++i];
+  s.dir = scratch_dir(args);
   std::vector<int> tokens = args.tokens;
   if (tokens.empty()) tokens = args.smoke ? std::vector<int>{16} : std::vector<int>{307, 4096, 32768};
   if (args.smoke) s.n_ctx = 256;

@@ -16,7 +16,9 @@
 #include <optional>
 #include <vector>
 
+#include "bench_files.h"
 #include "bench_registry.h"
+#include "bench_stats.h"
 #include "qwen3_coder_shape.h"
 #include "kvshare/region/importer.h"
 #include "kvshare/share/broker.h"
@@ -50,9 +52,8 @@ DecoderShare& decoder() {
   return share;
 }
 
-void record_median(benchmark::State& state, std::vector<double>& ms) {
-  std::sort(ms.begin(), ms.end());
-  state.counters["median_ms"] = ms.empty() ? 0 : ms[ms.size() / 2];
+void record_median(benchmark::State& state, const std::vector<double>& ms) {
+  state.counters["median_ms"] = median(ms);
 }
 
 // One handoff by the share route. `route_ms` is share .. adopt (what the issue prices);
@@ -139,10 +140,7 @@ void bm_file(benchmark::State& state) {
 
 void register_all(const BenchArgs& args) {
   Settings& s = settings();
-  const char* tmp = std::getenv("TMPDIR");
-  s.dir = tmp && *tmp ? tmp : "/tmp";
-  for (size_t i = 0; i + 1 < args.rest.size(); ++i)
-    if (args.rest[i] == "--dir") s.dir = args.rest[++i];
+  s.dir = scratch_dir(args);
   std::vector<int> tokens = args.tokens;
   if (tokens.empty()) tokens = args.smoke ? std::vector<int>{16} : std::vector<int>{307, 4096, 32768};
   if (args.smoke) s.n_ctx = 256;

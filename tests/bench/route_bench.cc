@@ -31,7 +31,9 @@
 #include <sstream>
 #include <thread>
 
+#include "bench_files.h"
 #include "bench_registry.h"
+#include "bench_stats.h"
 #include "kvshare/route/decoder_client.h"
 #include "kvshare/route/decoder_process.h"
 #include "kvshare/route/upstream_stream.h"
@@ -44,14 +46,6 @@ namespace fs = std::filesystem;
 using kvshare::ChildProcess;
 using Clock = std::chrono::steady_clock;
 
-fs::path bin(const std::string& name) { return fs::path(KVSHARE_BIN_DIR) / name; }
-
-std::string read_all(const fs::path& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
 
 const char* const kRoutes[] = {"cpu", "file", "shared"};
 
@@ -251,24 +245,6 @@ Result<Request> one_request(ServeUnderTest& serve, const std::string& route_name
   return fail(EPROTO, "route {}: no new hybrid: line in {} (a fallback?)", route_name, serve.stderr_path.string());
 }
 
-struct Spread {
-  double p25 = 0, median = 0, p75 = 0;
-};
-
-Spread spread_of(std::vector<double> values) {
-  if (values.empty()) return {};
-  std::sort(values.begin(), values.end());
-  auto at = [&](double q) { return values[static_cast<size_t>(q * static_cast<double>(values.size() - 1) + 0.5)]; };
-  return {at(0.25), at(0.5), at(0.75)};
-}
-
-void record(benchmark::State& state, const std::string& key, const std::vector<double>& values) {
-  const Spread s = spread_of(values);
-  state.counters[key + "_p25"] = s.p25;
-  state.counters[key] = s.median;
-  state.counters[key + "_p75"] = s.p75;
-}
-
 void bm_rounds(benchmark::State& state) {
   Setup& s = setup();
   if (!s.why.empty()) return state.SkipWithError(s.why.c_str());
@@ -301,12 +277,12 @@ void bm_rounds(benchmark::State& state) {
       handoff.push_back(r.handoff_ms);
       overhead.push_back(r.first_byte_ms - r.prefill_ms);
     }
-    record(state, name + ".first_byte_ms", first_byte);
-    record(state, name + ".prefill_ms", prefill);
-    record(state, name + ".handoff_ms", handoff);
-    record(state, name + ".overhead_ms", overhead);
+    record_spread(state, name + ".first_byte_ms", first_byte);
+    record_spread(state, name + ".prefill_ms", prefill);
+    record_spread(state, name + ".handoff_ms", handoff);
+    record_spread(state, name + ".overhead_ms", overhead);
   }
-  record(state, "overhead_saved_ms", overhead_saved);
+  record_spread(state, "overhead_saved_ms", overhead_saved);
   state.counters["rounds"] = static_cast<double>(state.iterations());
   state.counters["tokens"] = n_tokens;
 }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bench_registry.h"
+#include "bench_stats.h"
 #include "layout/half.h"
 #include "layout/row_convert.h"
 #include "tests/xdna/cache_fixture.h"
@@ -114,24 +115,6 @@ void threaded_memcpy(std::byte* destination, const std::byte* source, uint64_t b
   std::memcpy(destination, source, part);
 }
 
-struct Spread {
-  double p25 = 0, median = 0, p75 = 0;
-};
-
-Spread spread_of(std::vector<double> values) {
-  if (values.empty()) return {};
-  std::sort(values.begin(), values.end());
-  auto at = [&](double q) { return values[static_cast<size_t>(q * static_cast<double>(values.size() - 1) + 0.5)]; };
-  return {at(0.25), at(0.5), at(0.75)};
-}
-
-void record(benchmark::State& state, const std::string& key, const std::vector<double>& values) {
-  const Spread s = spread_of(values);
-  state.counters[key + "_p25"] = s.p25;
-  state.counters[key] = s.median;
-  state.counters[key + "_p75"] = s.p75;
-}
-
 const char* kCases[] = {"f16->f16", "f32->f16"};
 
 // One round: memcpy of the destination's bytes, the f16 scatter and the f32 scatter, in an
@@ -174,10 +157,10 @@ void bm_rounds(benchmark::State& state, Shape shape) {
       ratio[c].push_back(seconds[0] / seconds[c + 1]);
     }
   }
-  record(state, "memcpy_gbps", memcpy_gbps);
+  record_spread(state, "memcpy_gbps", memcpy_gbps);
   for (int c = 0; c < 2; ++c) {
-    record(state, std::string(kCases[c]) + "_gbps", gbps[c]);
-    record(state, std::string(kCases[c]) + "_ratio", ratio[c]);
+    record_spread(state, std::string(kCases[c]) + "_gbps", gbps[c]);
+    record_spread(state, std::string(kCases[c]) + "_ratio", ratio[c]);
   }
   state.counters["tokens"] = shape.n_tokens;
   state.counters["rounds"] = static_cast<double>(state.iterations());

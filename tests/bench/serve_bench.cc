@@ -19,7 +19,9 @@
 #include <sstream>
 #include <thread>
 
+#include "bench_files.h"
 #include "bench_registry.h"
+#include "bench_stats.h"
 #include "kvshare/route/decoder_process.h"
 #include "kvshare/route/upstream_stream.h"
 #include "kvshare/share/spawn.h"
@@ -30,14 +32,6 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-fs::path bin(const std::string& name) { return fs::path(KVSHARE_BIN_DIR) / name; }
-
-std::string read_all(const fs::path& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
 
 struct Setup {
   fs::path dir;
@@ -157,12 +151,6 @@ bool one_wave(int port, int clients, int& salt, Samples& out) {
     });
   threads.clear();
   return ok;
-}
-
-double percentile(std::vector<double> values, double q) {
-  if (values.empty()) return 0;
-  std::sort(values.begin(), values.end());
-  return values[static_cast<size_t>(q * static_cast<double>(values.size() - 1) + 0.5)];
 }
 
 void bm_serve(benchmark::State& state) {

@@ -17,7 +17,9 @@
 #include <random>
 #include <vector>
 
+#include "bench_files.h"
 #include "bench_registry.h"
+#include "bench_stats.h"
 #include "kvshare/statefile/state_file_reader.h"
 #include "kvshare/statefile/state_file_writer.h"
 #include "layout/row_convert.h"
@@ -100,18 +102,9 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-double median(std::vector<double> values) {
-  if (values.empty()) return 0;
-  std::sort(values.begin(), values.end());
-  return values[values.size() / 2];
-}
-
 // The first and third quartile of `values`: how far the pairs spread around the median.
-std::pair<double, double> quartiles(std::vector<double> values) {
-  if (values.empty()) return {0, 0};
-  std::sort(values.begin(), values.end());
-  auto at = [&](double q) { return values[static_cast<size_t>(q * static_cast<double>(values.size() - 1) + 0.5)]; };
-  return {at(0.25), at(0.75)};
+std::pair<double, double> quartiles(const std::vector<double>& values) {
+  return {percentile(values, 0.25), percentile(values, 0.75)};
 }
 
 // Our writer and a plain write() of the same byte count are timed in pairs, alternating
@@ -279,12 +272,9 @@ int iterations_for(int tokens, bool smoke) {
 
 void register_all(const BenchArgs& args) {
   Settings& s = settings();
-  const char* tmp = std::getenv("TMPDIR");
-  s.dir = tmp && *tmp ? tmp : "/tmp";
-  for (size_t i = 0; i < args.rest.size(); ++i) {
-    if (args.rest[i] == "--dir" && i + 1 < args.rest.size()) s.dir = args.rest[++i];
-    if (args.rest[i] == "--buffered") s.direct = false;
-  }
+  s.dir = scratch_dir(args);
+  for (const std::string& flag : args.rest)
+    if (flag == "--buffered") s.direct = false;
   std::vector<int> tokens = args.tokens;
   if (tokens.empty()) tokens = args.smoke ? std::vector<int>{16} : std::vector<int>{307, 4096, 32768};
   for (int n : tokens) {

@@ -23,6 +23,7 @@ using kvshare::testing::FdLeakCheck;
 using kvshare::testing::TempDir;
 using kvshare::xdna::testing::fake_device;
 using kvshare::xdna::testing::FakeDriver;
+using kvshare::xdna::testing::ScopedFakeDriver;
 
 class XdnaDevice_ : public FdLeakCheck {};
 
@@ -65,11 +66,7 @@ TEST_F(XdnaDevice_, FindsTheRealNpuWhenThisMachineHasOne) {
 }
 
 TEST_F(XdnaDevice_, ImportsADmaBufAndClosesItsHandleOnce) {
-  sys::Ops ops = sys::real_ops();
-  ops.ioctl_ptr = FakeDriver::ioctl;
-  sys::ScopedOverride override_ops(ops);
-  FakeDriver::gem_closes = 0;
-  FakeDriver::fail_bo_info = false;
+  ScopedFakeDriver fake_driver;
   XdnaDevice device = fake_device();
   Fd buffer(memfd_create("chunk", MFD_CLOEXEC));
   ASSERT_EQ(::ftruncate(buffer.get(), 4096), 0);
@@ -86,11 +83,7 @@ TEST_F(XdnaDevice_, ImportsADmaBufAndClosesItsHandleOnce) {
 }
 
 TEST_F(XdnaDevice_, ClosesTheHandleAndNamesTheChunkWhenTheDriverRefusesBoInfo) {
-  sys::Ops ops = sys::real_ops();
-  ops.ioctl_ptr = FakeDriver::ioctl;
-  sys::ScopedOverride override_ops(ops);
-  FakeDriver::gem_closes = 0;
-  FakeDriver::fail_bo_info = true;
+  ScopedFakeDriver fake_driver(/*fail_bo_info=*/true);
   XdnaDevice device = fake_device();
   Fd buffer(memfd_create("chunk", MFD_CLOEXEC));
   ASSERT_EQ(::ftruncate(buffer.get(), 8192), 0);
@@ -108,11 +101,7 @@ TEST_F(XdnaDevice_, ClosesTheHandleAndNamesTheChunkWhenTheDriverRefusesBoInfo) {
 // for the same buffer) that was closed twice, and both got the buffer's start as their
 // device address although the second starts at its offset.
 TEST_F(XdnaDevice_, SharesOneHandleBetweenTwoChunksOfOneDmaBufAndAddressesEachAtItsOffset) {
-  sys::Ops ops = sys::real_ops();
-  ops.ioctl_ptr = FakeDriver::ioctl;
-  sys::ScopedOverride override_ops(ops);
-  FakeDriver::gem_closes = 0;
-  FakeDriver::fail_bo_info = false;
+  ScopedFakeDriver fake_driver;
   XdnaDevice device = fake_device();
   Fd buffer(memfd_create("two-chunks", MFD_CLOEXEC));
   ASSERT_EQ(::ftruncate(buffer.get(), 3 * 4096), 0);

@@ -43,6 +43,26 @@ struct FakeDriver {
   }
 };
 
+// FakeDriver behind the syscall seam for one scope, its counters reset; GET_BO_INFO fails
+// when `fail_bo_info`.
+class ScopedFakeDriver {
+ public:
+  explicit ScopedFakeDriver(bool fail_bo_info = false) : override_(fake_ops()) {
+    FakeDriver::gem_closes = 0;
+    FakeDriver::closed_handle = 0;
+    FakeDriver::fail_bo_info = fail_bo_info;
+  }
+  ~ScopedFakeDriver() { FakeDriver::fail_bo_info = false; }
+
+ private:
+  static sys::Ops fake_ops() {
+    sys::Ops ops = sys::real_ops();
+    ops.ioctl_ptr = FakeDriver::ioctl;
+    return ops;
+  }
+  sys::ScopedOverride override_;
+};
+
 inline XdnaDevice fake_device() {
   return XdnaDevice{Fd(::open("/dev/null", O_RDWR | O_CLOEXEC)), "/dev/accel/accel0", "amdxdna"};
 }

@@ -17,6 +17,7 @@ using kvshare::testing::FdLeakCheck;
 using kvshare::xdna::testing::CacheSpec;
 using kvshare::xdna::testing::fake_device;
 using kvshare::xdna::testing::FakeDriver;
+using kvshare::xdna::testing::ScopedFakeDriver;
 using kvshare::xdna::testing::make_memory;
 
 class NpuShare_ : public FdLeakCheck {
@@ -49,11 +50,7 @@ class NpuShare_ : public FdLeakCheck {
 };
 
 TEST_F(NpuShare_, AddressesEachTensorAtItsChunksBufferAddressPlusItsOffset) {
-  sys::Ops ops = sys::real_ops();
-  ops.ioctl_ptr = FakeDriver::ioctl;
-  sys::ScopedOverride override_ops(ops);
-  FakeDriver::gem_closes = 0;
-  FakeDriver::fail_bo_info = false;
+  ScopedFakeDriver fake_driver;
   {
     auto npu = NpuShare::import(fake_device(), *share_);
     ASSERT_TRUE(npu) << npu.error().what();
@@ -75,12 +72,8 @@ TEST_F(NpuShare_, AddressesEachTensorAtItsChunksBufferAddressPlusItsOffset) {
 }
 
 TEST_F(NpuShare_, NamesTheDeviceAndChunkWhenTheDriverRefusesTheImport) {
-  sys::Ops ops = sys::real_ops();
-  ops.ioctl_ptr = FakeDriver::ioctl;
-  sys::ScopedOverride override_ops(ops);
-  FakeDriver::fail_bo_info = true;
+  ScopedFakeDriver fake_driver(/*fail_bo_info=*/true);
   auto npu = NpuShare::import(fake_device(), *share_);
-  FakeDriver::fail_bo_info = false;
   ASSERT_FALSE(npu);
   EXPECT_EQ(npu.error().errno_value(), EINVAL);
   EXPECT_NE(npu.error().message().find("importing the share into /dev/accel/accel0"), std::string::npos)
