@@ -184,8 +184,13 @@ StepResult shared_route(const HandoffContext& context, std::span<const int32_t> 
   const uint64_t share_id = share->share_id;
   const double share_wall_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - share_start).count();
-  if (shared->body.contains("share_id") && shared->body["share_id"].is_number_unsigned() &&
-      shared->body["share_id"].get<uint64_t>() != share_id)
+  // The message on the socket must be the share this request asked for: an earlier
+  // share's message replayed into the broker carries an id the decoder no longer adopts.
+  // A reply without its share_id cannot be matched, so it is refused the same way.
+  if (!shared->body.contains("share_id") || !shared->body["share_id"].is_number_unsigned())
+    return {Step::take_file_route, "handshake_failed",
+            fmt::format("the share reply has no share_id to match the message on the socket (share_id {})", share_id)};
+  if (shared->body["share_id"].get<uint64_t>() != share_id)
     return {Step::take_file_route, "handshake_failed",
             fmt::format("the share reply says share_id {}, the message on the socket says {}",
                         shared->body["share_id"].dump(), share_id)};
