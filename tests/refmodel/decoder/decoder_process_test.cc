@@ -6,6 +6,7 @@
 // a server already running (tests that need its slot directory are skipped then).
 #include <gtest/gtest.h>
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 
@@ -469,6 +470,8 @@ TEST_P(SharedRoute, AnswersShareWith403WhenOthersCanReachTheListener) {
   const HttpReply reply = backend_->post("/slots/0?action=share", {{"socket", socket_path}});
   expect_error(reply, 403, "permission_error");
   EXPECT_NE(reply.body.find("mode 0755"), std::string::npos) << reply.body;
+  pollfd pending{listener.get(), POLLIN, 0};
+  EXPECT_EQ(::poll(&pending, 1, 0), 0) << "the decoder connected to the listener it refused";
 }
 
 TEST_P(SharedRoute, NeverConnectsToAnAbstractNamespaceSocket) {
