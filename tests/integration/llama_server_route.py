@@ -238,6 +238,15 @@ def test_fallback_state_version_mismatch():
     check(("wrote state version %d" % other) in line, line)
 
 
+def test_fallback_state_file_of_an_unknown_version():
+    # A file whose header says version 99: serve reads it and sends no restore (fault_matrix's
+    # bad_version row, here with the real decoder).
+    body = ('while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; shift; done\n'
+            'printf "qsgg\\143\\000\\000\\000\\005\\000\\000\\000garbage" > "$out"')
+    line = fell_back("bad_state_file", provider_script("version99.sh", body))
+    check("version 99 is unknown" in line, line)
+
+
 def test_fallback_no_text_prompt():
     def expect(data):
         body = json.loads(data)
