@@ -202,9 +202,10 @@ def test_fallback_provider_writes_no_file():
 
 
 def test_fallback_restore_refuses_a_corrupt_file():
-    # The right header and version, then garbage: llama-server's restore answers 400.
+    # The right header and version (the one serve passes on: 3 for the pin, 2 for d32676d),
+    # then garbage: llama-server's restore answers 400.
     body = ('while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; shift; done\n'
-            'printf "qsgg\\003\\000\\000\\000\\005\\000\\000\\000garbage" > "$out"')
+            'printf "qsgg\\00${ONEBIT_HYBRID_STATE_VERSION:-3}\\000\\000\\000\\005\\000\\000\\000garbage" > "$out"')
     line = fell_back("restore_failed", provider_script("corrupt.sh", body))
     check("answered 400" in line, line)
 
