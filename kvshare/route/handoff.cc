@@ -103,14 +103,50 @@ void log_provider_stderr(const HandoffContext& context, const ProviderRun& run) 
   if (!text.empty()) context.log(text);
 }
 
+std::string version_mismatch_reason(const ServeConfig& config, uint32_t file_version, uint32_t decoder_version) {
+  return fmt::format("the provider wrote state version {} ({}), the decoder restores version {} only; the provider "
+                     "should follow {} or --state-version",
+                     file_version, config.prefill_provider, decoder_version, kStateVersionEnv);
+}
+
+// The decoder refused a restore. When its version was unknown (the probe at start failed),
+// the refusal names neither version, so the file's header and a second probe say whether
+// two versions met (llama-server empties the slot on a refused restore, so that save is
+// small); what the probe learns is kept for later providers.
+StepResult restore_refused(const HandoffContext& context, const std::filesystem::path& state_path,
+                           const std::string& refusal) {
+  if (context.decoder_state_version.load() != 0) return forward_because("restore_failed", refusal);
+  auto file_version = read_state_file_version(state_path);
+  if (!file_version)
+    return forward_because("restore_failed",
+                           fmt::format("{}; the file's state version is unreadable too ({})", refusal,
+                                       file_version.error().what()));
+  auto decoder_version = probe_decoder_state_version(*context.decoder, context.slot_dir);
+  if (!decoder_version)
+    return forward_because("restore_failed",
+                           fmt::format("{}; the provider wrote state version {} ({}), the decoder's version is "
+                                       "unknown ({})",
+                                       refusal, *file_version, context.config->prefill_provider,
+                                       decoder_version.error().what()));
+  context.decoder_state_version.store(*decoder_version);
+  context.log(fmt::format("kvshare-serve: the decoder restores state files of version {} (probed after a refused "
+                          "restore); file-route providers get {}={}",
+                          *decoder_version, kStateVersionEnv, *decoder_version));
+  if (*decoder_version != *file_version)
+    return forward_because("state_version_mismatch",
+                           fmt::format("{}: {}", refusal,
+                                       version_mismatch_reason(*context.config, *file_version, *decoder_version)));
+  return forward_because("restore_failed", refusal);
+}
+
 StepResult file_route(const HandoffContext& context, std::span<const int32_t> handoff_ids,
                       const std::filesystem::path& ids_path, uint64_t sequence, HandoffReport& report) {
   const std::string state_name = fmt::format("kvshare-request-{}.state", sequence);
   ScopedFile state{context.slot_dir / state_name};
   const ServeConfig& config = *context.config;
   std::vector<std::string> env;
-  if (context.decoder_state_version != 0)
-    env.push_back(fmt::format("{}={}", kStateVersionEnv, context.decoder_state_version));
+  const uint32_t decoder_version = context.decoder_state_version.load();
+  if (decoder_version != 0) env.push_back(fmt::format("{}={}", kStateVersionEnv, decoder_version));
   const ProviderRun run = run_provider(file_provider_command(config, ids_path.string(), state.path.string()), {},
                                        provider_timeout(config), std::move(env));
   log_provider_stderr(context, run);
@@ -124,15 +160,12 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
                            fmt::format("the provider exited 0 but wrote no state file {}", state.path.string()));
   // A decoder refuses a state file of another version with a message that names neither;
   // reading the 8-byte header here says which two versions met.
-  if (context.decoder_state_version != 0) {
+  if (decoder_version != 0) {
     auto version = read_state_file_version(state.path);
     if (!version) return forward_because("bad_state_file", version.error().what());
-    if (*version != context.decoder_state_version)
-      return forward_because(
-          "state_version_mismatch",
-          fmt::format("the provider wrote state version {} ({}), the decoder restores version {} only; the provider "
-                      "should follow {} or --state-version",
-                      *version, config.prefill_provider, context.decoder_state_version, kStateVersionEnv));
+    if (*version != decoder_version)
+      return forward_because("state_version_mismatch",
+                             version_mismatch_reason(config, *version, decoder_version));
   }
   // The restore must not land while an earlier request still decodes (llama-server defers
   // it by itself; waiting here keeps any decoder honest).
@@ -147,8 +180,9 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - restore_start).count();
   if (!restored) return forward_because("restore_failed", restored.error().what());
   if (!restored->ok())
-    return forward_because("restore_failed", fmt::format("POST /slots/0?action=restore answered {}: {}",
-                                                         restored->status, restored->error_message));
+    return restore_refused(context, state.path,
+                           fmt::format("POST /slots/0?action=restore answered {}: {}", restored->status,
+                                       restored->error_message));
   const Json& n_restored = restored->body["n_restored"];
   if (!n_restored.is_number_integer() || n_restored.get<int64_t>() != static_cast<int64_t>(handoff_ids.size())) {
     const bool erased = erase_slot(context);

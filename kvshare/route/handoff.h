@@ -75,8 +75,9 @@ struct HandoffContext {
   LogSink log;
   std::chrono::milliseconds handshake_timeout{10000};
   // The state-file version the decoder restores (probed at start), 0 when unknown: then a
-  // provider's file goes to the restore unchecked and the decoder's refusal is the check.
-  uint32_t decoder_state_version = 0;
+  // provider's file goes to the restore unchecked and the decoder's refusal is the check; a
+  // refused restore probes again and keeps what it learns (hence mutable, atomic).
+  mutable std::atomic<uint32_t> decoder_state_version{0};
 };
 
 // Runs the handoff for `body` (the request as it came). The caller holds the slot.

@@ -171,9 +171,11 @@ Result<std::string> verify_state_file(const std::filesystem::path& state_path,
   if (!memory) return fail(memory.error().with_context(model_path.string()));
   auto file = read_state_file(state_path, &*memory);
   if (!file) return fail(file.error());
-  if (file->layout().n_token > memory->n_ctx_seq)
+  // The prompt's ids, not the file's token words: llama-server's packed form carries 4+ words
+  // of framing, and its restore checks the unpacked prompt against the slot's context.
+  if (file->layout().n_prompt_ids > memory->n_ctx_seq)
     return fail(EINVAL, "state file {}: {} tokens exceed the slot's context of {} (-c {})", state_path.string(),
-                file->layout().n_token, memory->n_ctx_seq, params.n_ctx);
+                file->layout().n_prompt_ids, memory->n_ctx_seq, params.n_ctx);
   return fmt::format("ok: {} restores into {} ({}) with {}", state_path.string(), model_path.filename().string(),
                      model->arch, layout::describe(params));
 }

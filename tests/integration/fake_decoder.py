@@ -28,7 +28,7 @@ Behaviour switches (environment, inherited from kvshare-serve):
   FAKE_DECODER_ADOPT=fail      refuse every adopt (400)
   FAKE_DECODER_UNSEALED=1      share memfds not sealed against shrinking (a broker refuses them)
   FAKE_DECODER_STATE_VERSION=n the state-file version it saves and restores (default 3)
-  FAKE_DECODER_SAVE=fail       answer every ?action=save with 500
+  FAKE_DECODER_SAVE=fail|fail_first   answer every ?action=save / the first one with 500
   FAKE_DECODER_ERASE=fail      answer every erase with 500
   FAKE_DECODER_SHARE=noconnect|fewer_fds   answer share 200 but never connect / send one fd
                                less than the header's chunks
@@ -98,6 +98,7 @@ class State:
     started = time.monotonic()
     completions = 0
     completions_lock = threading.Lock()
+    n_saves = 0  # under the slot's lock
 
 
 def log(event, **fields):
@@ -230,7 +231,9 @@ class Handler(BaseHTTPRequestHandler):
             full = os.path.join(State.args.slot_save_path, filename)
             with slot.lock:
                 log("save", filename=filename, n_tokens=len(slot.tokens))
-                if os.environ.get("FAKE_DECODER_SAVE") == "fail":
+                save_mode = os.environ.get("FAKE_DECODER_SAVE", "")
+                State.n_saves += 1
+                if save_mode == "fail" or (save_mode == "fail_first" and State.n_saves == 1):
                     self.send_error_json(500, "Unable to save slot", "server_error")
                     return
                 with open(full, "wb") as out:

@@ -174,6 +174,35 @@ def test_unknown_state_version_when_the_probe_fails():
         check(read_log(case.provider_log)[0]["state_version_env"] is None, "a version was set without a probe")
 
 
+def test_version_mismatch_found_at_restore_names_both_versions():
+    # The probe at start failed, so the provider wrote its own choice (2) and the decoder (3)
+    # refused the restore with a message that names neither: serve reads the file's header,
+    # probes again, names both versions and hands the next provider the decoder's.
+    env = {"FAKE_DECODER_SAVE": "fail_first", "FAKE_PROVIDER_STATE_VERSION": "2"}
+    with Case("mismatch_at_restore", env=env) as case:
+        case.serve.wait_line(r"^kvshare-serve: could not learn the decoder's state-file version")
+        text = "refused restore"
+        status, data = case.serve.post("/v1/chat/completions", chat(text))
+        check(status == 200 and reply_text(data) == expected_reply(expected_chat_ids(text)), data)
+        line = case.serve.wait_line(r"^hybrid: fallback \(state_version_mismatch\): ")
+        check("answered 400" in line and "the provider wrote state version 2" in line and
+              "the decoder restores version 3 only" in line, line)
+        check(len(events(case.decoder_log, "restore_failed")) == 1, "the restore was not the check")
+        case.serve.wait_line(r"^kvshare-serve: the decoder restores state files of version 3 \(probed after a "
+                             r"refused restore\)")
+        case.serve.post("/v1/chat/completions", chat("next one"))
+        check([p["state_version_env"] for p in read_log(case.provider_log)] == [None, "3"],
+              "the next provider was not told the version learned: %s" % read_log(case.provider_log))
+        check(os.listdir(case.decoder_start()["slot_dir"]) == [], "files left in the slot directory")
+
+
+def test_refused_restore_with_no_version_to_learn_names_the_files():
+    env = {"FAKE_DECODER_SAVE": "fail", "FAKE_PROVIDER_STATE_VERSION": "2"}
+    case = fallback_case("refused_unknown_version", env, "restore_failed")
+    line = case.serve.stderr_lines("hybrid: fallback (restore_failed)")[0]
+    check("the provider wrote state version 2" in line and "the decoder's version is unknown" in line, line)
+
+
 def test_wall_time_when_provider_reports_none():
     text = "no prefill_ms"
     with Case("wall_time", env={"FAKE_PROVIDER_PREFILL_MS": "none"}) as case:

@@ -165,6 +165,29 @@ TEST_F(PrefillTool, PrintsPrefillMsAsItsLastLine) {
   EXPECT_TRUE(std::filesystem::exists(dir / "s.bin"));
 }
 
+// Which state version a file-route provider writes: --state-version (run by hand against
+// a known llama-server), else ONEBIT_HYBRID_STATE_VERSION (what kvshare-serve probed), else 3.
+TEST_F(PrefillTool, WritesTheStateVersionOfTheFlagElseTheEnvironmentElseThree) {
+  const auto written = [&](const std::string& env, const std::string& flag) -> int {
+    const auto out = dir / "v.bin";
+    std::filesystem::remove(out);
+    write_text(dir / "ids.txt", "1\n2\n3\n");
+    auto r = run_command(fmt::format("env -u ONEBIT_HYBRID_STATE_VERSION {} {} --tokens {} --model {} --out {} {}",
+                                     env, tool_path("kvshare-prefill").string(), (dir / "ids.txt").string(),
+                                     model.string(), out.string(), flag));
+    if (r.exit_code != 0) return -r.exit_code;
+    const auto bytes = kvshare::testing::read_file_bytes(out);
+    return bytes.size() >= 8 ? static_cast<int>(bytes[4]) : -100;
+  };
+  EXPECT_EQ(written("", ""), 3);
+  EXPECT_EQ(written("ONEBIT_HYBRID_STATE_VERSION=2", ""), 2);
+  EXPECT_EQ(written("", "--state-version 2"), 2);
+  EXPECT_EQ(written("ONEBIT_HYBRID_STATE_VERSION=2", "--state-version 3"), 3);
+  EXPECT_EQ(written("ONEBIT_HYBRID_STATE_VERSION=3", "--state-version 2"), 2);
+  EXPECT_LT(written("", "--state-version 4"), 0);                 // refused by the option's check
+  EXPECT_EQ(written("ONEBIT_HYBRID_STATE_VERSION=4", ""), -2);   // bad usage, not ignored
+}
+
 // The seed's handoff: the provider gets the prompt minus its last token, the decoder
 // restores the file and evaluates that last token itself.
 void expect_state_file_decode_matches(const GeneratorOptions& o, const std::string& ctk, bool flash_attn) {

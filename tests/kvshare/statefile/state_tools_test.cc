@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <random>
+#include <tuple>
 
 #include "kvshare/statefile/state_file_reader.h"
 #include "kvshare/statefile/state_file_writer.h"
@@ -97,6 +98,29 @@ TEST_F(StateToolsTest, DiffRefusesFilesOfDifferentStructure) {
   auto report = diff_state_files(a, b, 1.0, {});
   ASSERT_FALSE(report);
   EXPECT_NE(report.error().message().find("different cells"), std::string::npos) << report.error().message();
+}
+
+// llama-server 80fb11ac's own save (version 3, the prompt packed by server_tokens::serialize)
+// and libllama d32676d's (version 2, plain ids) of the same prompt: inspect reports the
+// real ids of both, and diff reads one against the other.
+TEST_F(StateToolsTest, InspectAndDiffReadLlamaServersPackedTokensAndPlainIds) {
+  const std::vector<int32_t> ids{39, 72, 106, 105, 0};
+  const auto packed = kvshare::testing::data_path("state-v3-dense-f16.bin");
+  const auto plain = kvshare::testing::data_path("state-dense-f16.bin");
+  for (const auto& [path, form, words] : {std::tuple{packed, "server_packed", 9}, std::tuple{plain, "ids", 5}}) {
+    SCOPED_TRACE(path.filename().string());
+    auto text = inspect_state_file(path, true);
+    ASSERT_TRUE(text) << text.error().what();
+    const auto doc = nlohmann::json::parse(*text);
+    EXPECT_EQ(doc["token_form"], form);
+    EXPECT_EQ(doc["n_token_words"], words);
+    EXPECT_EQ(doc["n_token"], 5);
+    EXPECT_EQ(doc["tokens"].get<std::vector<int32_t>>(), ids);
+  }
+  auto report = diff_state_files(packed, plain, 0.0, {});
+  ASSERT_TRUE(report) << report.error().what();
+  EXPECT_EQ(report->max_abs, 0.0);
+  EXPECT_EQ(report->text.find("tokens differ"), std::string::npos) << report->text;
 }
 
 TEST_F(StateToolsTest, ConvertsF16ToQ8_0WithinQuantizationNoiseAndBack) {
@@ -241,6 +265,35 @@ TEST_F(StateVerifyTest, AcceptsAFileMadeForTheModelAndParams) {
   auto summary = verify_state_file(path, model_, params);
   ASSERT_TRUE(summary) << summary.error().what();
   EXPECT_NE(summary->find("ok: "), std::string::npos);
+}
+
+// llama-server's packed tokens take 4 words more than the prompt's ids; what must fit the
+// slot is the prompt (its restore checks the unpacked size against n_ctx), so a prompt of
+// n_ctx - 2 ids in a packed file (n_ctx + 2 words) restores.
+TEST_F(StateVerifyTest, CountsThePromptsIdsNotThePackedWordsAgainstTheContext) {
+  const auto shape = testing::dense_shape();
+  const uint32_t n_ids = 254;
+  std::vector<int32_t> ids(n_ids), words{-1, 1, static_cast<int32_t>(n_ids)};
+  for (uint32_t i = 0; i < n_ids; ++i) words.push_back(ids[i] = static_cast<int32_t>(i % 100 + 1));
+  words.push_back(0);  // no media chunks
+  auto planned = layout::plan_state_layout(shape, static_cast<uint32_t>(words.size()), n_ids,
+                                           layout::kStateSeqVersion3);
+  ASSERT_TRUE(planned) << planned.error().what();
+  std::vector<std::byte> rows(1 << 20, std::byte{0x3c});
+  const auto bytes = layout::encode_state_file(*planned, words, [&](const layout::StateSection& section) {
+    return std::span<const std::byte>(rows).first(section.data_bytes());
+  });
+  const auto path = dir_ / "packed.bin";
+  kvshare::testing::write_file_bytes(path, bytes);
+  auto read = read_state_file(path, &shape);
+  ASSERT_TRUE(read) << read.error().what();
+  ASSERT_EQ(read->layout().token_form, layout::StateTokenForm::server_packed);
+  ASSERT_EQ(read->tokens(), ids);
+
+  layout::KvParams params;
+  params.n_ctx = 256;
+  auto summary = verify_state_file(path, model_, params);
+  EXPECT_TRUE(summary) << summary.error().what();
 }
 
 TEST_F(StateVerifyTest, NamesTheMismatchWithOtherCacheTypes) {
