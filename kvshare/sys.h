@@ -7,6 +7,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/types.h>
+#include <sys/wait.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -37,6 +38,9 @@ struct Ops {
   int (*poll)(struct pollfd* fds, nfds_t nfds, int timeout_ms);
   int (*rename)(const char* from, const char* to);
   int (*unlink)(const char* path);
+  // The spawner's parent side (never between fork and exec, where only the real calls run).
+  int (*kill)(pid_t pid, int sig);
+  pid_t (*waitpid)(pid_t pid, int* status, int options);
 };
 
 // The table in force. Reads are cheap (one pointer load).
