@@ -21,7 +21,7 @@ int real_memfd_create(const char* name, unsigned int flags) { return ::memfd_cre
 const Ops kRealOps{
     real_open, ::close,     ::read,    ::write,   ::pread,  ::pwrite, ::fsync,  ::ftruncate,
     real_fcntl_int, real_ioctl_ptr, real_memfd_create, ::mmap, ::munmap, ::socket, ::connect,
-    ::bind,    ::listen,    ::accept4, ::sendmsg, ::recvmsg, ::poll,  ::rename, ::unlink,
+    ::bind,    ::listen,    ::setsockopt, ::accept4, ::sendmsg, ::recvmsg, ::poll,  ::rename, ::unlink,
     ::kill,    ::waitpid,
 };
 

@@ -32,6 +32,7 @@ struct Ops {
   int (*connect)(int fd, const struct sockaddr* addr, socklen_t len);
   int (*bind)(int fd, const struct sockaddr* addr, socklen_t len);
   int (*listen)(int fd, int backlog);
+  int (*setsockopt)(int fd, int level, int name, const void* value, socklen_t len);
   int (*accept4)(int fd, struct sockaddr* addr, socklen_t* len, int flags);
   ssize_t (*sendmsg)(int fd, const struct msghdr* msg, int flags);
   ssize_t (*recvmsg)(int fd, struct msghdr* msg, int flags);
