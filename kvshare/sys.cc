@@ -1,8 +1,10 @@
 #include "kvshare/sys.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -19,7 +21,8 @@ int real_memfd_create(const char* name, unsigned int flags) { return ::memfd_cre
 const Ops kRealOps{
     real_open, ::close,     ::read,    ::write,   ::pread,  ::pwrite, ::fsync,  ::ftruncate,
     real_fcntl_int, real_ioctl_ptr, real_memfd_create, ::mmap, ::munmap, ::socket, ::connect,
-    ::bind,    ::listen,    ::accept4, ::sendmsg, ::recvmsg, ::poll,  ::rename, ::unlink,
+    ::bind,    ::listen,    ::setsockopt, ::accept4, ::sendmsg, ::recvmsg, ::poll,  ::rename, ::unlink,
+    ::kill,    ::waitpid,
 };
 
 std::atomic<const Ops*> current{&kRealOps};

@@ -7,6 +7,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/types.h>
+#include <sys/wait.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -31,12 +32,16 @@ struct Ops {
   int (*connect)(int fd, const struct sockaddr* addr, socklen_t len);
   int (*bind)(int fd, const struct sockaddr* addr, socklen_t len);
   int (*listen)(int fd, int backlog);
+  int (*setsockopt)(int fd, int level, int name, const void* value, socklen_t len);
   int (*accept4)(int fd, struct sockaddr* addr, socklen_t* len, int flags);
   ssize_t (*sendmsg)(int fd, const struct msghdr* msg, int flags);
   ssize_t (*recvmsg)(int fd, struct msghdr* msg, int flags);
   int (*poll)(struct pollfd* fds, nfds_t nfds, int timeout_ms);
   int (*rename)(const char* from, const char* to);
   int (*unlink)(const char* path);
+  // The spawner's parent side (never between fork and exec, where only the real calls run).
+  int (*kill)(pid_t pid, int sig);
+  pid_t (*waitpid)(pid_t pid, int* status, int options);
 };
 
 // The table in force. Reads are cheap (one pointer load).

@@ -17,6 +17,7 @@
 #include "kvshare/route/decoder_client.h"
 #include "kvshare/route/decoder_process.h"
 #include "kvshare/route/handoff.h"
+#include "kvshare/route/listen_socket.h"
 #include "kvshare/route/metrics.h"
 #include "kvshare/route/prompt_n_scanner.h"
 #include "kvshare/route/slot_queue.h"
@@ -270,10 +271,9 @@ int Server::run() {
   // (the options hook sees it before bind) and listen again with a deep queue. SO_REUSEADDR
   // only: httplib's default SO_REUSEPORT would let a second server share the port.
   int listen_fd = -1;
-  int reuseaddr_errno = 0;
-  http_.set_socket_options([&listen_fd, &reuseaddr_errno](int fd) {
-    int yes = 1;
-    if (::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes) != 0) reuseaddr_errno = errno;
+  Error reuseaddr_error;
+  http_.set_socket_options([&listen_fd, &reuseaddr_error](int fd) {
+    if (auto set = reuse_address(fd); !set) reuseaddr_error = set.error();
     listen_fd = fd;
   });
   int port = config_.port;
@@ -288,14 +288,14 @@ int Server::run() {
   // A server that cannot take a burst of clients, or that another could bind beside, is
   // not started half-configured.
   Error listen_error;
-  if (reuseaddr_errno != 0)
-    listen_error = Error(reuseaddr_errno, fmt::format("setsockopt(SO_REUSEADDR) on the socket for {}:{}",
-                                                      config_.host, port));
+  const std::string where = fmt::format("serve's socket for {}:{}", config_.host, port);
+  if (reuseaddr_error.errno_value() != 0)
+    listen_error = reuseaddr_error.with_context(where);
   else if (listen_fd < 0)
     listen_error = Error(EBADF, fmt::format("no listening socket for {}:{} reached the socket options hook",
                                             config_.host, port));
-  else if (::listen(listen_fd, SOMAXCONN) != 0)
-    listen_error = Error(errno, fmt::format("listen(fd {}, SOMAXCONN) for {}:{}", listen_fd, config_.host, port));
+  else if (auto deep = deepen_backlog(listen_fd); !deep)
+    listen_error = deep.error().with_context(where);
   if (listen_error.errno_value() != 0) {
     log_line(fmt::format("kvshare-serve: {}", listen_error.what()));
     decoder_->stop();

@@ -17,6 +17,8 @@
 #include <set>
 #include <thread>
 
+#include "kvshare/sys.h"
+
 extern char** environ;
 
 namespace kvshare {
@@ -339,10 +341,10 @@ bool ChildProcess::reap(bool block) noexcept {
     return true;
   }
   if (info.si_pid == 0) return false;  // WNOHANG: still running
-  ::kill(-pid_, SIGKILL);
+  sys::ops().kill(-pid_, SIGKILL);
   int status = 0;
   pid_t got;
-  do got = ::waitpid(pid_, &status, 0);
+  do got = sys::ops().waitpid(pid_, &status, 0);
   while (got < 0 && errno == EINTR);
   status_ = got == pid_ ? decode_wait_status(status) : ExitStatus{};
   elapsed_ms_ = std::chrono::duration<double, std::milli>(Clock::now() - started_).count();
@@ -416,8 +418,8 @@ void ChildProcess::kill_group() noexcept {
   if (pid_ < 0) return;
   if (!status_) {
     // Not reaped yet, so the group id is still this child's.
-    ::kill(-pid_, SIGKILL);
-    ::kill(pid_, SIGKILL);  // in case the group was never made (setpgid failed in both)
+    sys::ops().kill(-pid_, SIGKILL);
+    sys::ops().kill(pid_, SIGKILL);  // in case the group was never made (setpgid failed in both)
     reap(true);
   }
   stdout_.reset();
@@ -427,7 +429,7 @@ void ChildProcess::kill_group() noexcept {
 ExitStatus ChildProcess::terminate(std::chrono::milliseconds grace) noexcept {
   if (pid_ < 0) return status_.value_or(ExitStatus{});
   if (!reap(false)) {
-    ::kill(-pid_, SIGTERM);
+    sys::ops().kill(-pid_, SIGTERM);
     const auto deadline = Clock::now() + grace;
     while (!reap(false) && Clock::now() < deadline) drain(10);
   }

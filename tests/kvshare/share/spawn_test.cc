@@ -6,11 +6,16 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <fstream>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 #include "kvshare/fd.h"
 #include "kvshare/share/broker.h"
+#include "kvshare/sys.h"
 #include "support/test_support.h"
 
 namespace kvshare {
@@ -130,6 +135,73 @@ TEST_F(Spawn, KillsWhatTheChildLeftInItsGroupBeforeReapingIt) {
     if (!gone) ::usleep(10000);
   }
   EXPECT_TRUE(gone) << "the group's leftover " << grandchild << " outlived its reaped leader";
+}
+
+// Every kill and reap the spawner makes, in order: ('k', pid) for kill(pid, ...), ('r', pid)
+// for a waitpid that reaped pid.
+std::mutex g_calls_mutex;
+std::vector<std::pair<char, pid_t>> g_calls;
+
+int recording_kill(pid_t pid, int sig) {
+  {
+    std::lock_guard lock(g_calls_mutex);
+    g_calls.emplace_back('k', pid);
+  }
+  return ::kill(pid, sig);
+}
+
+pid_t recording_waitpid(pid_t pid, int* status, int options) {
+  const pid_t got = ::waitpid(pid, status, options);
+  if (got > 0) {
+    std::lock_guard lock(g_calls_mutex);
+    g_calls.emplace_back('r', got);
+  }
+  return got;
+}
+
+void expect_group_signalled_only_before_the_reap(pid_t pid) {
+  std::lock_guard lock(g_calls_mutex);
+  const auto reaped = std::find(g_calls.begin(), g_calls.end(), std::pair<char, pid_t>('r', pid));
+  ASSERT_NE(reaped, g_calls.end()) << "child " << pid << " was never reaped";
+  EXPECT_NE(std::find(g_calls.begin(), reaped, std::pair<char, pid_t>('k', -pid)), reaped)
+      << "the group of " << pid << " was not killed before its leader was reaped";
+  for (auto call = reaped; call != g_calls.end(); ++call)
+    EXPECT_FALSE(call->first == 'k' && (call->second == -pid || call->second == pid))
+        << "kill(" << call->second << ") after " << pid << " was reaped: the id may be another process's by then";
+}
+
+// Regression: the route's spawner reaped the leader and then sent kill(-pid) "in case the
+// group outlived it", and the destructor did so again: by then the group id may belong to
+// someone else. Here the seam records the order of every kill and reap.
+TEST_F(Spawn, SignalsAGroupOnlyWhileItsLeaderIsUnreaped) {
+  sys::Ops ops = sys::real_ops();
+  ops.kill = recording_kill;
+  ops.waitpid = recording_waitpid;
+  {
+    std::lock_guard lock(g_calls_mutex);
+    g_calls.clear();
+  }
+  pid_t exited = -1, timed_out = -1;
+  {
+    sys::ScopedOverride seam(ops);
+    {
+      // The leader exits by itself and leaves a process in its group.
+      auto child = ChildProcess::spawn({"/bin/sh", "-c", "sleep 30 & exit 0"}, {});
+      ASSERT_TRUE(child) << child.error().what();
+      exited = child->pid();
+      auto finished = child->wait_for(std::chrono::seconds(20));
+      ASSERT_TRUE(finished) << finished.error().what();
+    }  // and the destructor runs after the reap
+    {
+      // The leader is killed at its deadline.
+      auto child = ChildProcess::spawn({"/bin/sh", "-c", "sleep 30 & sleep 30"}, {});
+      ASSERT_TRUE(child) << child.error().what();
+      timed_out = child->pid();
+      EXPECT_TRUE(child->wait_or_kill(std::chrono::milliseconds(300)).timed_out);
+    }
+  }
+  expect_group_signalled_only_before_the_reap(exited);
+  expect_group_signalled_only_before_the_reap(timed_out);
 }
 
 TEST_F(Spawn, KillsTheProcessGroupAtTheDeadline) {
