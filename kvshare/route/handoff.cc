@@ -40,33 +40,28 @@ StepResult forward_because(std::string reason, std::string why, bool slot_may_be
   return {Step::forward, std::move(reason), std::move(why), slot_may_be_stale};
 }
 
+// Not part.value("type", ""): value() throws when "type" is there but not a string.
+bool is_text_part(const Json& part) {
+  if (!part.is_object()) return false;
+  const auto type = part.find("type");
+  const auto text = part.find("text");
+  return type != part.end() && type->is_string() && type->get_ref<const std::string&>() == "text" &&
+         text != part.end() && text->is_string();
+}
+
 bool is_text_content(const Json& content) {
   if (content.is_string() || content.is_null()) return true;
   if (!content.is_array()) return false;
   for (const Json& part : content)
-    if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
-      return false;
+    if (!is_text_part(part)) return false;
   return true;
 }
 
 // The prompt text the decoder will tokenize, or why there is none.
 Result<std::string> prompt_text(const HandoffContext& context, Endpoint endpoint, const Json& request) {
-  if (endpoint == Endpoint::completions) {
-    auto prompt = request.find("prompt");
-    if (prompt == request.end()) return fail(EINVAL, "no \"prompt\" field");
-    if (prompt->is_string()) return prompt->get<std::string>();
-    if (prompt->is_array() && prompt->size() == 1 && (*prompt)[0].is_string()) return (*prompt)[0].get<std::string>();
-    return fail(EINVAL, "\"prompt\" is not one text string (token ids, several prompts or media)");
-  }
-  auto messages = request.find("messages");
-  if (messages == request.end() || !messages->is_array() || messages->empty())
-    return fail(EINVAL, "no \"messages\" array");
-  for (size_t i = 0; i < messages->size(); ++i) {
-    const Json& message = (*messages)[i];
-    if (!message.is_object()) return fail(EINVAL, "messages[{}] is not an object", i);
-    if (message.contains("content") && !is_text_content(message["content"]))
-      return fail(EINVAL, "messages[{}].content is not text (image or audio parts)", i);
-  }
+  auto own = request_prompt(endpoint, request);
+  if (!own) return fail(own.error());
+  if (*own) return std::move(**own);
   auto text = context.decoder->apply_template(request);
   if (!text) return fail(EPROTO, "{}", text.error().what());
   return *text;
@@ -189,8 +184,13 @@ StepResult shared_route(const HandoffContext& context, std::span<const int32_t> 
   const uint64_t share_id = share->share_id;
   const double share_wall_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - share_start).count();
-  if (shared->body.contains("share_id") && shared->body["share_id"].is_number_unsigned() &&
-      shared->body["share_id"].get<uint64_t>() != share_id)
+  // The message on the socket must be the share this request asked for: an earlier
+  // share's message replayed into the broker carries an id the decoder no longer adopts.
+  // A reply without its share_id cannot be matched, so it is refused the same way.
+  if (!shared->body.contains("share_id") || !shared->body["share_id"].is_number_unsigned())
+    return {Step::take_file_route, "handshake_failed",
+            fmt::format("the share reply has no share_id to match the message on the socket (share_id {})", share_id)};
+  if (shared->body["share_id"].get<uint64_t>() != share_id)
     return {Step::take_file_route, "handshake_failed",
             fmt::format("the share reply says share_id {}, the message on the socket says {}",
                         shared->body["share_id"].dump(), share_id)};
@@ -304,6 +304,27 @@ std::string hybrid_line(const HandoffReport& report, double first_byte_ms) {
       return fmt::format("hybrid: {} prompt tokens: prefill {:.3f} ms, restore {:.3f} ms, first byte {:.3f} ms",
                          report.n_prompt_tokens, report.prefill_ms, report.handoff_ms, first_byte_ms);
   }
+}
+
+Result<std::optional<std::string>> request_prompt(Endpoint endpoint, const Json& request) {
+  if (!request.is_object()) return fail(EINVAL, "the request body is not a JSON object");
+  if (endpoint == Endpoint::completions) {
+    auto prompt = request.find("prompt");
+    if (prompt == request.end()) return fail(EINVAL, "no \"prompt\" field");
+    if (prompt->is_string()) return prompt->get<std::string>();
+    if (prompt->is_array() && prompt->size() == 1 && (*prompt)[0].is_string()) return (*prompt)[0].get<std::string>();
+    return fail(EINVAL, "\"prompt\" is not one text string (token ids, several prompts or media)");
+  }
+  auto messages = request.find("messages");
+  if (messages == request.end() || !messages->is_array() || messages->empty())
+    return fail(EINVAL, "no \"messages\" array");
+  for (size_t i = 0; i < messages->size(); ++i) {
+    const Json& message = (*messages)[i];
+    if (!message.is_object()) return fail(EINVAL, "messages[{}] is not an object", i);
+    if (message.contains("content") && !is_text_content(message["content"]))
+      return fail(EINVAL, "messages[{}].content is not text (image or audio parts)", i);
+  }
+  return std::optional<std::string>();
 }
 
 std::string uncached_body(const Json& body) {

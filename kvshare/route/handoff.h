@@ -51,6 +51,13 @@ std::string hybrid_line(const HandoffReport& report, double first_byte_ms);
 // Writes one whole line to serve's stderr (thread-safe; tests capture it instead).
 using LogSink = std::function<void(const std::string& line)>;
 
+// What serve reads of a client's request before asking the decoder anything: for
+// /v1/completions the one text prompt; for /v1/chat/completions nullopt once every message
+// is an object whose content is text (a string, null or text parts: the decoder's
+// template then makes the prompt). EINVAL naming the field for anything else (token ids,
+// several prompts, media, not an object). Never throws, whatever JSON a client sent.
+Result<std::optional<std::string>> request_prompt(Endpoint endpoint, const nlohmann::json& request);
+
 // The request body with id_slot 0, cache_prompt true and leave_one_token true: what the
 // decoder gets after a handoff. `body` must be a JSON object.
 std::string forward_body(const nlohmann::json& body);

@@ -1,7 +1,8 @@
 // Fuzzes the HTTP bodies that reach the KV: kvshare-decoder's slot actions (share, adopt,
-// save/restore's filename) and kvshare-serve's side of the same exchange (the request body
-// it forwards after a handoff, the decoder's error replies and the prompt_n scan of its
-// answers). Any bytes give a request or an error, never a crash or an exception.
+// save/restore's filename) and kvshare-serve's side of the same exchange (the prompt it
+// reads from a client's request, the request body it forwards after a handoff, the
+// decoder's error replies and the prompt_n scan of its answers). Any bytes give a request
+// or an error, never a crash or an exception.
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
@@ -22,6 +23,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   // serve: a client's body is forwarded as a JSON object with the slot fields set.
   const nlohmann::json request = nlohmann::json::parse(body, nullptr, false);
+  for (const auto endpoint : {kvshare::route::Endpoint::chat_completions, kvshare::route::Endpoint::completions})
+    (void)kvshare::route::request_prompt(endpoint, request);
   if (request.is_object()) (void)kvshare::route::forward_body(request);
   (void)kvshare::route::error_message_of(std::string(body));
   for (const bool is_event_stream : {false, true}) {

@@ -32,6 +32,9 @@ Behaviour switches (environment, inherited from kvshare-serve):
   FAKE_DECODER_ERASE=fail      answer every erase with 500
   FAKE_DECODER_SHARE=noconnect|fewer_fds   answer share 200 but never connect / send one fd
                                less than the header's chunks
+  FAKE_DECODER_SHARE=replay    put share_id 1 in every share message (the first share's
+                               message replayed) while the reply names the new id
+  FAKE_DECODER_SHARE=no_id     answer share 200 without a share_id
   FAKE_DECODER_DIE=adopt|completion   exit (code 9) in the middle of an adopt / after the
                                first chunk of a streamed reply
 
@@ -287,7 +290,7 @@ class Handler(BaseHTTPRequestHandler):
                 sock.connect(body["socket"])
                 log("share_connected", socket=body["socket"], share_id=slot.share_id,
                     socket_dir_mode=oct(os.stat(os.path.dirname(body["socket"])).st_mode & 0o777))
-                frame = share_frame(slot.share_id, chunks, header)
+                frame = share_frame(1 if mode == "replay" else slot.share_id, chunks, header)
                 fds = [fd for fd, _ in slot.share_regions]
                 if mode == "fewer_fds":
                     fds = fds[:-1]
@@ -301,9 +304,11 @@ class Handler(BaseHTTPRequestHandler):
                 return
             finally:
                 sock.close()
-            self.send_json(200, {"id_slot": 0, "share_id": slot.share_id, "n_fds": len(chunks), "backend": "memfd",
-                                 "region_bytes": sum(size for _, size in slot.share_regions),
-                                 "timings": {"share_ms": 0.5}})
+            reply = {"id_slot": 0, "share_id": slot.share_id, "n_fds": len(chunks), "backend": "memfd",
+                     "region_bytes": sum(size for _, size in slot.share_regions), "timings": {"share_ms": 0.5}}
+            if mode == "no_id":
+                del reply["share_id"]
+            self.send_json(200, reply)
 
     def adopt(self, body):
         slot = State.slot

@@ -7,7 +7,8 @@ what it inherited. No model, no dma-buf.
 Checks the listen -> share -> fds -> provider -> adopt order, the inherited descriptors
 (only the region fds, at the numbers --fds names), the share_id on adopt, the socket's
 private directory and its cleanup, a slow provider's work kept (adopted, not thrown away),
-the fallbacks (a decoder that refuses to share -> the state-file route for that request;
+the fallbacks (a decoder that refuses to share, or whose message on the socket is not the
+share it answered (an earlier share's message replayed) -> the state-file route for that request;
 a provider or an adopt that fails -> forwarded as it came, never the file route), and the
 shared log line.
 
@@ -158,6 +159,28 @@ def test_a_handshake_that_fails_before_the_provider_takes_the_state_file_route()
         check(len(events(case.decoder_log, "restore")) == 1, "the state file did not carry the handoff")
         connected = events(case.decoder_log, "share_connected")[0]
         check(not os.path.exists(os.path.dirname(connected["socket"])), "socket directory left behind")
+
+
+def test_a_replayed_share_message_is_never_handed_to_the_provider():
+    # The second share's message on the socket carries the first share's id (its message
+    # replayed): serve must not give those fds to a provider nor adopt; the file route
+    # carries the prompt. A reply without a share_id cannot be matched: the same.
+    for mode, words in (("replay", "the share reply says share_id 2, the message on the socket says 1"),
+                        ("no_id", "the share reply has no share_id to match the message on the socket")):
+        texts = ["first prompt before the replay", "second prompt, replayed share"]
+        with Case("share_" + mode, env={"FAKE_DECODER_SHARE": mode}) as case:
+            for text in texts if mode == "replay" else texts[1:]:
+                status, data = case.serve.post("/v1/chat/completions", chat(text))
+                check(status == 200 and reply_of(data) == expected_reply(expected_chat_ids(text)), data)
+            line = case.serve.wait_line(r"^hybrid: shared route not taken \(handshake_failed\)")
+            check(words in line, "%s: the reason names the mismatch: %s" % (mode, line))
+            case.serve.wait_line(FELL_BACK_LINE)
+            shared_runs = [p for p in read_log(case.provider_log) if "--fds" in p["argv"]]
+            check(len(shared_runs) == (1 if mode == "replay" else 0), "%s: shared provider runs %d" %
+                  (mode, len(shared_runs)))
+            adopts = events(case.decoder_log, "adopt")
+            check([a["share_id"] for a in adopts] == ([1] if mode == "replay" else []), "%s: adopts %s" % (mode, adopts))
+            check(len(events(case.decoder_log, "restore")) == 1, "%s: the state file did not carry the prompt" % mode)
 
 
 def test_failed_provider_forwards_never_the_file_route():

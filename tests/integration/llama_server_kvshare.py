@@ -12,6 +12,9 @@ or LLAMA_KVSHARE_PREFILL=path) and, for the reference pair's provider, kvshare-p
 - the flag set but no export possible: the server starts, share answers 501 naming why;
 - refusals on the real server: stale and reused share_id, too many tokens, an id outside
   the vocabulary (400), a share to nobody (500, its id not adoptable);
+- kvshare-serve --api-key: clients without the key get 401 and start no handoff; with it
+  the shared route runs (the server got the key through the environment); the server's
+  share and adopt without the key are 401 and no broker is contacted;
 - 32 concurrent requests through the shared route: every reply right, nothing left behind;
 - the shared route's fallbacks with the real server: a provider that refuses the server's
   header (one field altered) and a provider that scribbles over the shared cache and dies
@@ -76,9 +79,9 @@ def concurrency_prompts():
     return ["request number %d: %s" % (i, "go " * (i % 7)) for i in range(32)]
 
 
-def start(device, kv_share=False, provider=None, extra_env=None, n_ctx=None):
+def start(device, kv_share=False, provider=None, extra_env=None, n_ctx=None, extra_args=None):
     kv_flags = KV_FLAGS if n_ctx is None else ["-c", str(n_ctx)] + KV_FLAGS[2:]
-    args = ["-m", MODEL, "--device", device, "--port", "0", "--backend", LLAMA] + kv_flags
+    args = ["-m", MODEL, "--device", device, "--port", "0", "--backend", LLAMA] + kv_flags + (extra_args or [])
     env = {"TMPDIR": SERVE_TMP, "ONEBIT_HYBRID_PREFILL": "", "ONEBIT_KV_SHARE": "1" if kv_share else None}
     if device == "hybrid":
         args += ["--prefill-provider", provider or TOOLS["kvshare-prefill"]]
@@ -94,11 +97,13 @@ def decoder_port(serve):
     return int(DECODER_RE.search(serve.wait_line(DECODER_RE, timeout=60)).group(1))
 
 
-def decoder_post(port, path, body, timeout=60):
+def decoder_post(port, path, body, timeout=60, key=None):
     """Talks to the llama-server child directly (serve's own API has no slot actions)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    conn.request("POST", path, body=body if isinstance(body, str) else json.dumps(body),
-                 headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = "Bearer " + key
+    conn.request("POST", path, body=body if isinstance(body, str) else json.dumps(body), headers=headers)
     response = conn.getresponse()
     data = response.read()
     conn.close()
@@ -240,6 +245,67 @@ def test_the_real_server_refuses_what_kvshare_decoder_refuses():
         check(status == 400, "adopt of a share that never reached a broker: %s %s" % (status, body))
     finally:
         serve.stop()
+
+
+def test_serves_api_key_guards_its_clients_and_the_real_servers_share():
+    """kvshare-serve --api-key: a client without the key is refused (401) before any
+    handoff; with it the shared route runs, so the patched llama-server got the key (through
+    LLAMA_API_KEY, never its command line) and serve sent it with share and adopt; the
+    server's own share and adopt refuse a caller without it, and no broker hears of it."""
+    key = "serve-key-14"
+    serve = start("hybrid", kv_share=True, extra_args=["--api-key", key])
+    try:
+        port = decoder_port(serve)
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            conn = http.client.HTTPConnection("127.0.0.1", serve.port, timeout=60)
+            conn.request("POST", "/v1/chat/completions", body=json.dumps(request(PROMPTS[0])),
+                         headers=dict(headers, **{"Content-Type": "application/json"}))
+            response = conn.getresponse()
+            data = response.read()
+            conn.close()
+            check(response.status == 401 and b"Invalid API Key" in data,
+                  "serve without the key (%s): %s %s" % (headers, response.status, data[:200]))
+        check(not serve.wait_count(SHARED_LINE, 1, timeout=0.5), "a handoff ran for a client without the key")
+
+        conn = http.client.HTTPConnection("127.0.0.1", serve.port, timeout=180)
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(request(PROMPTS[0])),
+                     headers={"Content-Type": "application/json", "Authorization": "Bearer " + key})
+        response = conn.getresponse()
+        text, prompt_n = chat_reply_of(response.status, response.read(), False)
+        conn.close()
+        check(text == CPU_REPLIES[PROMPTS[0]] and prompt_n == 1, "keyed reply %r prompt_n %s" % (text, prompt_n))
+        check(len(serve.wait_count(SHARED_LINE, 1)) == 1, "no shared handoff with the key:\n%s" % "\n".join(serve.lines))
+
+        sock_dir = tempfile.mkdtemp(dir=WORK)
+        sock_path = os.path.join(sock_dir, "broker.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(sock_path)
+        listener.listen(1)
+        listener.settimeout(0.5)
+        for key_given in (None, "wrong"):
+            status, body = decoder_post(port, "/slots/0?action=share", {"socket": sock_path}, key=key_given)
+            check(status == 401 and body["error"]["type"] == "authentication_error",
+                  "share with key %r: %s %s" % (key_given, status, body))
+            status, body = decoder_post(port, "/slots/0?action=adopt", {"tokens": [1, 2], "share_id": 1}, key=key_given)
+            check(status == 401, "adopt with key %r: %s %s" % (key_given, status, body))
+        try:
+            listener.accept()
+            check(False, "the server connected to the broker for a share without the key")
+        except socket.timeout:
+            pass
+        status, body = decoder_post(port, "/slots/0?action=share", {"socket": sock_path}, key=key)
+        check(status == 200, "share with the key: %s %s" % (status, body))
+        listener.settimeout(10)
+        conn, _ = listener.accept()
+        _, fds, _, _ = socket.recv_fds(conn, 1 << 20, 16)
+        conn.close()
+        listener.close()
+        check(len(fds) == body["n_fds"], "%d fds for n_fds %d" % (len(fds), body["n_fds"]))
+        for fd in fds:
+            os.close(fd)
+    finally:
+        code = serve.stop()
+    check(code == 0, "serve exit code %d" % code)
 
 
 def wrapped_provider(name, body, real=None):

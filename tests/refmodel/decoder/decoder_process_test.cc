@@ -6,9 +6,12 @@
 // a server already running (tests that need its slot directory are skipped then).
 #include <gtest/gtest.h>
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 
+#include <cerrno>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -467,9 +470,108 @@ TEST_P(SharedRoute, AnswersShareWith403WhenOthersCanReachTheListener) {
   const HttpReply reply = backend_->post("/slots/0?action=share", {{"socket", socket_path}});
   expect_error(reply, 403, "permission_error");
   EXPECT_NE(reply.body.find("mode 0755"), std::string::npos) << reply.body;
+  pollfd pending{listener.get(), POLLIN, 0};
+  EXPECT_EQ(::poll(&pending, 1, 0), 0) << "the decoder connected to the listener it refused";
+}
+
+TEST_P(SharedRoute, NeverConnectsToAnAbstractNamespaceSocket) {
+  // The abstract namespace has no permissions: any local user could listen there. The
+  // patched llama-server passes the path on as a C string, which ends at the leading NUL,
+  // so it refuses an empty path (500); kvshare-decoder names the namespace (403).
+  const std::string name = std::string("\0kvshare-attack-", 16) + std::to_string(::getpid());
+  Fd listener(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  std::memcpy(address.sun_path, name.data(), name.size());
+  ASSERT_EQ(::bind(listener.get(), reinterpret_cast<sockaddr*>(&address),
+                   static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + name.size())), 0);
+  ASSERT_EQ(::listen(listener.get(), 1), 0);
+  const HttpReply reply = backend_->post("/slots/0?action=share", {{"socket", name}});
+  if (GetParam() == "kvshare-decoder") {
+    expect_error(reply, 403, "permission_error");
+    EXPECT_NE(reply.body.find("abstract namespace"), std::string::npos) << reply.body;
+  } else {
+    expect_error(reply, 500, "server_error");
+    EXPECT_NE(reply.body.find("the socket path is empty"), std::string::npos) << reply.body;
+  }
+  EXPECT_LT(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC), 0) << "the decoder connected";
+  EXPECT_EQ(errno, EAGAIN);
 }
 
 INSTANTIATE_TEST_SUITE_P(Decoders, SharedRoute, ::testing::Values("kvshare-decoder", "llama-server-kvshare"),
+                         backend_test_name);
+
+// llama-server's --api-key guards the slot actions of every decoder, share and adopt too:
+// the real servers get the key as kvshare-serve gives it to the decoder it runs, through
+// LLAMA_API_KEY in the environment. Pins issue #14: share hands out the KV memory, so a
+// request without the key must be refused before any fd leaves, on the patched
+// llama-server (its own middleware) as on kvshare-decoder.
+class KeyedSlotActions : public ::testing::TestWithParam<std::string> {
+ protected:
+  static constexpr const char* kKey = "k3y-for-the-slots";
+  void SetUp() override {
+    if (is_llama_server(GetParam()) && env_or_empty(binary_variable(GetParam())).empty())
+      GTEST_SKIP() << binary_variable(GetParam()) << " is not set: no " << GetParam() << " to run with --api-key";
+    if (!env_or_empty("KVSHARE_DECODER_URL").empty() && !is_llama_server(GetParam()))
+      GTEST_SKIP() << "KVSHARE_DECODER_URL: the server's key is not ours to set";
+    backend_ = std::make_unique<Backend>(GetParam(),
+                                         std::vector<std::string>{"ONEBIT_KV_SHARE=1", std::string("LLAMA_API_KEY=") + kKey});
+    if (!backend_->ready()) GTEST_FAIL() << GetParam() << " did not start";
+  }
+  HttpReply post_with(const std::string& authorization, const std::string& path, const Json& body) const {
+    HttpClient client(backend_->server()->base_url());
+    if (!authorization.empty()) client.set_header("Authorization", authorization);
+    auto reply = client.post(path, body);
+    EXPECT_TRUE(reply) << reply.error().what();
+    return reply ? *reply : HttpReply{};
+  }
+  bool can_share() const { return GetParam() != "llama-server"; }
+  std::unique_ptr<Backend> backend_;
+};
+
+TEST_P(KeyedSlotActions, RefusesEverySlotActionWithoutTheKeyAndSendsTheBrokerNothing) {
+  auto broker = ShareBroker::listen(backend_->slots());
+  ASSERT_TRUE(broker) << broker.error().what();
+  for (const std::string& authorization : {std::string(), std::string("Bearer not-the-key")}) {
+    SCOPED_TRACE(authorization.empty() ? "no key" : authorization);
+    expect_error(post_with(authorization, "/slots/0?action=share", {{"socket", broker->socket_path()}}), 401,
+                 "authentication_error");
+    expect_error(post_with(authorization, "/slots/0?action=adopt", {{"tokens", {1, 2}}, {"share_id", 1}}), 401,
+                 "authentication_error");
+    expect_error(post_with(authorization, "/slots/0?action=save", {{"filename", "keyless.bin"}}), 401,
+                 "authentication_error");
+    expect_error(post_with(authorization, "/slots/0?action=restore", {{"filename", "keyless.bin"}}), 401,
+                 "authentication_error");
+    expect_error(post_with(authorization, "/slots/0?action=erase", Json::object()), 401, "authentication_error");
+  }
+  EXPECT_FALSE(std::filesystem::exists(backend_->slots() / "keyless.bin"));
+  // Nobody connected to the broker: no fd of the KV cache left the decoder.
+  auto nothing = broker->receive(200);
+  ASSERT_FALSE(nothing);
+  EXPECT_EQ(nothing.error().errno_value(), ETIMEDOUT) << nothing.error().what();
+  EXPECT_NE(nothing.error().message().find("nobody connected"), std::string::npos) << nothing.error().what();
+}
+
+TEST_P(KeyedSlotActions, SharesAndAdoptsWithTheKey) {
+  const std::string bearer = std::string("Bearer ") + kKey;
+  const HttpReply saved = post_with(bearer, "/slots/0?action=save", {{"filename", "keyed.bin"}});
+  EXPECT_EQ(saved.status, 200) << saved.body;
+  EXPECT_EQ(post_with(bearer, "/slots/0?action=erase", Json::object()).status, 200);
+  if (!can_share()) return;  // stock llama-server has no share: its save and erase took the key
+  auto broker = ShareBroker::listen(backend_->slots());
+  ASSERT_TRUE(broker) << broker.error().what();
+  const HttpReply shared = post_with(bearer, "/slots/0?action=share", {{"socket", broker->socket_path()}});
+  ASSERT_EQ(shared.status, 200) << shared.body;
+  auto share = broker->receive(10000);
+  ASSERT_TRUE(share) << share.error().what();
+  const uint64_t share_id = Json::parse(shared.body)["share_id"].get<uint64_t>();
+  EXPECT_EQ(share->share_id, share_id);
+  const HttpReply adopted = post_with(bearer, "/slots/0?action=adopt", {{"tokens", {1, 2, 3}}, {"share_id", share_id}});
+  EXPECT_EQ(adopted.status, 200) << adopted.body;
+}
+
+INSTANTIATE_TEST_SUITE_P(Decoders, KeyedSlotActions,
+                         ::testing::Values("kvshare-decoder", "llama-server", "llama-server-kvshare"),
                          backend_test_name);
 
 }  // namespace
