@@ -30,26 +30,50 @@ Result<Listener> Listener::create(const std::filesystem::path& parent) {
   if (::mkdtemp(pattern.data()) == nullptr) return fail(errno, "creating the handshake directory {}", pattern);
   Listener listener;
   listener.directory_ = pattern;
+  listener.owns_directory_ = true;
   listener.socket_path_ = (listener.directory_ / "share.sock").string();
+  if (auto listening = listener.bind_and_listen(); !listening) return fail(listening.error());
+  return listener;
+}
 
+Result<Listener> Listener::create_in(const std::filesystem::path& private_dir, const std::string& socket_name) {
+  if (socket_name.empty() || socket_name.find('/') != std::string::npos || socket_name == "." || socket_name == "..")
+    return fail(EINVAL, "handshake socket name \"{}\" is not a plain file name", socket_name);
+  if (auto checked = check_private_directory(private_dir.string(), ::geteuid(),
+                                             fmt::format("handshake socket {}", socket_name));
+      !checked)
+    return fail(checked.error());
+  Listener listener;
+  listener.directory_ = private_dir;
+  listener.socket_path_ = (private_dir / socket_name).string();
+  if (auto listening = listener.bind_and_listen(); !listening) return fail(listening.error());
+  return listener;
+}
+
+Result<void> Listener::bind_and_listen() {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
-  if (listener.socket_path_.size() >= sizeof addr.sun_path)
-    return fail(ENAMETOOLONG, "socket path {} is {} bytes, the limit is {}; use a shorter TMPDIR",
-                listener.socket_path_, listener.socket_path_.size(), sizeof addr.sun_path - 1);
-  std::memcpy(addr.sun_path, listener.socket_path_.data(), listener.socket_path_.size());
-  listener.socket_.reset(sys::ops().socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (!listener.socket_) return fail(errno, "socket(AF_UNIX) for {}", listener.socket_path_);
-  if (sys::ops().bind(listener.socket_.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0)
-    return fail(errno, "bind {}", listener.socket_path_);
-  if (sys::ops().listen(listener.socket_.get(), 4) != 0) return fail(errno, "listen on {}", listener.socket_path_);
-  return listener;
+  if (socket_path_.size() >= sizeof addr.sun_path)
+    return fail(ENAMETOOLONG, "socket path {} is {} bytes, the limit is {}; use a shorter TMPDIR", socket_path_,
+                socket_path_.size(), sizeof addr.sun_path - 1);
+  std::memcpy(addr.sun_path, socket_path_.data(), socket_path_.size());
+  socket_.reset(sys::ops().socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!socket_) return fail(errno, "socket(AF_UNIX) for {}", socket_path_);
+  if (sys::ops().bind(socket_.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0) {
+    const int error = errno;
+    const std::string path = std::exchange(socket_path_, {});  // not ours: the cleanup must not unlink it
+    socket_.reset();
+    return fail(error, "bind {}", path);
+  }
+  if (sys::ops().listen(socket_.get(), 4) != 0) return fail(errno, "listen on {}", socket_path_);
+  return {};
 }
 
 Listener::Listener(Listener&& other) noexcept
     : socket_(std::move(other.socket_)),
       directory_(std::exchange(other.directory_, {})),
-      socket_path_(std::exchange(other.socket_path_, {})) {}
+      socket_path_(std::exchange(other.socket_path_, {})),
+      owns_directory_(std::exchange(other.owns_directory_, false)) {}
 
 Listener& Listener::operator=(Listener&& other) noexcept {
   if (this != &other) {
@@ -57,6 +81,7 @@ Listener& Listener::operator=(Listener&& other) noexcept {
     socket_ = std::move(other.socket_);
     directory_ = std::exchange(other.directory_, {});
     socket_path_ = std::exchange(other.socket_path_, {});
+    owns_directory_ = std::exchange(other.owns_directory_, false);
   }
   return *this;
 }
@@ -66,7 +91,7 @@ Listener::~Listener() { cleanup(); }
 void Listener::cleanup() noexcept {
   socket_.reset();
   if (!socket_path_.empty()) sys::ops().unlink(socket_path_.c_str());
-  if (!directory_.empty()) {
+  if (owns_directory_ && !directory_.empty()) {
     std::error_code ec;
     std::filesystem::remove_all(directory_, ec);
   }

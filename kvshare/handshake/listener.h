@@ -18,13 +18,19 @@ class Listener {
   // listens on "share.sock" inside it. Close-on-exec. Fails with ENAMETOOLONG when the
   // socket path would not fit sun_path.
   static Result<Listener> create(const std::filesystem::path& parent = {});
+  // Listens on `socket_name` inside `private_dir`, a directory the caller made and keeps:
+  // it must be this uid's, not a link, mode 0700 (check_private_directory; EPERM names what
+  // is wrong). The destructor unlinks the socket and leaves the directory. kvshare-serve
+  // binds one per request in its own private directory: making and removing a directory
+  // per request cost ~3 ms (an rmdir) on a VM.
+  static Result<Listener> create_in(const std::filesystem::path& private_dir, const std::string& socket_name);
 
   Listener(Listener&& other) noexcept;
   Listener& operator=(Listener&& other) noexcept;
   Listener(const Listener&) = delete;
   Listener& operator=(const Listener&) = delete;
-  // Closes the socket, unlinks it and removes the directory (and anything the broker
-  // left in it: the provider's header file), whatever path led here.
+  // Closes the socket, unlinks it and, for create(), removes the directory (and anything
+  // the broker left in it: the provider's header file), whatever path led here.
   ~Listener();
 
   const std::string& socket_path() const { return socket_path_; }
@@ -43,10 +49,12 @@ class Listener {
 
  private:
   Listener() = default;
+  Result<void> bind_and_listen();
   void cleanup() noexcept;
   Fd socket_;
   std::filesystem::path directory_;
   std::string socket_path_;
+  bool owns_directory_ = false;  // create() made it; create_in()'s belongs to the caller
 };
 
 }  // namespace kvshare::handshake

@@ -128,6 +128,33 @@ std::string_view file_kind_name(mode_t mode) {
   return "not a socket";
 }
 
+}  // namespace
+
+Result<void> check_private_directory(const std::string& directory, uid_t our_uid, std::string_view what) {
+  // O_NOFOLLOW with O_DIRECTORY fails on a symbolic link (ENOTDIR) instead of following it.
+  Fd dir(::open(directory.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!dir) {
+    if (errno == ENOTDIR || errno == ELOOP) {
+      struct stat link_stat {};
+      if (::lstat(directory.c_str(), &link_stat) == 0 && S_ISLNK(link_stat.st_mode))
+        return fail(EPERM, "{}: its directory {} is a symbolic link", what, directory);
+    }
+    return fail(errno, "{}: opening its directory {}", what, directory);
+  }
+  struct stat dir_stat {};
+  if (::fstat(dir.get(), &dir_stat) != 0) return fail(errno, "{}: fstat of its directory {}", what, directory);
+  if (dir_stat.st_uid != our_uid)
+    return fail(EPERM, "{}: its directory {} is owned by uid {}, not by this process's uid {}; only a directory of "
+                "our own (the broker's 0700 directory) keeps other users from the socket", what, directory,
+                dir_stat.st_uid, our_uid);
+  if ((dir_stat.st_mode & 077) != 0)
+    return fail(EPERM, "{}: its directory {} has mode {:04o}: group or others can reach the socket (the broker's "
+                "directory is 0700)", what, directory, dir_stat.st_mode & 07777);
+  return {};
+}
+
+namespace {
+
 // The checks on the path alone, before connecting: who else could have bound it or reach it.
 Result<void> check_listener_path(const std::string& path, uid_t our_uid) {
   const std::string shown = printable_path(path);
@@ -155,27 +182,9 @@ Result<void> check_listener_path(const std::string& path, uid_t our_uid) {
     return fail(ENOTSOCK, "share socket {}: is {}, not a socket; refused, nothing sent", shown,
                 file_kind_name(socket_stat.st_mode));
 
-  // O_NOFOLLOW with O_DIRECTORY fails on a symbolic link (ENOTDIR) instead of following it.
-  Fd dir(::open(directory.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
-  if (!dir) {
-    if (errno == ENOTDIR || errno == ELOOP) {
-      struct stat link_stat {};
-      if (::lstat(directory.c_str(), &link_stat) == 0 && S_ISLNK(link_stat.st_mode))
-        return fail(EPERM, "share socket {}: its directory {} is a symbolic link; refused, nothing sent", shown,
-                    directory);
-    }
-    return fail(errno, "share socket {}: opening its directory {}", shown, directory);
-  }
-  struct stat dir_stat {};
-  if (::fstat(dir.get(), &dir_stat) != 0) return fail(errno, "share socket {}: fstat of its directory {}", shown, directory);
-  if (dir_stat.st_uid != our_uid)
-    return fail(EPERM, "share socket {}: its directory {} is owned by uid {}, not by this process's uid {}; only a "
-                "directory of our own (the broker's 0700 directory) keeps other users from the socket; refused, "
-                "nothing sent", shown, directory, dir_stat.st_uid, our_uid);
-  if ((dir_stat.st_mode & 077) != 0)
-    return fail(EPERM, "share socket {}: its directory {} has mode {:04o}: group or others can reach the socket "
-                "(the broker's directory is 0700); refused, nothing sent", shown, directory,
-                dir_stat.st_mode & 07777);
+  if (auto private_dir = check_private_directory(directory, our_uid, fmt::format("share socket {}", shown));
+      !private_dir)
+    return fail(private_dir.error().errno_value(), "{}; refused, nothing sent", private_dir.error().message());
   return {};
 }
 

@@ -31,6 +31,11 @@ Result<void> check_peer_allowed(const PeerCredentials& peer, uid_t our_uid);
 // Checks nothing about who listens: a sender of KV fds uses connect_checked_listener.
 Result<Fd> connect_unix(const std::string& path, int timeout_ms);
 
+// A directory a share socket may live in: one of `our_uid`'s, not a symbolic link, that no
+// group or other user can reach (mode 0700 or stricter). EPERM (or the open's errno) with
+// a message that starts with `what` and names the directory and what is wrong.
+Result<void> check_private_directory(const std::string& directory, uid_t our_uid, std::string_view what);
+
 // The one way a decoder reaches a broker before it sends any fd of its KV cache. Before
 // connecting, `path` must be absolute, hold no NUL byte (a leading NUL is the abstract
 // namespace, which has no permissions), not be a symbolic link but a socket, and sit in a

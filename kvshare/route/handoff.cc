@@ -196,9 +196,11 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
 }
 
 StepResult shared_route(const HandoffContext& context, std::span<const int32_t> handoff_ids,
-                        const std::filesystem::path& ids_path, HandoffReport& report) {
+                        const std::filesystem::path& ids_path, uint64_t sequence, HandoffReport& report) {
   const ServeConfig& config = *context.config;
-  auto broker = ShareBroker::listen();
+  // The socket goes in serve's own 0700 slot directory, named for this request: no
+  // directory is made and removed per request.
+  auto broker = ShareBroker::listen_in(context.slot_dir, fmt::format("kvshare-share-{}.sock", sequence));
   if (!broker)
     return {Step::take_file_route, "handshake_failed",
             fmt::format("the handshake cannot start ({})", broker.error().what())};
@@ -431,7 +433,7 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
   bool tried_shared = false;
   if (context.config->kv_share) {
     tried_shared = true;
-    StepResult shared = shared_route(context, handoff_ids, ids_file.path, report);
+    StepResult shared = shared_route(context, handoff_ids, ids_file.path, sequence, report);
     if (shared.step == Step::handed_off) {
       report.route = HandoffRoute::shared;
       report.body = forward_body(request);

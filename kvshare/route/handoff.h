@@ -69,7 +69,7 @@ std::string uncached_body(const nlohmann::json& body);
 struct HandoffContext {
   const ServeConfig* config = nullptr;
   const DecoderClient* decoder = nullptr;
-  std::filesystem::path slot_dir;   // the decoder's --slot-save-path (ids and state files go here)
+  std::filesystem::path slot_dir;   // the decoder's --slot-save-path, 0700 (ids, state files, share sockets)
   SlotQueue* slot = nullptr;
   Metrics* metrics = nullptr;
   LogSink log;

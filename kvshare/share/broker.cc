@@ -180,7 +180,17 @@ const std::filesystem::path& ShareBroker::directory() const { return state_->lis
 Result<ShareBroker> ShareBroker::listen(const std::filesystem::path& parent) {
   auto listener = handshake::Listener::create(parent);
   if (!listener) return fail(listener.error());
-  auto state = std::make_unique<State>(std::move(*listener));
+  return start_receiving(std::move(*listener));
+}
+
+Result<ShareBroker> ShareBroker::listen_in(const std::filesystem::path& private_dir, const std::string& socket_name) {
+  auto listener = handshake::Listener::create_in(private_dir, socket_name);
+  if (!listener) return fail(listener.error());
+  return start_receiving(std::move(*listener));
+}
+
+Result<ShareBroker> ShareBroker::start_receiving(handshake::Listener listener) {
+  auto state = std::make_unique<State>(std::move(listener));
   state->cancel.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!state->cancel) return fail(errno, "eventfd to stop the receiver on {}", state->listener.socket_path());
   State* raw = state.get();

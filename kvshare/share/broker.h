@@ -47,6 +47,10 @@ class ShareBroker {
   // it answers the share request, so a frame larger than the socket buffer would wait,
   // and time out, for a reader that only started after that answer.
   static Result<ShareBroker> listen(const std::filesystem::path& parent = {});
+  // The same on a socket named `socket_name` in `private_dir`, a 0700 directory of this
+  // uid's that the caller keeps (handshake::Listener::create_in): the broker removes only
+  // its socket and the provider's header file.
+  static Result<ShareBroker> listen_in(const std::filesystem::path& private_dir, const std::string& socket_name);
 
   ShareBroker(ShareBroker&& other) noexcept;
   ShareBroker& operator=(ShareBroker&&) = delete;
@@ -83,6 +87,7 @@ class ShareBroker {
  private:
   struct State;
   explicit ShareBroker(std::unique_ptr<State> state);
+  static Result<ShareBroker> start_receiving(handshake::Listener listener);
   std::unique_ptr<State> state_;  // on the heap: the receiving thread keeps its address
 };
 

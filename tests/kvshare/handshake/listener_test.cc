@@ -42,6 +42,71 @@ TEST_F(HandshakeListener, ListensInAPrivateDirectoryAndRemovesItOnDestruction) {
   EXPECT_FALSE(fs::exists(directory));
 }
 
+// kvshare-serve binds one socket per request in its own slot directory: no directory is
+// made and removed per request (an rmdir cost ~3 ms on a VM).
+TEST_F(HandshakeListener, ListensInTheCallersPrivateDirectoryAndLeavesIt) {
+  testing::TempDir parent;
+  const fs::path directory = parent / "serve";
+  ASSERT_EQ(::mkdir(directory.c_str(), 0700), 0);
+  std::string socket_path;
+  {
+    auto listener = Listener::create_in(directory, "kvshare-share-7.sock");
+    ASSERT_TRUE(listener) << listener.error().what();
+    socket_path = listener->socket_path();
+    EXPECT_EQ(socket_path, (directory / "kvshare-share-7.sock").string());
+    EXPECT_EQ(listener->directory(), directory);
+    // A peer checks this socket as it checks the broker's own: it passes.
+    auto client = connect_checked_listener(socket_path, 1000);
+    ASSERT_TRUE(client) << client.error().what();
+    ASSERT_TRUE(listener->accept(1000));
+  }
+  EXPECT_FALSE(fs::exists(socket_path));
+  EXPECT_TRUE(fs::is_directory(directory));
+  EXPECT_TRUE(fs::is_empty(directory));
+}
+
+TEST_F(HandshakeListener, RefusesACallersDirectoryOthersCanReachOrALinkOrAPathAsName) {
+  testing::TempDir parent;
+  const fs::path open_dir = parent / "open";
+  ASSERT_EQ(::mkdir(open_dir.c_str(), 0700), 0);
+  ASSERT_EQ(::chmod(open_dir.c_str(), 0755), 0);
+  auto reachable = Listener::create_in(open_dir, "a.sock");
+  ASSERT_FALSE(reachable);
+  EXPECT_EQ(reachable.error().errno_value(), EPERM);
+  EXPECT_NE(reachable.error().message().find("has mode 0755"), std::string::npos) << reachable.error().what();
+  EXPECT_TRUE(fs::is_empty(open_dir));
+
+  const fs::path private_dir = parent / "private", link = parent / "link";
+  ASSERT_EQ(::mkdir(private_dir.c_str(), 0700), 0);
+  fs::create_directory_symlink(private_dir, link);
+  auto linked = Listener::create_in(link, "a.sock");
+  ASSERT_FALSE(linked);
+  EXPECT_NE(linked.error().message().find("is a symbolic link"), std::string::npos) << linked.error().what();
+
+  for (const char* name : {"", "sub/a.sock", "..", "."}) {
+    auto bad = Listener::create_in(private_dir, name);
+    ASSERT_FALSE(bad) << name;
+    EXPECT_EQ(bad.error().errno_value(), EINVAL) << name;
+  }
+  EXPECT_TRUE(fs::is_empty(private_dir));
+}
+
+// A name already taken is refused, and the refused listener does not unlink what is there.
+TEST_F(HandshakeListener, LeavesAnExistingSocketOfTheSameNameAlone) {
+  testing::TempDir parent;
+  const fs::path directory = parent / "serve";
+  ASSERT_EQ(::mkdir(directory.c_str(), 0700), 0);
+  auto first = Listener::create_in(directory, "kvshare-share-1.sock");
+  ASSERT_TRUE(first) << first.error().what();
+  {
+    auto second = Listener::create_in(directory, "kvshare-share-1.sock");
+    ASSERT_FALSE(second);
+    EXPECT_EQ(second.error().errno_value(), EADDRINUSE);
+  }
+  EXPECT_TRUE(fs::exists(first->socket_path()));
+  EXPECT_TRUE(connect_checked_listener(first->socket_path(), 1000));
+}
+
 TEST_F(HandshakeListener, TimesOutWhenNobodyConnects) {
   auto listener = Listener::create();
   ASSERT_TRUE(listener) << listener.error().what();
