@@ -84,8 +84,11 @@ def test_shared_route_order_fds_share_id_and_cleanup():
             check(share_post["t"] <= connected["t"] <= sent["t"] < provider["t_start"] < provider["t_end"] <
                   adopt["t"], "order broken in request %d" % n)
             check(connected["socket_dir_mode"] == "0o700", "socket directory mode %s" % connected["socket_dir_mode"])
-            check(not os.path.exists(connected["socket"]) and not os.path.exists(os.path.dirname(connected["socket"])),
-                  "socket %s or its directory left behind" % connected["socket"])
+            # The socket lives in serve's own 0700 slot directory, which stays for serve's
+            # life; the socket itself is gone with its request.
+            check(not os.path.exists(connected["socket"]), "socket %s left behind" % connected["socket"])
+            check(os.path.basename(os.path.dirname(connected["socket"])).startswith("kvshare-serve-slots"),
+                  "socket %s is not in serve's slot directory" % connected["socket"])
             # inherited descriptors: exactly the region's, at the numbers --fds names
             argv = provider["argv"]
             check("--layout" in argv and "--fds" in argv and "--out" not in argv, "provider argv %s" % argv)
@@ -158,7 +161,7 @@ def test_a_handshake_that_fails_before_the_provider_takes_the_state_file_route()
         check(not [p for p in read_log(case.provider_log) if "--fds" in p["argv"]], "shared provider ran")
         check(len(events(case.decoder_log, "restore")) == 1, "the state file did not carry the handoff")
         connected = events(case.decoder_log, "share_connected")[0]
-        check(not os.path.exists(os.path.dirname(connected["socket"])), "socket directory left behind")
+        check(not os.path.exists(connected["socket"]), "socket %s left behind" % connected["socket"])
 
 
 def test_a_replayed_share_message_is_never_handed_to_the_provider():
