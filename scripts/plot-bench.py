@@ -54,12 +54,19 @@ def of(lines, bench):
 
 
 def errorbar(ax, xs, lines, key, label, color, style="-o"):
-    ys = [line[key] for line in lines]
-    # A quartile at or below zero (a route that beat the floor in some rounds) cannot be
-    # drawn on a log axis: its bar stops at a tenth of the median.
-    lo = [min(0.9 * line[key], max(0.0, line[key] - line.get(key + "_p25", line[key]))) for line in lines]
-    hi = [max(0.0, line.get(key + "_p75", line[key]) - line[key]) for line in lines]
-    ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style, color=color, label=label, capsize=3)
+    # A median at or below zero (a route that beat the floor in most rounds) has no place on
+    # a log axis: it is left out of the line and named in the legend instead.
+    below = ["%d: %.0f ms" % (x, line[key]) for x, line in zip(xs, lines) if line[key] <= 0]
+    kept = [(x, line) for x, line in zip(xs, lines) if line[key] > 0]
+    if below:
+        label += " (median <= 0 at " + ", ".join(below) + ")"
+    if not kept:
+        return
+    ys = [line[key] for _, line in kept]
+    # A quartile at or below zero cannot be drawn either: its bar stops at a tenth of the median.
+    lo = [min(0.9 * line[key], max(0.0, line[key] - line.get(key + "_p25", line[key]))) for _, line in kept]
+    hi = [max(0.0, line.get(key + "_p75", line[key]) - line[key]) for _, line in kept]
+    ax.errorbar([x for x, _ in kept], ys, yerr=[lo, hi], fmt=style, color=color, label=label, capsize=3)
 
 
 def plot_handoff_cost(lines, out, stamp):
