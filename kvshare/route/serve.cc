@@ -62,6 +62,7 @@ struct RelayState {
   std::optional<PromptNScanner> scanner;
   bool first_relayed = false;
   bool finished = false;
+  std::string cut_by;  // who ended the relay early: "client" or "decoder"
   Metrics* metrics = nullptr;
 };
 
@@ -158,9 +159,12 @@ void Server::forward(const std::string& path, std::shared_ptr<RelayState> state,
         if (state->stream->next(piece)) {
           on_first_relayed(*state);
           state->scanner->feed(piece);
-          return sink.write(piece.data(), piece.size());
+          if (sink.write(piece.data(), piece.size())) return true;
+          state->cut_by = "client";
+          return false;
         }
         if (auto cut = state->stream->transport_error()) {
+          state->cut_by = "decoder";
           log_line(fmt::format("kvshare-serve: {}", cut->what()));
           on_relay_end(*state);
           return false;  // the client sees the reply cut, as it was
@@ -169,8 +173,11 @@ void Server::forward(const std::string& path, std::shared_ptr<RelayState> state,
         sink.done();
         return true;
       },
-      [state](bool) {
+      [state](bool complete) {
         state->stream->cancel();
+        // httplib also ends a relay unfinished when it finds the client's socket closed
+        // before asking for the next piece.
+        if (!complete) state->metrics->count_reply_cut(state->cut_by.empty() ? "client" : state->cut_by);
         on_relay_end(*state);
       });
 }
