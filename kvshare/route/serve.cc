@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "kvshare/env.h"
+#include "kvshare/stop_signals.h"
 #include "kvshare/route/api_key.h"
 #include "kvshare/route/decoder_client.h"
 #include "kvshare/route/decoder_process.h"
@@ -26,6 +27,7 @@
 
 namespace kvshare::route {
 namespace {
+
 
 using Clock = std::chrono::steady_clock;
 using Json = nlohmann::json;
@@ -201,12 +203,8 @@ void Server::handle_completion(Endpoint endpoint, const httplib::Request& req, h
 }
 
 int Server::run() {
-  // Signals go to one thread that sigwaits; every thread started from here inherits the mask.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // SIGINT/SIGTERM go to the signal thread below (kvshare/stop_signals.h).
+  install_stop_signals();
   ::signal(SIGPIPE, SIG_IGN);
 
   if (config_.device == Device::hybrid && !hybrid_active())
@@ -331,8 +329,7 @@ int Server::run() {
   std::thread signal_thread([&] {
     bool signalled = false;
     while (!listen_ended) {
-      const timespec tick{0, 20 * 1000 * 1000};
-      const int received = sigtimedwait(&signals, nullptr, &tick);
+      const int received = wait_stop_signal(std::chrono::milliseconds(20));
       if ((received == SIGINT || received == SIGTERM) && !signalled) {
         signalled = true;
         log_line(fmt::format("kvshare-serve: {} received, stopping", received == SIGINT ? "SIGINT" : "SIGTERM"));
