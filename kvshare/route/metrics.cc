@@ -59,6 +59,11 @@ void Metrics::count_prompt_not_reused() {
   ++prompt_not_reused_;
 }
 
+void Metrics::count_reply_cut(const std::string& by) {
+  std::lock_guard lock(mutex_);
+  ++replies_cut_[by];
+}
+
 void Metrics::observe(const std::string& route, double prefill_ms, double handoff_ms, double first_byte_ms) {
   std::lock_guard lock(mutex_);
   prefill_ms_[route].observe(prefill_ms);
@@ -84,6 +89,9 @@ std::string Metrics::render() const {
   out += "# HELP kvshare_prompt_not_reused_total Replies whose timings.prompt_n was not 1 after a handoff.\n"
          "# TYPE kvshare_prompt_not_reused_total counter\n";
   out += fmt::format("kvshare_prompt_not_reused_total {}\n", prompt_not_reused_);
+  out += "# HELP kvshare_replies_cut_total Relayed replies that ended before their last byte, by who cut them "
+         "(client: it left; decoder: its stream broke).\n# TYPE kvshare_replies_cut_total counter\n";
+  for (const auto& [by, count] : replies_cut_) out += fmt::format("kvshare_replies_cut_total{{by=\"{}\"}} {}\n", by, count);
   render_histograms(out, "kvshare_prefill_ms", "The provider's prefill (its own prefill_ms, else wall time).",
                     prefill_ms_);
   render_histograms(out, "kvshare_handoff_ms", "The decoder's restore (file) or share + adopt (shared).",

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "kvshare/env.h"
+#include "kvshare/stop_signals.h"
 #include "kvshare/route/api_key.h"
 #include "kvshare/route/decoder_client.h"
 #include "kvshare/route/decoder_process.h"
@@ -26,6 +27,7 @@
 
 namespace kvshare::route {
 namespace {
+
 
 using Clock = std::chrono::steady_clock;
 using Json = nlohmann::json;
@@ -62,6 +64,7 @@ struct RelayState {
   std::optional<PromptNScanner> scanner;
   bool first_relayed = false;
   bool finished = false;
+  std::string cut_by;  // who ended the relay early: "client" or "decoder"
   Metrics* metrics = nullptr;
 };
 
@@ -158,9 +161,12 @@ void Server::forward(const std::string& path, std::shared_ptr<RelayState> state,
         if (state->stream->next(piece)) {
           on_first_relayed(*state);
           state->scanner->feed(piece);
-          return sink.write(piece.data(), piece.size());
+          if (sink.write(piece.data(), piece.size())) return true;
+          state->cut_by = "client";
+          return false;
         }
         if (auto cut = state->stream->transport_error()) {
+          state->cut_by = "decoder";
           log_line(fmt::format("kvshare-serve: {}", cut->what()));
           on_relay_end(*state);
           return false;  // the client sees the reply cut, as it was
@@ -169,8 +175,11 @@ void Server::forward(const std::string& path, std::shared_ptr<RelayState> state,
         sink.done();
         return true;
       },
-      [state](bool) {
+      [state](bool complete) {
         state->stream->cancel();
+        // httplib also ends a relay unfinished when it finds the client's socket closed
+        // before asking for the next piece.
+        if (!complete) state->metrics->count_reply_cut(state->cut_by.empty() ? "client" : state->cut_by);
         on_relay_end(*state);
       });
 }
@@ -194,12 +203,8 @@ void Server::handle_completion(Endpoint endpoint, const httplib::Request& req, h
 }
 
 int Server::run() {
-  // Signals go to one thread that sigwaits; every thread started from here inherits the mask.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // SIGINT/SIGTERM go to the signal thread below (kvshare/stop_signals.h).
+  install_stop_signals();
   ::signal(SIGPIPE, SIG_IGN);
 
   if (config_.device == Device::hybrid && !hybrid_active())
@@ -324,8 +329,7 @@ int Server::run() {
   std::thread signal_thread([&] {
     bool signalled = false;
     while (!listen_ended) {
-      const timespec tick{0, 20 * 1000 * 1000};
-      const int received = sigtimedwait(&signals, nullptr, &tick);
+      const int received = wait_stop_signal(std::chrono::milliseconds(20));
       if ((received == SIGINT || received == SIGTERM) && !signalled) {
         signalled = true;
         log_line(fmt::format("kvshare-serve: {} received, stopping", received == SIGINT ? "SIGINT" : "SIGTERM"));

@@ -1,5 +1,6 @@
 #include "refmodel/decoder/decoder_app.h"
 
+#include "kvshare/stop_signals.h"
 #include "layout/state_format.h"
 
 #include <pthread.h>
@@ -108,12 +109,9 @@ int run_decoder(const DecoderOptions& options) {
     api_keys.insert(api_keys.end(), from_file->begin(), from_file->end());
   }
 
-  // Every thread made from here on inherits the blocked set; one watcher takes the signals.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // Every thread made from here on inherits the blocked set; one watcher takes the signals
+  // (kvshare/stop_signals.h).
+  kvshare::install_stop_signals();
   signal(SIGPIPE, SIG_IGN);
 
   ServerOptions server_options;
@@ -161,8 +159,7 @@ int run_decoder(const DecoderOptions& options) {
                  (*engine)->n_ctx(), layout::describe(resolved.params).c_str());
     // Wait for SIGINT/SIGTERM, or for the server to end by itself.
     while (!listen_done.load()) {
-      timespec timeout{0, 200 * 1000 * 1000};
-      const int sig = sigtimedwait(&signals, nullptr, &timeout);
+      const int sig = kvshare::wait_stop_signal(std::chrono::milliseconds(200));
       if (sig == SIGINT || sig == SIGTERM) {
         std::fprintf(stderr, "kvshare-decoder: %s: shutting down\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
         break;

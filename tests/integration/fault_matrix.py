@@ -396,7 +396,10 @@ def test_19_client_disconnects_mid_stream():
             check(piece, "no first chunk")
             got += piece
         sock.close()
-        # serve lets the decoder's stream go and is idle again; the next request is correct.
+        # serve lets the decoder's stream go, counts the cut, and is idle again; the next
+        # request is correct.
+        wait_until(lambda: metric(row.serve, "kvshare_replies_cut_total", 'by="client"') == 1, 10,
+                   "kvshare_replies_cut_total{by=\"client\"} is not 1")
         row.assert_nothing_left()
         row.assert_reply_is_cpus(row.chat("after the client left"))
         row.assert_nothing_left()
@@ -451,6 +454,9 @@ def test_21_file_route_provider_inherits_no_client_socket():
         provider = read_log(row.provider_log)[-1]
         check(sorted(int(k) for k in provider["fds_at_start"]) == [0, 1, 2],
               "the file-route provider inherited %s" % provider["fds_at_start"])
+        check(metric(row.serve, "kvshare_handoffs_total", 'route="file",outcome="ok"') == 1,
+              "the handoff beside the open connections is not counted ok")
+        check(metric(row.serve, "kvshare_replies_cut_total", 'by="client"') == 0, "a reply counted cut")
         row.assert_nothing_left()
 
 

@@ -18,6 +18,17 @@ TEST(Metrics, CountsHandoffsByRouteAndOutcomeAndFallbacksByReason) {
   EXPECT_NE(text.find("# TYPE kvshare_handoffs_total counter\n"), std::string::npos);
 }
 
+TEST(Metrics, CountsRepliesCutByWhoCutThem) {
+  Metrics metrics;
+  metrics.count_reply_cut("client");
+  metrics.count_reply_cut("client");
+  metrics.count_reply_cut("decoder");
+  const std::string text = metrics.render();
+  EXPECT_NE(text.find("# TYPE kvshare_replies_cut_total counter\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("kvshare_replies_cut_total{by=\"client\"} 2\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("kvshare_replies_cut_total{by=\"decoder\"} 1\n"), std::string::npos) << text;
+}
+
 TEST(Metrics, PutsEachTimingInCumulativeBuckets) {
   Metrics metrics;
   metrics.observe("shared", 30.0, 0.4, 31.0);
