@@ -53,6 +53,16 @@ def of(lines, bench):
     return [line for line in lines if line.get("bench") == bench]
 
 
+def save_figure(fig, out, name, stamp):
+    """Stamps the run under the plot, writes out/name without a date (stable diffs), closes it."""
+    fig.text(0.99, 0.01, stamp, ha="right", fontsize=7, color="#666666")
+    path = os.path.join(out, name)
+    fig.tight_layout()
+    fig.savefig(path, metadata={"Date": None})
+    plt.close(fig)
+    return path
+
+
 def errorbar(ax, xs, lines, key, label, color, style="-o"):
     # A median at or below zero (a route that beat the floor in most rounds) has no place on
     # a log axis: it is left out of the line and named in the legend instead.
@@ -93,12 +103,7 @@ def plot_handoff_cost(lines, out, stamp):
     ax.set_title("What the handoff adds, equal work per route")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.text(0.99, 0.01, stamp, ha="right", fontsize=7, color="#666666")
-    path = os.path.join(out, "handoff-cost.svg")
-    fig.tight_layout()
-    fig.savefig(path, metadata={"Date": None})
-    plt.close(fig)
-    return path
+    return save_figure(fig, out, "handoff-cost.svg", stamp)
 
 
 def plot_first_byte(lines, out, stamp):
@@ -133,12 +138,7 @@ def plot_first_byte(lines, out, stamp):
         ax.set_title("first byte by route, decoder %s" % decoder)
         ax.grid(True, axis="y", which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.text(0.99, 0.01, stamp, ha="right", fontsize=7, color="#666666")
-    path = os.path.join(out, "first-byte.svg")
-    fig.tight_layout()
-    fig.savefig(path, metadata={"Date": None})
-    plt.close(fig)
-    return path
+    return save_figure(fig, out, "first-byte.svg", stamp)
 
 
 def plot_throughput(lines, out, stamp):
@@ -188,12 +188,7 @@ def plot_throughput(lines, out, stamp):
         right.set_title("state files vs plain I/O of the same bytes")
         right.grid(True, axis="y", alpha=0.3)
         right.legend(fontsize=7)
-    fig.text(0.99, 0.01, stamp, ha="right", fontsize=7, color="#666666")
-    path = os.path.join(out, "throughput.svg")
-    fig.tight_layout()
-    fig.savefig(path, metadata={"Date": None})
-    plt.close(fig)
-    return path
+    return save_figure(fig, out, "throughput.svg", stamp)
 
 
 def main():

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "kvshare/fd.h"
-#include "kvshare/region/chunk_file.h"
 #include "kvshare/mapping.h"
+#include "kvshare/region/chunk_file.h"
 #include "kvshare/region/dmabuf_sync.h"
 #include "kvshare/region/fd_inspect.h"
 #include "kvshare/region/tensor_view.h"

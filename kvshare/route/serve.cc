@@ -13,7 +13,6 @@
 #include <thread>
 
 #include "kvshare/env.h"
-#include "kvshare/stop_signals.h"
 #include "kvshare/route/api_key.h"
 #include "kvshare/route/decoder_client.h"
 #include "kvshare/route/decoder_process.h"
@@ -24,10 +23,10 @@
 #include "kvshare/route/slot_queue.h"
 #include "kvshare/route/state_version_probe.h"
 #include "kvshare/route/upstream_stream.h"
+#include "kvshare/stop_signals.h"
 
 namespace kvshare::route {
 namespace {
-
 
 using Clock = std::chrono::steady_clock;
 using Json = nlohmann::json;

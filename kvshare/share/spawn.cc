@@ -3,8 +3,8 @@
 #include <fcntl.h>
 #include <linux/close_range.h>
 #include <poll.h>
-#include <signal.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
