@@ -256,6 +256,11 @@ int Server::run() {
     res.set_content(std::string(kInvalidApiKeyBody), "application/json; charset=utf-8");
     return httplib::Server::HandlerResponse::Handled;
   });
+  // A client that keeps its connection (OpenAI's SDKs do) would otherwise see each reply's
+  // body wait for its delayed ACK of the head: 40 ms (kvshare-bench serve, docs/hybrid.md).
+  // And it keeps it for 100 requests, as llama-server allows (Debian's httplib: 5).
+  http_.set_tcp_nodelay(true);
+  http_.set_keep_alive_max_count(100);
   http_.set_read_timeout(std::chrono::seconds(600));
   http_.set_write_timeout(std::chrono::seconds(600));
   http_.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {

@@ -1,12 +1,14 @@
 // kvshare-bench serve: what kvshare-serve itself adds to a streamed reply. One
 // `kvshare-serve --device cpu` (no handoff: serve only forwards) with its kvshare-decoder;
 // each round sends the same streamed completions once to serve and once to that decoder
-// directly, the order alternating, with 1 and with 32 clients at a time. Per request the
+// directly, the order alternating, with 1 and with 32 clients at a time, each request on a
+// new connection, and with 1 client that keeps its connection (as OpenAI's SDKs do). Per request the
 // time to the first body byte and the mean gap between SSE events after it (the
 // inter-token gap a user sees); the report gives p50 and p99 over requests of each path
 // and what serve adds at p50 (target <= 0.5 ms) and p99.
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
+#include <httplib.h>
 
 #include <algorithm>
 #include <chrono>
@@ -102,42 +104,75 @@ struct Samples {
   std::vector<double> gap_ms;
 };
 
-// One streamed completion to `port`; appends its first byte and its gaps to `out`.
+std::string completion_body(int salt) {
+  return nlohmann::json{{"prompt", fmt::format("{} tell me a story about the sea", salt)},
+                        {"max_tokens", 16},
+                        {"temperature", 0},
+                        {"stream", true}}
+      .dump();
+}
+
+// Events, not reads: several SSE events often arrive in one read, so the gap is the
+// stream's time after its first byte over the events that followed it.
+size_t events_in(std::string_view text) {
+  size_t count = 0;
+  for (size_t at = text.find("data:"); at != std::string::npos; at = text.find("data:", at + 5)) ++count;
+  return count;
+}
+
+void record(Samples& out, std::mutex& mutex, Clock::time_point start, Clock::time_point first_at,
+            Clock::time_point last, size_t events) {
+  const std::lock_guard lock(mutex);
+  out.first_byte_ms.push_back(std::chrono::duration<double, std::milli>(first_at - start).count());
+  if (events > 1)
+    out.gap_ms.push_back(std::chrono::duration<double, std::milli>(last - first_at).count() /
+                         static_cast<double>(events - 1));
+}
+
+// One streamed completion to `port` on a new connection; appends its first byte and its
+// gaps to `out`.
 bool one_stream(int port, int salt, Samples& out, std::mutex& mutex) {
   route::UpstreamStream::Request request;
   request.host = "127.0.0.1";
   request.port = port;
   request.method = "POST";
   request.path = "/v1/completions";
-  request.body = nlohmann::json{{"prompt", fmt::format("{} tell me a story about the sea", salt)},
-                                {"max_tokens", 16},
-                                {"temperature", 0},
-                                {"stream", true}}
-                     .dump();
+  request.body = completion_body(salt);
   const auto start = Clock::now();
   auto stream = route::UpstreamStream::start(request, nullptr);
   std::string piece;
   if (!stream->wait_head().has_value() || !stream->next(piece)) return false;
   const auto first_at = Clock::now();
-  const double first = std::chrono::duration<double, std::milli>(first_at - start).count();
-  // Events, not reads: several SSE events often arrive in one read, so the gap is the
-  // stream's time after its first byte over the events that followed it.
-  auto events_in = [](const std::string& text) {
-    size_t count = 0;
-    for (size_t at = text.find("data:"); at != std::string::npos; at = text.find("data:", at + 5)) ++count;
-    return count;
-  };
   size_t events = events_in(piece);
   auto last = first_at;
   while (stream->next(piece)) {
     events += events_in(piece);
     last = Clock::now();
   }
-  const std::lock_guard lock(mutex);
-  out.first_byte_ms.push_back(first);
-  if (events > 1)
-    out.gap_ms.push_back(std::chrono::duration<double, std::milli>(last - first_at).count() /
-                         static_cast<double>(events - 1));
+  record(out, mutex, start, first_at, last, events);
+  return true;
+}
+
+// The same on `client`'s kept connection (keep-alive on, opened by its first request).
+bool one_stream_kept(httplib::Client& client, int salt, Samples& out, std::mutex& mutex) {
+  httplib::Request call;
+  call.method = "POST";
+  call.path = "/v1/completions";
+  call.body = completion_body(salt);
+  call.set_header("Content-Type", "application/json");
+  std::optional<Clock::time_point> first_at;
+  Clock::time_point last;
+  size_t events = 0;
+  call.content_receiver = [&](const char* data, size_t length, uint64_t, uint64_t) {
+    last = Clock::now();
+    if (!first_at) first_at = last;
+    events += events_in(std::string_view(data, length));
+    return true;
+  };
+  const auto start = Clock::now();
+  auto result = client.send(call);
+  if (!result || result->status != 200 || !first_at) return false;
+  record(out, mutex, start, *first_at, last, events);
   return true;
 }
 
@@ -157,6 +192,12 @@ void bm_serve(benchmark::State& state) {
   Setup& s = setup();
   if (!s.why.empty()) return state.SkipWithError(s.why.c_str());
   const int clients = static_cast<int>(state.range(0));
+  const bool kept = state.range(1) != 0;  // one client, one kept connection per path
+  httplib::Client kept_to_decoder("127.0.0.1", s.decoder_port), kept_to_serve("127.0.0.1", s.serve_port);
+  for (httplib::Client* client : {&kept_to_decoder, &kept_to_serve}) {
+    client->set_keep_alive(true);
+    client->set_tcp_nodelay(true);
+  }
   static int salt = 0;
   Samples direct, via_serve;
   std::vector<double> added_first_byte;  // per round: serve's wave median - the decoder's
@@ -167,8 +208,10 @@ void bm_serve(benchmark::State& state) {
       const bool to_serve = (k == 0) == serve_first;
       Samples& into = to_serve ? via_serve : direct;
       const size_t before = into.first_byte_ms.size();
-      if (!one_wave(to_serve ? s.serve_port : s.decoder_port, clients, salt, into))
-        return state.SkipWithError("a streamed request got no reply");
+      std::mutex mutex;
+      const bool ok = kept ? one_stream_kept(to_serve ? kept_to_serve : kept_to_decoder, ++salt, into, mutex)
+                           : one_wave(to_serve ? s.serve_port : s.decoder_port, clients, salt, into);
+      if (!ok) return state.SkipWithError("a streamed request got no reply");
       wave_median[to_serve ? 1 : 0] =
           percentile(std::vector<double>(into.first_byte_ms.begin() + static_cast<std::ptrdiff_t>(before),
                                          into.first_byte_ms.end()),
@@ -189,52 +232,54 @@ void bm_serve(benchmark::State& state) {
     state.counters[std::string(name) + ".requests"] = static_cast<double>(samples->first_byte_ms.size());
   }
   state.counters["clients"] = clients;
+  state.counters["kept"] = kept ? 1 : 0;
 }
 
 const bool registered = add_group({
     "serve",
     "what kvshare-serve --device cpu adds to first byte and inter-token gap (SSE), against its decoder directly, "
-    "1 and 32 clients",
+    "1 and 32 clients on new connections, 1 on a kept one",
     [](const BenchArgs& args) {
-      for (int clients : {1, 32})
-        benchmark::RegisterBenchmark(fmt::format("serve/clients:{}", clients).c_str(), bm_serve)
-            ->Arg(clients)
-            ->Iterations(args.smoke ? 1 : clients == 1 ? 40 : 6)
+      for (auto [clients, kept] : {std::pair{1, 0}, std::pair{32, 0}, std::pair{1, 1}})
+        benchmark::RegisterBenchmark(fmt::format("serve/clients:{}{}", clients, kept ? "/kept" : "").c_str(), bm_serve)
+            ->Args({clients, kept})
+            ->Iterations(args.smoke ? 1 : clients == 1 ? 200 : 6)
             ->Unit(benchmark::kMillisecond);
     },
     [](const std::vector<RunResult>& runs, const BenchArgs& args) {
       if (!args.json)
         fmt::print("\nserve --device cpu vs its decoder directly (streamed /v1/completions, 16 tokens; rounds alternate "
-                   "the order)\n{:>7} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}\n",
-                   "clients", "path", "requests", "fb_p50", "fb_p99", "gap_p50", "gap_p99", "+fb_p50", "+gap_p50",
+                   "the order)\n{:>7} {:>5} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}\n",
+                   "clients", "conn", "path", "requests", "fb_p50", "fb_p99", "gap_p50", "gap_p99", "+fb_p50", "+gap_p50",
                    "+fb_p99");
       for (const RunResult* run : runs_with_prefix(runs, "serve/")) {
         auto c = [&](const std::string& key) { return run->counters.count(key) ? run->counters.at(key) : 0.0; };
         if (c("clients") == 0) continue;
+        const char* connection = c("kept") != 0 ? "kept" : "new";
         const double added_fb = c("serve.first_byte_p50") - c("direct.first_byte_p50");
         const double added_gap = c("serve.gap_p50") - c("direct.gap_p50");
         const double added_fb99 = c("serve.first_byte_p99") - c("direct.first_byte_p99");
         for (const char* path : {"direct", "serve"}) {
           const std::string p = std::string(path) + ".";
           if (args.json)
-            fmt::print("{{\"bench\":\"serve\",\"clients\":{},\"path\":\"{}\",\"requests\":{},\"first_byte_p50_ms\":{:.3f},"
+            fmt::print("{{\"bench\":\"serve\",\"clients\":{},\"connection\":\"{}\",\"path\":\"{}\",\"requests\":{},\"first_byte_p50_ms\":{:.3f},"
                        "\"first_byte_p99_ms\":{:.3f},\"gap_p50_ms\":{:.3f},\"gap_p99_ms\":{:.3f},"
                        "\"added_first_byte_paired_p50_ms\":{:.3f},\"added_first_byte_paired_p25_ms\":{:.3f},"
                        "\"added_first_byte_paired_p75_ms\":{:.3f}}}\n",
-                       c("clients"), path, c(p + "requests"), c(p + "first_byte_p50"), c(p + "first_byte_p99"),
-                       c(p + "gap_p50"), c(p + "gap_p99"), c("added_first_byte_p50"), c("added_first_byte_p25"),
+                       c("clients"), connection, path, c(p + "requests"), c(p + "first_byte_p50"),
+                       c(p + "first_byte_p99"), c(p + "gap_p50"), c(p + "gap_p99"), c("added_first_byte_p50"), c("added_first_byte_p25"),
                        c("added_first_byte_p75"));
           else
-            fmt::print("{:>7} {:>8} {:>10} {:>10.3f} {:>10.3f} {:>10.3f} {:>10.3f} {:>10} {:>10} {:>10}\n", c("clients"),
-                       path, c(p + "requests"), c(p + "first_byte_p50"), c(p + "first_byte_p99"), c(p + "gap_p50"),
+            fmt::print("{:>7} {:>5} {:>8} {:>10} {:>10.3f} {:>10.3f} {:>10.3f} {:>10.3f} {:>10} {:>10} {:>10}\n",
+                       c("clients"), connection, path, c(p + "requests"), c(p + "first_byte_p50"), c(p + "first_byte_p99"), c(p + "gap_p50"),
                        c(p + "gap_p99"), path == std::string("serve") ? fmt::format("{:.3f}", added_fb) : "",
                        path == std::string("serve") ? fmt::format("{:.3f}", added_gap) : "",
                        path == std::string("serve") ? fmt::format("{:.3f}", added_fb99) : "");
         }
         if (!args.json)
-          fmt::print("{:>7} clients: serve minus direct per round (median of each wave), median {:.3f} ms "
-                     "[{:.3f}..{:.3f}]\n",
-                     c("clients"), c("added_first_byte_p50"), c("added_first_byte_p25"), c("added_first_byte_p75"));
+          fmt::print("{:>7} clients, {} connections: serve minus direct per round (median of each wave), median "
+                     "{:.3f} ms [{:.3f}..{:.3f}]\n",
+                     c("clients"), connection, c("added_first_byte_p50"), c("added_first_byte_p25"), c("added_first_byte_p75"));
       }
       if (!args.json) fmt::print("(ms; + columns: serve minus direct; target +p50 <= 0.5 ms)\n");
       if (g_setup_started) {

@@ -8,18 +8,22 @@
   (ONEBIT_KV_SHARE=1: share -> fds -> kvshare-prefill writes the decoder's cache -> adopt);
 - 32 requests at once through the shared route: every reply right, and nothing left
   behind (serve's fds, the slot directory, sockets and their directories);
+- a client that keeps its connection (as OpenAI's SDKs do) gets every reply from serve and
+  from kvshare-decoder without waiting for its own delayed ACK (both set TCP_NODELAY);
 - with LLAMA_SERVER=path, the file route against a real llama-server as the decoder
   (skipped with a message otherwise).
 
 usage: hybrid_e2e.py BIN_DIR      (exit 77 = skipped: a tool of the reference pair is missing)
 """
 import concurrent.futures
+import http.client
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 
 from hybrid_common import Serve, chat_reply_of, check, run_tests, temp_dir, wait_until
 
@@ -197,6 +201,47 @@ def test_real_llama_server_on_the_file_route():
             check(prompt_n == 1, "llama-server evaluated %s prompt tokens after the restore" % prompt_n)
         check(len(serve.wait_count(FILE_LINE, len(PROMPTS))) == len(PROMPTS),
               "\n".join(serve.lines))
+    finally:
+        serve.stop()
+
+
+def first_byte_ms_on_one_connection(port, count, stream):
+    """Sends `count` completions over one kept connection; the time to each reply's first
+    body byte, in ms."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = json.dumps({"prompt": "Tell me about the sea.", "max_tokens": 4, "temperature": 0, "stream": stream})
+    times = []
+    try:
+        for _ in range(count):
+            start = time.monotonic()
+            conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            check(response.status == 200, "status %d" % response.status)
+            check(response.read(1) != b"", "an empty reply")
+            times.append((time.monotonic() - start) * 1000)
+            response.read()
+            check(not response.will_close, "the server closed the kept connection")
+    finally:
+        conn.close()
+    return times
+
+
+def test_a_kept_connection_gets_each_reply_without_waiting_for_a_delayed_ack():
+    # Regression: a reply is its head and then its body, two writes. With Nagle's algorithm
+    # on (httplib's default), the body waited for the client's ACK of the head, which a
+    # kept connection delays: every reply after the first came 40 ms late (the kernel's
+    # minimum delayed-ACK time), through serve and from the decoder directly.
+    serve = start("cpu", TOOLS["kvshare-decoder"])
+    try:
+        listening = serve.wait_line("kvshare-serve: listening on")
+        found = re.search(r"decoder \S+ on 127\.0\.0\.1:(\d+)", listening)
+        check(found, "no decoder port in %r" % listening)
+        decoder_port = int(found.group(1))
+        for name, port in (("kvshare-serve", serve.port), ("kvshare-decoder", decoder_port)):
+            for stream in (False, True):
+                times = first_byte_ms_on_one_connection(port, 6, stream)
+                check(min(times[1:]) < 35, "%s (stream %s): every reply on a kept connection took >= 35 ms to its "
+                      "first byte: %s" % (name, stream, ["%.1f" % t for t in times]))
     finally:
         serve.stop()
 
