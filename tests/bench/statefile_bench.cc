@@ -2,7 +2,9 @@
 // Qwen3-Coder-30B-A3B shape (48 layers, 4 KV heads x 128, f16, flash attention on), beside a
 // memcpy of the same bytes and a plain write()/read() of them, all in one run.
 // Group flags (after --): --dir PATH (default $TMPDIR or /tmp), --buffered (writer/reader
-// without O_DIRECT; the default is the library's: O_DIRECT where the filesystem allows it).
+// without O_DIRECT; the default is the library's: O_DIRECT where the filesystem allows it),
+// --rows f16 (the provider hands f16 rows, the cache's own type, copied without conversion;
+// the default f32 is what the reference and XDNA providers hand: twice the bytes to read).
 #include <benchmark/benchmark.h>
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -34,6 +36,7 @@ constexpr uint32_t kEmbdGqa = 4 * 128;
 struct Settings {
   std::filesystem::path dir;
   bool direct = true;
+  layout::GgmlType rows = layout::GgmlType::F32;
 };
 
 Settings& settings() {
@@ -88,7 +91,8 @@ Result<void> write_state_file(const std::filesystem::path& path, uint32_t n_toke
   auto writer = statefile::StateFileWriter::create(path, qwen3_coder_shape(n_tokens), tokens,
                                                    static_cast<int32_t>(n_tokens), options);
   if (!writer) return fail(writer.error());
-  const statefile::RowsView view{layout::GgmlType::F32, rows.data(), n_tokens, 0};
+  // f16 rows reuse the first half of the f32 buffer: copied unchanged, their values do not matter.
+  const statefile::RowsView view{settings().rows, rows.data(), n_tokens, 0};
   for (uint32_t il = 0; il < kLayers; ++il)
     if (auto rc = writer->write_layer(il, view, view); !rc) return rc;
   auto info = writer->commit();
@@ -273,8 +277,10 @@ int iterations_for(int tokens, bool smoke) {
 void register_all(const BenchArgs& args) {
   Settings& s = settings();
   s.dir = scratch_dir(args);
-  for (const std::string& flag : args.rest)
-    if (flag == "--buffered") s.direct = false;
+  for (size_t i = 0; i < args.rest.size(); ++i) {
+    if (args.rest[i] == "--buffered") s.direct = false;
+    if (args.rest[i] == "--rows" && i + 1 < args.rest.size() && args.rest[i + 1] == "f16") s.rows = layout::GgmlType::F16;
+  }
   std::vector<int> tokens = args.tokens;
   if (tokens.empty()) tokens = args.smoke ? std::vector<int>{16} : std::vector<int>{307, 4096, 32768};
   for (int n : tokens) {
@@ -308,9 +314,9 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
     tokens.push_back(std::stoi(run->name.substr(std::string("statefile/memcpy/").size())));
   if (!args.json)
     fmt::print("\nstatefile ({} layers x {} K/V elements, f16, FA on; dir {}, O_DIRECT {} (files >= 1 GiB); "
-               "f32->f16 via {})\n{:>7} {:>12} {:>9} {:>11} {:>20} {:>10} {:>9} {:>20} {:>5} {:>9} {:>9}\n",
+               "provider rows {}, f32->f16 via {})\n{:>7} {:>12} {:>9} {:>11} {:>20} {:>10} {:>9} {:>20} {:>5} {:>9} {:>9}\n",
                kLayers, kEmbdGqa, settings().dir.string(), settings().direct ? "on" : "off",
-               layout::convert_backend_name(), "tokens", "bytes", "write", "plain_wr", "ratio [p25..p75]", "read",
+               settings().rows == layout::GgmlType::F16 ? "f16" : "f32", layout::convert_backend_name(), "tokens", "bytes", "write", "plain_wr", "ratio [p25..p75]", "read",
                "plain_rd", "ratio [p25..p75]", "cold", "memcpy", "convert");
   for (int n : tokens) {
     const uint64_t bytes = file_bytes(static_cast<uint32_t>(n));
@@ -329,9 +335,9 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
                  "\"plain_write_gbps\":{:.3f},\"plain_read_gbps\":{:.3f},\"memcpy_gbps\":{:.3f},"
                  "\"convert_gbps\":{:.3f},\"write_ratio\":{:.3f},\"write_ratio_p25\":{:.3f},\"write_ratio_p75\":{:.3f},"
                  "\"read_ratio\":{:.3f},\"read_ratio_p25\":{:.3f},\"read_ratio_p75\":{:.3f},\"read_cold\":{},"
-                 "\"direct\":{}}}\n",
+                 "\"direct\":{},\"rows\":\"{}\"}}\n",
                  n, bytes, w, r, pw, pr, m, c, wr, wr25, wr75, rr, rr25, rr75, cold ? "true" : "false",
-                 settings().direct ? "true" : "false");
+                 settings().direct ? "true" : "false", settings().rows == layout::GgmlType::F16 ? "f16" : "f32");
     else
       fmt::print("{:>7} {:>12} {:>9.2f} {:>11.2f} {:>20} {:>10.2f} {:>9.2f} {:>20} {:>5} {:>9.2f} {:>9.2f}\n", n, bytes, w,
                  pw, fmt::format("{:.2f} [{:.2f}..{:.2f}]", wr, wr25, wr75), r, pr,
