@@ -49,13 +49,20 @@ class CollectingReporter : public benchmark::ConsoleReporter {
   bool quiet_;
 };
 
-void print_usage() {
-  std::fprintf(stderr,
+// To stdout for --help, to stderr after a bad argument.
+void print_usage(std::FILE* to = stderr) {
+  std::fprintf(to,
                "usage: kvshare-bench GROUP [--json] [--smoke] [--tokens N[,N...]] [--benchmark_* flags] [-- group flags]\n"
                "       kvshare-bench route [--backend PATH] [--provider PATH] ...   (another decoder, e.g. llama-server)\n"
                "       kvshare-bench all --smoke   (every group, tiny sizes: a check that they run)\n\n"
                "groups:\n");
-  for (const auto& [name, group] : groups()) std::fprintf(stderr, "  %-10s %s\n", name.c_str(), group.help.c_str());
+  for (const auto& [name, group] : groups()) std::fprintf(to, "  %-10s %s\n", name.c_str(), group.help.c_str());
+  std::fprintf(to,
+               "\ngroup flags (after --):\n"
+               "  equal, handoff, statefile   --dir PATH   where files are written (default $TMPDIR, else /tmp)\n"
+               "  statefile                   --buffered   no O_DIRECT for the writer and reader\n"
+               "  statefile                   --rows f16   provider rows already f16 (default f32: converted)\n"
+               "  route                       --rounds N   paired rounds per length\n");
 }
 
 int run_group(const Group& group, const BenchArgs& args, std::vector<char*> gbench_argv) {
@@ -96,9 +103,14 @@ double median_seconds(const std::vector<RunResult>& runs, const std::string& nam
 int main(int argc, char** argv) {
   using namespace kvshare::bench;
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
-    print_usage();
+    print_usage(argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
   }
+  for (int i = 2; i < argc && std::strcmp(argv[i], "--") != 0; ++i)
+    if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
+      print_usage(stdout);
+      return 0;
+    }
   std::string group_name = argv[1];
   kvshare::refmodel::reexec_with_best_blas_kernels(argv);  // the prefill group's BLAS speed
   // OpenBLAS starts its worker threads when the library loads, and they spin in
