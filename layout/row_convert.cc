@@ -353,6 +353,7 @@ void dequantize_q8_K(const BlockQ8_K* x, float* y, int64_t n) {
 struct Backend {
   void (*fp32_to_fp16)(const float*, uint16_t*, int64_t);
   void (*fp32_to_q8_0)(const float*, void*, int64_t);
+  void (*fp16_to_fp32)(const uint16_t*, float*, int64_t);
   void (*copy)(void*, const void*, size_t);
   void (*copy_stream)(void*, const void*, size_t);             // fence left to the caller
   void (*fp32_to_fp16_stream)(const float*, uint16_t*, int64_t);  // fence left to the caller
@@ -365,11 +366,11 @@ void no_fence() {}
 const Backend& backend() {
   static const Backend chosen = kernels::cpu_has_avx2_f16c()
                                     ? Backend{kernels::fp32_to_fp16_avx2, kernels::fp32_to_q8_0_avx2,
-                                              kernels::copy_bytes_streaming_avx2, kernels::copy_bytes_stream_nofence_avx2,
+                                              kernels::fp16_to_fp32_avx2, kernels::copy_bytes_streaming_avx2, kernels::copy_bytes_stream_nofence_avx2,
                                               kernels::fp32_to_fp16_stream_nofence_avx2, kernels::store_fence,
                                               "avx2+f16c"}
                                     : Backend{kernels::fp32_to_fp16_scalar, kernels::fp32_to_q8_0_scalar,
-                                              kernels::copy_bytes, kernels::copy_bytes, kernels::fp32_to_fp16_scalar,
+                                              kernels::fp16_to_fp32_scalar, kernels::copy_bytes, kernels::copy_bytes, kernels::fp32_to_fp16_scalar,
                                               no_fence, "scalar"};
   return chosen;
 }
@@ -378,7 +379,7 @@ const Backend& backend() {
 void source_to_fp32(GgmlType src_type, const void* src, float* dst, int64_t n) {
   switch (src_type) {
     case GgmlType::F32: std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float)); return;
-    case GgmlType::F16: kernels::fp16_to_fp32_scalar(static_cast<const uint16_t*>(src), dst, n); return;
+    case GgmlType::F16: backend().fp16_to_fp32(static_cast<const uint16_t*>(src), dst, n); return;
     case GgmlType::BF16: {
       const auto* s = static_cast<const uint16_t*>(src);
       for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_fp32(s[i]);

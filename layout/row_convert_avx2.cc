@@ -76,6 +76,13 @@ KVSHARE_AVX2 void fp32_to_fp16_avx2(const float* src, uint16_t* dst, int64_t n) 
   for (; i < n; ++i) dst[i] = fp32_to_fp16(src[i]);
 }
 
+KVSHARE_AVX2 void fp16_to_fp32_avx2(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  for (; i < n; ++i) dst[i] = fp16_to_fp32(src[i]);
+}
+
 KVSHARE_AVX2 void fp32_to_q8_0_avx2(const float* src, void* dst, int64_t n) {
   auto* blocks = static_cast<blocks::BlockQ8_0*>(dst);
   const int64_t n_blocks = n / blocks::kQK8_0;

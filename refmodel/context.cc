@@ -240,7 +240,17 @@ class RefContext final : public Context {
       std::memcpy(&x[t * E], &W.tok_embd.data[static_cast<size_t>(tokens[t]) * E], E * sizeof(float));
 
     std::vector<float> cur(n * E), q(n * nq), k(n * kd), v(n * vd), attn(n * nq), o(n * E);
-    std::vector<float> kc(n_kv * kd), vc(n_kv * vd), scores(n * n_kv), gate(n * ff), up(n * ff), rows;
+    std::vector<float> gate(n * ff), up(n * ff), rows;
+    // The cache read back as f32 and the scores grow with the context: kept across calls,
+    // so a step at 4096 cells does not fault in megabytes of fresh pages (one minor fault
+    // per 4 KiB, 10-15 us each on a PVM guest) before its first multiply. Every element
+    // used is written before it is read (load_kv fills n_kv rows, sgemm has beta 0).
+    std::vector<float>& kc = cache_k_f32_;
+    std::vector<float>& vc = cache_v_f32_;
+    std::vector<float>& scores = scores_;
+    kc.resize(static_cast<size_t>(n_kv * kd));
+    vc.resize(static_cast<size_t>(n_kv * vd));
+    scores.resize(static_cast<size_t>(n * n_kv));
     const float kq_scale = 1.0f / std::sqrt(static_cast<float>(hd));
     const int64_t group = hp_.n_head / hp_.n_head_kv;
 
@@ -335,6 +345,7 @@ class RefContext final : public Context {
   uint64_t v_width_ = 0;
   int rot_k_ = 0, rot_v_ = 0;
   std::vector<float> scratch_;
+  std::vector<float> cache_k_f32_, cache_v_f32_, scores_;  // ubatch's, reused (see there)
 };
 
 }  // namespace

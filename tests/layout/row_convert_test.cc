@@ -81,6 +81,18 @@ TEST(RowConvertVector, ProducesTheSameF16BytesAsTheScalarKernel) {
   }
 }
 
+TEST(RowConvertVector, DecodesEveryHalfToTheSameFloatBitsAsTheScalarKernel) {
+  if (!kernels::cpu_has_avx2_f16c()) GTEST_SKIP() << "this CPU has no AVX2/F16C: only the scalar kernel runs";
+  std::vector<uint16_t> every(65536 + 5);  // all halves, then a tail shorter than one vector
+  for (size_t i = 0; i < every.size(); ++i) every[i] = static_cast<uint16_t>(i * 40503u);
+  for (size_t i = 0; i < 65536; ++i) every[i] = static_cast<uint16_t>(i);
+  std::vector<float> scalar(every.size()), vector(every.size());
+  kernels::fp16_to_fp32_scalar(every.data(), scalar.data(), static_cast<int64_t>(every.size()));
+  kernels::fp16_to_fp32_avx2(every.data(), vector.data(), static_cast<int64_t>(every.size()));
+  for (size_t i = 0; i < every.size(); ++i)
+    ASSERT_EQ(std::bit_cast<uint32_t>(vector[i]), std::bit_cast<uint32_t>(scalar[i])) << "half " << std::hex << every[i];
+}
+
 TEST(RowConvertVector, ProducesTheSameQ8_0BytesAsTheScalarKernel) {
   if (!kernels::cpu_has_avx2_f16c()) GTEST_SKIP() << "this CPU has no AVX2/F16C: only the scalar kernel runs";
   std::vector<float> input = awkward_floats(32 * 2000, 11);
