@@ -57,12 +57,12 @@ void print_usage(std::FILE* to = stderr) {
                "       kvshare-bench all --smoke   (every group, tiny sizes: a check that they run)\n\n"
                "groups:\n");
   for (const auto& [name, group] : groups()) std::fprintf(to, "  %-10s %s\n", name.c_str(), group.help.c_str());
-  std::fprintf(to,
-               "\ngroup flags (after --):\n"
-               "  equal, handoff, statefile   --dir PATH   where files are written (default $TMPDIR, else /tmp)\n"
-               "  statefile                   --buffered   no O_DIRECT for the writer and reader\n"
-               "  statefile                   --rows f16   provider rows already f16 (default f32: converted)\n"
-               "  route                       --rounds N   paired rounds per length\n");
+  std::fprintf(to, "\ngroup flags (after --):\n");
+  for (const auto& [name, group] : groups())
+    for (const GroupFlag& flag : group.flags) {
+      const std::string usage = flag.value.empty() ? flag.name : flag.name + " " + flag.value;
+      std::fprintf(to, "  %-10s %-22s %s\n", name.c_str(), usage.c_str(), flag.help.c_str());
+    }
 }
 
 int run_group(const Group& group, const BenchArgs& args, std::vector<char*> gbench_argv) {
@@ -80,6 +80,28 @@ int run_group(const Group& group, const BenchArgs& args, std::vector<char*> gben
 bool add_group(Group group) {
   std::string name = group.name;
   return groups().emplace(std::move(name), std::move(group)).second;
+}
+
+std::string check_group_flags(const Group& group, const std::vector<std::string>& rest) {
+  std::string takes;
+  for (const GroupFlag& flag : group.flags) takes += (takes.empty() ? "" : ", ") + flag.name + (flag.value.empty() ? "" : " " + flag.value);
+  if (takes.empty()) takes = "none";
+  for (size_t i = 0; i < rest.size(); ++i) {
+    const auto known = std::find_if(group.flags.begin(), group.flags.end(), [&](const GroupFlag& f) { return f.name == rest[i]; });
+    if (known == group.flags.end()) return "unknown flag \"" + rest[i] + "\" (this group takes: " + takes + ")";
+    if (known->value.empty()) continue;
+    if (i + 1 >= rest.size()) return known->name + " needs " + known->value;
+    const std::string& value = rest[++i];
+    if (known->value.find('|') != std::string::npos) {
+      const std::string choices = "|" + known->value + "|";
+      if (choices.find("|" + value + "|") == std::string::npos)
+        return known->name + " \"" + value + "\": not one of " + known->value;
+    } else if (known->value == "N" && (value.empty() || value.find_first_not_of("0123456789") != std::string::npos ||
+                                       std::atoi(value.c_str()) < 1)) {
+      return known->name + " \"" + value + "\": not a positive count";
+    }
+  }
+  return "";
 }
 
 std::vector<const RunResult*> runs_with_prefix(const std::vector<RunResult>& runs, const std::string& prefix) {
@@ -169,6 +191,10 @@ int main(int argc, char** argv) {
   gbench_argv.pop_back();
 
   if (group_name == "all") {
+    if (!args.rest.empty()) {
+      std::fprintf(stderr, "kvshare-bench all: group flags (\"%s\") go to one group, not to all\n", args.rest[0].c_str());
+      return 2;
+    }
     int rc = 0;
     for (const auto& [name, group] : groups()) {
       std::fprintf(stderr, "== kvshare-bench %s\n", name.c_str());
@@ -180,6 +206,10 @@ int main(int argc, char** argv) {
   if (it == groups().end()) {
     std::fprintf(stderr, "kvshare-bench: unknown group \"%s\"\n", group_name.c_str());
     print_usage();
+    return 2;
+  }
+  if (const std::string bad = check_group_flags(it->second, args.rest); !bad.empty()) {
+    std::fprintf(stderr, "kvshare-bench %s: %s\n", group_name.c_str(), bad.c_str());
     return 2;
   }
   return run_group(it->second, args, gbench_argv);

@@ -25,6 +25,13 @@ struct RunResult {
   std::map<std::string, double> counters;  // user counters, already finalised (rates per second)
 };
 
+// A flag a group takes after "--" (or, for route's --backend/--provider, before it).
+struct GroupFlag {
+  std::string name;     // "--rows"
+  std::string value;    // "" for a switch; else what follows, "PATH", "N", or choices "f16|f32"
+  std::string help;
+};
+
 struct Group {
   std::string name;
   std::string help;
@@ -32,7 +39,14 @@ struct Group {
   std::function<void(const BenchArgs&)> register_benchmarks;
   // Prints the table (or JSON lines) from this run's results. Returns the exit code.
   std::function<int(const std::vector<RunResult>&, const BenchArgs&)> report;
+  // The flags register_benchmarks reads from BenchArgs::rest; kvshare-bench refuses any
+  // other, and a choice or a count outside what the flag takes, before anything runs.
+  std::vector<GroupFlag> flags = {};
 };
+
+// Checks `rest` against `group`'s flags: "" when every flag is known and has its value,
+// else the message naming the flag and what the group takes.
+std::string check_group_flags(const Group& group, const std::vector<std::string>& rest);
 
 // Adds a group; used from a static initialiser in each <group>_bench.cc:
 //   static const bool registered = kvshare::bench::add_group({...});

@@ -309,6 +309,9 @@ const bool registered = add_group({
     "or the fresh mapping, + handshake + adopt; file: write + read + restore), paired",
     register_all,
     report,
+    {
+        {"--dir", "PATH", "where its files are written (default $TMPDIR, else /tmp)"},
+    },
 });
 
 }  // namespace

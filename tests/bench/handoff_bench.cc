@@ -202,6 +202,9 @@ const bool registered = add_group({
     "share route (fds over the socket + map + adopt) vs file route (state file write + read), side by side",
     register_all,
     report,
+    {
+        {"--dir", "PATH", "where its files are written (default $TMPDIR, else /tmp)"},
+    },
 });
 
 }  // namespace

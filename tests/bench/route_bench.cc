@@ -371,6 +371,11 @@ const bool registered = add_group({
     "overhead_ms (first byte - the provider's prefill_ms); --backend PATH for another decoder (llama-server)",
     register_all,
     report,
+    {
+        {"--backend", "PATH", "the decoder (default kvshare-decoder; a patched llama-server)"},
+        {"--provider", "PATH", "the provider (default kvshare-prefill, or llama-kvshare-prefill beside --backend)"},
+        {"--rounds", "N", "paired rounds per length (default 9)"},
+    },
 });
 
 }  // namespace

@@ -3,8 +3,9 @@
 // memcpy of the same bytes and a plain write()/read() of them, all in one run.
 // Group flags (after --): --dir PATH (default $TMPDIR or /tmp), --buffered (writer/reader
 // without O_DIRECT; the default is the library's: O_DIRECT where the filesystem allows it),
-// --rows f16 (the provider hands f16 rows, the cache's own type, copied without conversion;
-// the default f32 is what the reference and XDNA providers hand: twice the bytes to read).
+// --rows f32|f16 (f16: the provider hands rows in the cache's own type, copied without
+// conversion; the default f32 is what the reference and XDNA providers hand: twice the
+// bytes to read).
 #include <benchmark/benchmark.h>
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -279,7 +280,8 @@ void register_all(const BenchArgs& args) {
   s.dir = scratch_dir(args);
   for (size_t i = 0; i < args.rest.size(); ++i) {
     if (args.rest[i] == "--buffered") s.direct = false;
-    if (args.rest[i] == "--rows" && i + 1 < args.rest.size() && args.rest[i + 1] == "f16") s.rows = layout::GgmlType::F16;
+    if (args.rest[i] == "--rows" && i + 1 < args.rest.size())  // f32|f16, checked by kvshare-bench
+      s.rows = args.rest[i + 1] == "f16" ? layout::GgmlType::F16 : layout::GgmlType::F32;
   }
   std::vector<int> tokens = args.tokens;
   if (tokens.empty()) tokens = args.smoke ? std::vector<int>{16} : std::vector<int>{307, 4096, 32768};
@@ -354,6 +356,11 @@ const bool registered = add_group({
     "sequence-state file write/read vs plain write()/read() and memcpy (Qwen3-Coder-30B-A3B shape)",
     register_all,
     report,
+    {
+        {"--dir", "PATH", "where its files are written (default $TMPDIR, else /tmp)"},
+        {"--buffered", "", "no O_DIRECT for the writer and the reader"},
+        {"--rows", "f32|f16", "the provider's rows: f32 (default, converted) or already f16 (copied)"},
+    },
 });
 
 }  // namespace
