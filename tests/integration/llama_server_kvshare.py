@@ -157,13 +157,21 @@ def check_shared_route(provider, kv_tolerance):
         code = serve.stop()
     check(code == 0, "serve exit code %d" % code)
     check(os.listdir(SERVE_TMP) == [], "left behind in TMPDIR: %s" % os.listdir(SERVE_TMP))
+    return list(serve.lines)
 
 
 def test_shared_route_with_llama_kvshare_prefill_hands_over_the_decoders_own_kv():
     if not os.access(LLAMA_PREFILL, os.X_OK):
         print("SKIP: no llama-kvshare-prefill at %s (set LLAMA_KVSHARE_PREFILL)" % LLAMA_PREFILL)
         return
-    check_shared_route(LLAMA_PREFILL, 0)
+    lines = check_shared_route(LLAMA_PREFILL, 0)
+    # Each prefill mapped in the cells it wrote before decoding (llama_kvshare_provider_prepare),
+    # instead of faulting in one 4 KiB page at a time through its fresh mapping.
+    mapped = [line for line in lines if re.search(r"llama-kvshare-prefill: shared route, \d+ tokens, \d+\.\d MiB of "
+                                                  r"the decoder's cells mapped in before the prefill", line)]
+    provider_lines = [line for line in lines if "llama-kvshare-prefill: " in line]
+    check(mapped and len(mapped) == len([line for line in provider_lines if "shared route" in line]),
+          "not every shared prefill mapped in its cells:\n%s" % "\n".join(provider_lines))
 
 
 def test_shared_route_with_the_reference_provider_matches_cpu():
