@@ -366,12 +366,13 @@ void no_fence() {}
 const Backend& backend() {
   static const Backend chosen = kernels::cpu_has_avx2_f16c()
                                     ? Backend{kernels::fp32_to_fp16_avx2, kernels::fp32_to_q8_0_avx2,
-                                              kernels::fp16_to_fp32_avx2, kernels::copy_bytes_streaming_avx2, kernels::copy_bytes_stream_nofence_avx2,
+                                              kernels::fp16_to_fp32_avx2, kernels::copy_bytes_streaming_avx2,
+                                              kernels::copy_bytes_stream_nofence_avx2,
                                               kernels::fp32_to_fp16_stream_nofence_avx2, kernels::store_fence,
                                               "avx2+f16c"}
                                     : Backend{kernels::fp32_to_fp16_scalar, kernels::fp32_to_q8_0_scalar,
-                                              kernels::fp16_to_fp32_scalar, kernels::copy_bytes, kernels::copy_bytes, kernels::fp32_to_fp16_scalar,
-                                              no_fence, "scalar"};
+                                              kernels::fp16_to_fp32_scalar, kernels::copy_bytes, kernels::copy_bytes,
+                                              kernels::fp32_to_fp16_scalar, no_fence, "scalar"};
   return chosen;
 }
 

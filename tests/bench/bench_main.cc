@@ -49,6 +49,9 @@ class CollectingReporter : public benchmark::ConsoleReporter {
   bool quiet_;
 };
 
+// "--rows f32|f16", "--buffered".
+std::string flag_usage(const GroupFlag& flag) { return flag.value.empty() ? flag.name : flag.name + " " + flag.value; }
+
 // To stdout for --help, to stderr after a bad argument.
 void print_usage(std::FILE* to = stderr) {
   std::fprintf(to,
@@ -59,10 +62,8 @@ void print_usage(std::FILE* to = stderr) {
   for (const auto& [name, group] : groups()) std::fprintf(to, "  %-10s %s\n", name.c_str(), group.help.c_str());
   std::fprintf(to, "\ngroup flags (after --):\n");
   for (const auto& [name, group] : groups())
-    for (const GroupFlag& flag : group.flags) {
-      const std::string usage = flag.value.empty() ? flag.name : flag.name + " " + flag.value;
-      std::fprintf(to, "  %-10s %-22s %s\n", name.c_str(), usage.c_str(), flag.help.c_str());
-    }
+    for (const GroupFlag& flag : group.flags)
+      std::fprintf(to, "  %-10s %-22s %s\n", name.c_str(), flag_usage(flag).c_str(), flag.help.c_str());
 }
 
 int run_group(const Group& group, const BenchArgs& args, std::vector<char*> gbench_argv) {
@@ -83,23 +84,22 @@ bool add_group(Group group) {
 }
 
 std::string check_group_flags(const Group& group, const std::vector<std::string>& rest) {
-  std::string takes;
-  for (const GroupFlag& flag : group.flags) takes += (takes.empty() ? "" : ", ") + flag.name + (flag.value.empty() ? "" : " " + flag.value);
-  if (takes.empty()) takes = "none";
   for (size_t i = 0; i < rest.size(); ++i) {
-    const auto known = std::find_if(group.flags.begin(), group.flags.end(), [&](const GroupFlag& f) { return f.name == rest[i]; });
-    if (known == group.flags.end()) return "unknown flag \"" + rest[i] + "\" (this group takes: " + takes + ")";
+    const auto known =
+        std::find_if(group.flags.begin(), group.flags.end(), [&](const GroupFlag& f) { return f.name == rest[i]; });
+    if (known == group.flags.end()) {
+      std::string takes;
+      for (const GroupFlag& flag : group.flags) takes += (takes.empty() ? "" : ", ") + flag_usage(flag);
+      return "unknown flag \"" + rest[i] + "\" (this group takes: " + (takes.empty() ? "none" : takes) + ")";
+    }
     if (known->value.empty()) continue;
     if (i + 1 >= rest.size()) return known->name + " needs " + known->value;
     const std::string& value = rest[++i];
-    if (known->value.find('|') != std::string::npos) {
-      const std::string choices = "|" + known->value + "|";
-      if (choices.find("|" + value + "|") == std::string::npos)
-        return known->name + " \"" + value + "\": not one of " + known->value;
-    } else if (known->value == "N" && (value.empty() || value.find_first_not_of("0123456789") != std::string::npos ||
-                                       std::atoi(value.c_str()) < 1)) {
+    const bool is_choice = known->value.find('|') != std::string::npos;
+    if (is_choice && ("|" + known->value + "|").find("|" + value + "|") == std::string::npos)
+      return known->name + " \"" + value + "\": not one of " + known->value;
+    if (known->value == "N" && (value.find_first_not_of("0123456789") != std::string::npos || std::atoi(value.c_str()) < 1))
       return known->name + " \"" + value + "\": not a positive count";
-    }
   }
   return "";
 }

@@ -206,6 +206,18 @@ def test_a_cache_that_cannot_be_exported_degrades_to_501_and_the_file_route():
         serve.stop()
 
 
+def receive_the_share(listener, n_fds):
+    """Takes the one share message the server sends to `listener` (then closed), checks it
+    carries the `n_fds` descriptors the share reply announced, and closes them."""
+    conn, _ = listener.accept()
+    _, fds, _, _ = socket.recv_fds(conn, 1 << 20, 16)
+    conn.close()
+    listener.close()
+    check(len(fds) == n_fds, "%d fds for n_fds %d" % (len(fds), n_fds))
+    for fd in fds:
+        os.close(fd)
+
+
 def test_the_real_server_refuses_what_kvshare_decoder_refuses():
     serve = start("hybrid", kv_share=True)
     try:
@@ -226,13 +238,7 @@ def test_the_real_server_refuses_what_kvshare_decoder_refuses():
         check(status == 200, "share: %s %s" % (status, shared))
         check(list(shared) == ["id_slot", "share_id", "backend", "n_fds", "region_bytes", "timings"],
               "share reply keys %s" % list(shared))
-        conn, _ = listener.accept()
-        msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 16)
-        conn.close()
-        listener.close()
-        check(len(fds) == shared["n_fds"], "%d fds for n_fds %d" % (len(fds), shared["n_fds"]))
-        for fd in fds:
-            os.close(fd)
+        receive_the_share(listener, shared["n_fds"])
         share_id = shared["share_id"]
         status, body = decoder_post(port, "/slots/0?action=adopt", {"tokens": [1, 2, 3], "share_id": share_id + 1})
         check(status == 400, "adopt of a share_id never given: %s %s" % (status, body))
@@ -304,13 +310,7 @@ def test_serves_api_key_guards_its_clients_and_the_real_servers_share():
         status, body = decoder_post(port, "/slots/0?action=share", {"socket": sock_path}, key=key)
         check(status == 200, "share with the key: %s %s" % (status, body))
         listener.settimeout(10)
-        conn, _ = listener.accept()
-        _, fds, _, _ = socket.recv_fds(conn, 1 << 20, 16)
-        conn.close()
-        listener.close()
-        check(len(fds) == body["n_fds"], "%d fds for n_fds %d" % (len(fds), body["n_fds"]))
-        for fd in fds:
-            os.close(fd)
+        receive_the_share(listener, body["n_fds"])
     finally:
         code = serve.stop()
     check(code == 0, "serve exit code %d" % code)
