@@ -192,15 +192,19 @@ std::string encode_json(const Message& message) {
   return text;
 }
 
+std::vector<std::byte> length_prefixed(std::string_view body) {
+  std::vector<std::byte> frame(kLengthBytes + body.size());
+  const uint32_t length = static_cast<uint32_t>(body.size());
+  for (size_t i = 0; i < kLengthBytes; ++i) frame[i] = static_cast<std::byte>((length >> (8 * i)) & 0xff);
+  std::memcpy(frame.data() + kLengthBytes, body.data(), body.size());
+  return frame;
+}
+
 Result<std::vector<std::byte>> encode_frame(const Message& message) {
   const std::string json = encode_json(message);
   if (json.size() > kMaxMessageBytes)
     return fail(EMSGSIZE, "handshake message is {} bytes, the limit is {}", json.size(), kMaxMessageBytes);
-  std::vector<std::byte> frame(kLengthBytes + json.size());
-  const uint32_t length = static_cast<uint32_t>(json.size());
-  for (size_t i = 0; i < kLengthBytes; ++i) frame[i] = static_cast<std::byte>((length >> (8 * i)) & 0xff);
-  std::memcpy(frame.data() + kLengthBytes, json.data(), json.size());
-  return frame;
+  return length_prefixed(json);
 }
 
 namespace {

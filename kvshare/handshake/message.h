@@ -61,6 +61,9 @@ struct Message {
 
 // The JSON text of `message` (compact, keys in the documented order).
 std::string encode_json(const Message& message);
+// `body` behind its u32 little-endian length (the caller bounds the size): the framing every
+// message on our AF_UNIX sockets uses, the handshake's and the remote receiver's.
+std::vector<std::byte> length_prefixed(std::string_view body);
 // Length prefix + JSON. Fails with EMSGSIZE past kMaxMessageBytes.
 Result<std::vector<std::byte>> encode_frame(const Message& message);
 

@@ -206,20 +206,14 @@ Result<Fd> connect_checked_listener(const std::string& path, int timeout_ms) {
   return connection;
 }
 
-Result<void> send_message(int socket_fd, const Message& message, std::span<const int> fds, int timeout_ms) {
+Result<void> send_frame(int socket_fd, std::span<const std::byte> frame, std::span<const int> fds, int timeout_ms,
+                        std::string_view what) {
   if (fds.size() > kMaxFds) return fail(EINVAL, "cannot send {} fds in one message, the limit is {}", fds.size(), kMaxFds);
-  if (message.type == MessageType::share && fds.size() != message.fds.size())
-    return fail(EINVAL, "share message declares {} fds, {} given", message.fds.size(), fds.size());
-  if (message.type == MessageType::refuse && !fds.empty())
-    return fail(EINVAL, "a refusal carries no fds, {} given", fds.size());
-  auto frame = encode_frame(message);
-  if (!frame) return fail(frame.error());
-
   const Deadline deadline(timeout_ms);
   alignas(cmsghdr) unsigned char control[kControlBytes];
   size_t sent = 0;
-  while (sent < frame->size()) {
-    iovec iov{frame->data() + sent, frame->size() - sent};
+  while (sent < frame.size()) {
+    iovec iov{const_cast<std::byte*>(frame.data()) + sent, frame.size() - sent};
     msghdr msg{};
     msg.msg_iov = &iov;
     msg.msg_iovlen = 1;
@@ -240,23 +234,34 @@ Result<void> send_message(int socket_fd, const Message& message, std::span<const
       if (errno == EAGAIN) {
         const int waited = wait_for(socket_fd, POLLOUT, deadline);
         if (waited != 0)
-          return fail(waited, "sending handshake on socket fd {}: {} of {} bytes sent", socket_fd, sent, frame->size());
+          return fail(waited, "sending {} on socket fd {}: {} of {} bytes sent", what, socket_fd, sent, frame.size());
         continue;
       }
-      return fail(errno, "sending handshake on socket fd {}: {} of {} bytes sent", socket_fd, sent, frame->size());
+      return fail(errno, "sending {} on socket fd {}: {} of {} bytes sent", what, socket_fd, sent, frame.size());
     }
     sent += static_cast<size_t>(n);
   }
   return {};
 }
 
-Result<ReceivedMessage> receive_message(int socket_fd, int timeout_ms, std::string_view peer,
-                                        std::string_view known_header, int cancel_fd) {
-  ReceivedMessage received;
+Result<void> send_message(int socket_fd, const Message& message, std::span<const int> fds, int timeout_ms) {
+  if (fds.size() > kMaxFds) return fail(EINVAL, "cannot send {} fds in one message, the limit is {}", fds.size(), kMaxFds);
+  if (message.type == MessageType::share && fds.size() != message.fds.size())
+    return fail(EINVAL, "share message declares {} fds, {} given", message.fds.size(), fds.size());
+  if (message.type == MessageType::refuse && !fds.empty())
+    return fail(EINVAL, "a refusal carries no fds, {} given", fds.size());
+  auto frame = encode_frame(message);
+  if (!frame) return fail(frame.error());
+  return send_frame(socket_fd, *frame, fds, timeout_ms, "handshake");
+}
+
+Result<ReceivedFrame> receive_frame(int socket_fd, int timeout_ms, std::string_view peer, int cancel_fd,
+                                    std::string_view what, uint32_t max_bytes) {
+  ReceivedFrame received;
   const Deadline deadline(timeout_ms);
   alignas(cmsghdr) unsigned char control[kControlBytes];
   std::byte prefix[kLengthBytes];
-  std::vector<std::byte> body;
+  std::vector<std::byte>& body = received.body;
   size_t got = 0;  // bytes of the frame read so far
   size_t total = kLengthBytes;
 
@@ -275,42 +280,50 @@ Result<ReceivedMessage> receive_message(int socket_fd, int timeout_ms, std::stri
       if (errno == EAGAIN) {
         const int waited = wait_for(socket_fd, POLLIN, deadline, cancel_fd);
         if (waited != 0)
-          return fail(waited, "receiving handshake from {}: {} of {} bytes read", peer, got,
+          return fail(waited, "receiving {} from {}: {} of {} bytes read", what, peer, got,
                       got < kLengthBytes ? std::string("?") : std::to_string(total));
         continue;
       }
-      return fail(errno, "receiving handshake from {}: recvmsg on socket fd {} at byte {}", peer, socket_fd, got);
+      return fail(errno, "receiving {} from {}: recvmsg on socket fd {} at byte {}", what, peer, socket_fd, got);
     }
     // Wrap the fds before anything else: an early return must not leak a peer's descriptors.
     const size_t fds_before = received.fds.size();
     if (msg.msg_controllen > 0) take_fds(msg, received.fds);
     if (msg.msg_flags & MSG_CTRUNC)
-      return fail(EPROTO, "receiving handshake from {}: recvmsg on socket fd {}: control data truncated (MSG_CTRUNC), "
-                  "{} fds closed", peer, socket_fd, received.fds.size());
+      return fail(EPROTO, "receiving {} from {}: recvmsg on socket fd {}: control data truncated (MSG_CTRUNC), "
+                  "{} fds closed", what, peer, socket_fd, received.fds.size());
     if (received.fds.size() > fds_before && got > 0)
-      return fail(EPROTO, "receiving handshake from {}: {} fds arrived at byte {}, not with the first bytes; all closed",
-                  peer, received.fds.size() - fds_before, got);
+      return fail(EPROTO, "receiving {} from {}: {} fds arrived at byte {}, not with the first bytes; all closed",
+                  what, peer, received.fds.size() - fds_before, got);
     if (received.fds.size() > kMaxFds)
-      return fail(EPROTO, "receiving handshake from {}: {} fds, the limit is {}; all closed", peer, received.fds.size(),
-                  kMaxFds);
+      return fail(EPROTO, "receiving {} from {}: {} fds, the limit is {}; all closed", what, peer,
+                  received.fds.size(), kMaxFds);
     if (n == 0)
-      return fail(EPROTO, "receiving handshake from {}: short read: peer closed the socket at byte {} of {}", peer, got,
+      return fail(EPROTO, "receiving {} from {}: short read: peer closed the socket at byte {} of {}", what, peer, got,
                   got < kLengthBytes ? std::string("the length prefix") : std::to_string(total));
     got += static_cast<size_t>(n);
     if (got == kLengthBytes && total == kLengthBytes) {
       uint32_t length = 0;
       for (size_t i = 0; i < kLengthBytes; ++i) length |= static_cast<uint32_t>(prefix[i]) << (8 * i);
-      if (length > kMaxMessageBytes)
-        return fail(EMSGSIZE, "receiving handshake from {}: length prefix says {} bytes, the limit is {}", peer, length,
-                    kMaxMessageBytes);
-      if (length == 0) return fail(EPROTO, "receiving handshake from {}: length prefix is 0", peer);
+      if (length > max_bytes)
+        return fail(EMSGSIZE, "receiving {} from {}: length prefix says {} bytes, the limit is {}", what, peer, length,
+                    max_bytes);
+      if (length == 0) return fail(EPROTO, "receiving {} from {}: length prefix is 0", what, peer);
       body.resize(length);
       total = kLengthBytes + length;
     }
   }
+  return received;
+}
 
-  auto message =
-      parse_json(std::string_view(reinterpret_cast<const char*>(body.data()), body.size()), peer, known_header);
+Result<ReceivedMessage> receive_message(int socket_fd, int timeout_ms, std::string_view peer,
+                                        std::string_view known_header, int cancel_fd) {
+  auto frame = receive_frame(socket_fd, timeout_ms, peer, cancel_fd);
+  if (!frame) return fail(frame.error());
+  ReceivedMessage received;
+  received.fds = std::move(frame->fds);
+  auto message = parse_json(std::string_view(reinterpret_cast<const char*>(frame->body.data()), frame->body.size()),
+                            peer, known_header);
   if (!message) return fail(message.error());
   const size_t declared = message->type == MessageType::share ? message->fds.size() : 0;
   if (received.fds.size() > declared)

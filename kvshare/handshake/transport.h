@@ -51,6 +51,15 @@ Result<Fd> connect_checked_listener(const std::string& path, int timeout_ms);
 // abstract-namespace path is visible as one.
 std::string printable_path(std::string_view path);
 
+// Sends `frame` (a u32 little-endian length prefix and its body, as encode_frame or
+// length_prefixed makes it) on the stream socket `socket_fd` (borrowed), with `fds`
+// (borrowed: the kernel passes duplicates) in SCM_RIGHTS on the first sendmsg. Resumes short
+// sends, retries EINTR, waits (poll) on EAGAIN; blocks at most `timeout_ms`. `what` names
+// the frame in errors ("handshake", "remote receiver request"). EINVAL past kMaxFds fds,
+// EPIPE if the peer left, ETIMEDOUT.
+Result<void> send_frame(int socket_fd, std::span<const std::byte> frame, std::span<const int> fds, int timeout_ms,
+                        std::string_view what);
+
 // Sends `message` as one frame on `socket_fd` (borrowed), with `fds` (borrowed: the
 // kernel passes duplicates; ours stay open) in SCM_RIGHTS on the first sendmsg, which
 // always carries the length prefix. Resumes short sends; retries EINTR; waits (poll) on
@@ -63,6 +72,17 @@ struct ReceivedMessage {
   Message message;
   std::vector<Fd> fds;   // in SCM_RIGHTS order = message.fds order
 };
+
+struct ReceivedFrame {
+  std::vector<std::byte> body;  // the bytes after the length prefix
+  std::vector<Fd> fds;          // whatever SCM_RIGHTS brought with the first bytes
+};
+
+// Receives one length-prefixed frame (at most `max_bytes` of body) from `socket_fd`
+// (borrowed) with MSG_CMSG_CLOEXEC; every fd that arrives becomes an Fd at once. The
+// errors of receive_message below, with `what` naming the frame; the body is not parsed.
+Result<ReceivedFrame> receive_frame(int socket_fd, int timeout_ms, std::string_view peer, int cancel_fd = -1,
+                                    std::string_view what = "handshake", uint32_t max_bytes = kMaxMessageBytes);
 
 // Receives one frame from `socket_fd` (borrowed) with MSG_CMSG_CLOEXEC. Every fd that
 // arrives becomes an Fd before a byte of JSON is parsed, so each error closes them all.
