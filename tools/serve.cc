@@ -23,6 +23,10 @@ int main(int argc, char** argv) {
   app.add_option("--prefill-remote", config.prefill_remote,
                  "http://HOST:PORT of a kvshare-provider-server: prompts are prefilled there and their KV moved into "
                  "the decoder over UCX (docs/remote.md)");
+  std::string remote_key_file;
+  app.add_option("--prefill-remote-key-file", remote_key_file,
+                 "a file whose first key goes to the provider server as \"Authorization: Bearer KEY\" (else "
+                 "KVSHARE_REMOTE_KEY; never on the command line, which any local user can read)");
   app.add_option("--host", config.host, "address to listen on")->capture_default_str();
   app.add_option("--port", config.port, "port to listen on (0: any free port)")->capture_default_str();
   auto* ctx = app.add_option("-c,--ctx-size", config.ctx_size, "decoder context (tokens)")->capture_default_str();
@@ -63,8 +67,16 @@ int main(int argc, char** argv) {
   // The decoder child inherits the environment, not a command line any user can read;
   // no thread exists yet, so setenv is safe here.
   if (!api_key.empty()) ::setenv("LLAMA_API_KEY", api_key.c_str(), 1);
-  // The decoder child starts its UCX receiver when it sees this (kvshare-decoder does).
-  if (!config.prefill_remote.empty()) ::setenv("KVSHARE_REMOTE", "ucx", 1);
+  if (const char* remote_key = std::getenv("KVSHARE_REMOTE_KEY")) config.prefill_remote_key = remote_key;
+  if (!remote_key_file.empty()) {
+    auto keys = read_api_key_file(remote_key_file);
+    if (!keys || keys->empty()) {
+      std::fprintf(stderr, "kvshare-serve: --prefill-remote-key-file %s: %s\n", remote_key_file.c_str(),
+                   keys ? "holds no key (one per line, # for comments)" : keys.error().what().c_str());
+      return 2;
+    }
+    config.prefill_remote_key = keys->front();
+  }
   config.kv_flags_given = ctx->count() + fa->count() + ctk->count() + ctv->count() > 0;
   if (mtp) config.refused_flags.push_back("--mtp");
   if (dflash) config.refused_flags.push_back("--dflash");

@@ -106,6 +106,8 @@ Result<std::unique_ptr<DecoderProcess>> DecoderProcess::start(const ServeConfig&
     if (!port) return fail(port.error());
     decoder->port_ = *port;
     decoder->command_ = backend_command(config, backend, decoder->slot_dir_.string(), decoder->port_);
+    // The remote route takes the decoder's region by the share handshake: it must export.
+    if (!config.prefill_remote.empty()) decoder->env_ = {"ONEBIT_KV_SHARE=1"};
     auto ready = decoder->start_on_port(deadline, ready_timeout);
     if (!ready) return fail(ready.error());
     if (*ready == Readiness::ready) break;
@@ -123,6 +125,7 @@ Result<DecoderProcess::Readiness> DecoderProcess::start_on_port(std::chrono::ste
   SpawnOptions options;
   options.die_with_parent = true;
   options.stdout_to_stderr = true;  // serve's stdout is for serve; the decoder's log goes to stderr
+  options.env = env_;
   auto child = ChildProcess::spawn(command_, options);
   if (!child) return fail(child.error().with_context("starting the decoder " + join_command(command_)));
   child_ = std::move(*child);

@@ -66,6 +66,7 @@ class DecoderProcess {
   void watch();
 
   std::vector<std::string> command_;
+  std::vector<std::string> env_;  // "NAME=VALUE" set for the decoder on top of serve's environment
   std::filesystem::path slot_dir_;
   int port_ = 0;
   pid_t pid_ = -1;

@@ -4,10 +4,12 @@
 #include <fmt/ranges.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <fstream>
 
 #include "kvshare/env.h"
+#include "kvshare/route/remote_receiver_process.h"
 #include "kvshare/route/state_version_probe.h"
 #include "kvshare/share/broker.h"
 
@@ -260,60 +262,133 @@ StepResult shared_route(const HandoffContext& context, std::span<const int32_t> 
   return {Step::handed_off, "", ""};
 }
 
-// The remote route (docs/remote.md): the decoder grants the prompt's cells to a remote
-// provider (share, transport ucx), the provider server prefills and writes them over UCX,
-// and the decoder adopts them once the provider's completion matches. Before the share
-// nothing has changed; after it the slot's cells may hold a peer's partial work, so every
-// failure from there erases the slot (the decoder revokes the share first).
-StepResult remote_route(const HandoffContext& context, std::span<const int32_t> handoff_ids, HandoffReport& report) {
+// The remote route (docs/remote.md): the decoder shares its region with serve's resident
+// receiver process (the ordinary share handshake, every check of the local shared route),
+// the receiver grants the prompt's cells to the provider server, which prefills and writes
+// them over UCX, and the decoder adopts them once the receiver found the provider's
+// completion matching. Until the grant no peer can write, so a failure takes the local
+// route; from the grant on the cells may hold a peer's partial work, so every failure
+// revokes the grant first (or kills the receiver, which ends every write with its
+// mappings), then erases the slot and forwards the request.
+StepResult remote_route(const HandoffContext& context, std::span<const int32_t> handoff_ids, uint64_t sequence,
+                        HandoffReport& report) {
   const ServeConfig& config = *context.config;
+  RemoteReceiverProcess& receiver = *context.remote_receiver;
   auto url = parse_prefill_remote_url(config.prefill_remote);
   if (!url) return {Step::take_file_route, "remote_url", url.error().what()};
+  if (auto up = receiver.ensure_running(); !up)
+    return {Step::take_file_route,
+            up.error().errno_value() == EAGAIN ? "remote_receiver_restarting" : "remote_receiver_died",
+            up.error().what()};
+  // A receiver that could not do what was asked, or that is gone (ESRCH: then it was reaped).
+  auto receiver_failed = [](const Error& error) {
+    return error.errno_value() == ESRCH ? std::string("remote_receiver_died") : std::string("remote_receiver_failed");
+  };
+  auto ask = [&](const layout::ReceiverRequest& request, std::chrono::milliseconds timeout) -> Result<layout::ReceiverReply> {
+    auto reply = receiver.call(request, timeout);
+    if (!reply) return fail(reply.error());
+    if (!reply->ok)
+      return fail(reply->error_errno == 0 ? EIO : reply->error_errno, "the remote receiver refused to {}: {}",
+                  layout::receiver_op_name(request.op), reply->error);
+    return reply;
+  };
+  // Safety nets for a busy machine, not measurements: each bounds a wait the receiver has
+  // its own, shorter bound for (the decoder's message, the completion, the drain).
+  const std::chrono::milliseconds call_timeout = std::max(context.handshake_timeout, std::chrono::milliseconds(60000));
+
+  layout::ReceiverRequest listen;
+  listen.op = layout::ReceiverOp::listen;
+  listen.socket_name = fmt::format("kvshare-remote-{}.sock", sequence);
+  auto listening = ask(listen, call_timeout);
+  if (!listening) return {Step::take_file_route, receiver_failed(listening.error()), listening.error().what()};
   if (!context.slot->wait_idle(provider_timeout(config)))
     return {Step::take_file_route, "decoder_busy", "the decoder is still generating an earlier reply"};
+  // Drops the receiver's socket when the share does not come to a grant.
+  auto drop_listen = [&] {
+    layout::ReceiverRequest revoke;
+    revoke.op = layout::ReceiverOp::revoke;
+    revoke.why = "the decoder did not share";
+    (void)receiver.call(revoke, call_timeout);
+  };
   const auto share_start = std::chrono::steady_clock::now();
-  auto shared = context.decoder->slot_action(
-      "share", Json{{"transport", "ucx"}, {"n_tokens", handoff_ids.size()}});
+  auto shared = context.decoder->slot_action("share", Json{{"socket", listening->socket_path}});
+  if (!shared) {
+    drop_listen();
+    return {Step::take_file_route, "handshake_failed", shared.error().what()};
+  }
+  if (!shared->ok()) {
+    drop_listen();
+    return {Step::take_file_route, "share_refused",
+            fmt::format("the decoder refused to share ({}: {})", shared->status, shared->error_message)};
+  }
+  layout::ReceiverRequest grant;
+  grant.op = layout::ReceiverOp::grant;
+  grant.n_cells = static_cast<uint32_t>(handoff_ids.size());
+  grant.timeout_ms = static_cast<uint64_t>(provider_timeout(config).count());
+  auto granted = ask(grant, call_timeout);
   const double share_wall_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - share_start).count();
-  if (!shared) return {Step::take_file_route, "remote_share_failed", shared.error().what()};
-  if (!shared->ok() || !shared->body.contains("offer") || !shared->body["share_id"].is_number_unsigned())
-    return {Step::take_file_route, "remote_share_refused",
-            fmt::format("the decoder refused a remote share ({}: {})", shared->status, shared->error_message)};
-  const uint64_t share_id = shared->body["share_id"].get<uint64_t>();
-  // The decoder forgot slot 0's tokens when it granted the cells: from here a failure
-  // erases (which also revokes the share) and the decoder prefills the prompt itself.
-  auto after_share = [&](std::string reason, std::string why) {
+  if (!granted)
+    return {Step::take_file_route, receiver_failed(granted.error()),
+            fmt::format("the decoder's share did not reach a grant ({})", granted.error().what())};
+  // The message on the receiver's socket must be the share this request asked for.
+  if (!shared->body.contains("share_id") || !shared->body["share_id"].is_number_unsigned() ||
+      shared->body["share_id"].get<uint64_t>() != granted->share_id) {
+    drop_listen();
+    return {Step::take_file_route, "handshake_failed",
+            fmt::format("the share reply says share_id {}, the message the receiver took says {}",
+                        shared->body.value("share_id", Json()).dump(), granted->share_id)};
+  }
+  const uint64_t share_id = granted->share_id;
+  const uint64_t grant_id = granted->offer.value("share_id", uint64_t{0});
+  // From here a peer may write the granted cells: revoke (or kill the receiver), then erase.
+  auto after_grant = [&](std::string reason, std::string why) {
+    layout::ReceiverRequest revoke;
+    revoke.op = layout::ReceiverOp::revoke;
+    revoke.why = "the handoff failed";
+    if (auto revoked = receiver.call(revoke, call_timeout); !revoked) {
+      reason = receiver_failed(revoked.error());
+      why = fmt::format("{}; {}", why, revoked.error().what());
+    }
     const bool erased = erase_slot(context);
     return forward_because(std::move(reason), std::move(why), !erased);
   };
-  const DecoderClient provider(url->host, url->port, provider_timeout(config));
-  const Json prefill_body = {{"tokens", ids_json(handoff_ids)}, {"share", shared->body["offer"]}};
+  const DecoderClient provider(url->host, url->port, provider_timeout(config), config.prefill_remote_key);
+  const Json prefill_body = {{"tokens", ids_json(handoff_ids)}, {"share", granted->offer}};
   const auto prefill_start = std::chrono::steady_clock::now();
   auto prefilled = provider.post_json("/prefill", prefill_body.dump());
-  const double prefill_wall_ms =
+  report.prefill_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - prefill_start).count();
-  report.prefill_ms = prefill_wall_ms;
   if (!prefilled)
-    return after_share("remote_provider_failed",
-                       fmt::format("the remote provider {} did not answer: {}", config.prefill_remote,
-                                   prefilled.error().what()));
+    return after_grant("remote_provider_failed", fmt::format("the remote provider {} did not answer: {}",
+                                                             config.prefill_remote, prefilled.error().what()));
   if (prefilled->status != 200)
-    return after_share("remote_provider_failed",
+    return after_grant("remote_provider_failed",
                        fmt::format("the remote provider {} answered {}: {}", config.prefill_remote, prefilled->status,
                                    error_message_of(prefilled->body)));
   const Json answer = Json::parse(prefilled->body, nullptr, false);
   if (answer.is_object() && answer.contains("prefill_ms") && answer["prefill_ms"].is_number())
     report.prefill_ms = answer["prefill_ms"].get<double>();
+  layout::ReceiverRequest complete;
+  complete.op = layout::ReceiverOp::complete;
+  complete.grant_id = grant_id;
+  complete.n_tokens = static_cast<uint32_t>(handoff_ids.size());
   const auto adopt_start = std::chrono::steady_clock::now();
+  auto completed = ask(complete, call_timeout);
+  if (!completed) return after_grant(receiver_failed(completed.error()), completed.error().what());
   const Json body = {{"tokens", ids_json(handoff_ids)}, {"share_id", share_id}, {"leave_one_token", true}};
   auto adopted = context.decoder->slot_action("adopt", body);
   const double adopt_wall_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - adopt_start).count();
-  if (!adopted || !adopted->ok())
-    return after_share("adopt_failed", adopted ? fmt::format("POST /slots/0?action=adopt answered {}: {}",
-                                                             adopted->status, adopted->error_message)
-                                               : adopted.error().what());
+  if (!adopted || !adopted->ok()) {
+    const bool erased = erase_slot(context);
+    return forward_because("adopt_failed",
+                           adopted ? fmt::format("POST /slots/0?action=adopt answered {}: {}", adopted->status,
+                                                 adopted->error_message)
+                                   : adopted.error().what(),
+                           !erased);
+  }
+  receiver.note_success();
   report.handoff_ms = shared->timings_ms().value_or(share_wall_ms) + adopted->timings_ms().value_or(adopt_wall_ms);
   return {Step::handed_off, "", ""};
 }
@@ -413,7 +488,7 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
     return fall_back("ids_file_failed", written.error().what());
 
   if (!context.config->prefill_remote.empty()) {
-    StepResult remote = remote_route(context, handoff_ids, report);
+    StepResult remote = remote_route(context, handoff_ids, sequence, report);
     if (remote.step == Step::handed_off) {
       report.route = HandoffRoute::remote;
       report.body = forward_body(request);

@@ -25,6 +25,8 @@
 
 namespace kvshare::route {
 
+class RemoteReceiverProcess;
+
 enum class Endpoint { chat_completions, completions };
 std::string_view endpoint_path(Endpoint endpoint);
 
@@ -74,6 +76,8 @@ struct HandoffContext {
   Metrics* metrics = nullptr;
   LogSink log;
   std::chrono::milliseconds handshake_timeout{10000};
+  // The resident kvshare-remote-receiver, when serve has --prefill-remote (else null).
+  RemoteReceiverProcess* remote_receiver = nullptr;
   // The state-file version the decoder restores (probed at start), 0 when unknown: then a
   // provider's file goes to the restore unchecked and the decoder's refusal is the check; a
   // refused restore probes again and keeps what it learns (hence mutable, atomic).

@@ -36,6 +36,8 @@ class Metrics {
   void count_fallback(const std::string& reason);
   void count_request(const std::string& endpoint);
   void count_prompt_not_reused();
+  // serve started kvshare-remote-receiver again after it had exited.
+  void count_receiver_restart();
   // A relayed reply that ended before its last byte; by: "client" (it left) | "decoder"
   // (its stream broke).
   void count_reply_cut(const std::string& by);
@@ -50,6 +52,7 @@ class Metrics {
   std::map<std::string, unsigned long long> fallbacks_;
   std::map<std::string, unsigned long long> requests_;
   unsigned long long prompt_not_reused_ = 0;
+  unsigned long long receiver_restarts_ = 0;
   std::map<std::string, unsigned long long> replies_cut_;
   std::map<std::string, Histogram> prefill_ms_, handoff_ms_, first_byte_ms_;
 };

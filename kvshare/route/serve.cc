@@ -20,6 +20,7 @@
 #include "kvshare/route/listen_socket.h"
 #include "kvshare/route/metrics.h"
 #include "kvshare/route/prompt_n_scanner.h"
+#include "kvshare/route/remote_receiver_process.h"
 #include "kvshare/route/slot_queue.h"
 #include "kvshare/route/state_version_probe.h"
 #include "kvshare/route/upstream_stream.h"
@@ -119,6 +120,7 @@ class Server {
   const ServeRuntime& runtime_;
   std::unique_ptr<DecoderProcess> decoder_;
   std::unique_ptr<DecoderClient> client_;
+  std::unique_ptr<RemoteReceiverProcess> remote_receiver_;  // --prefill-remote only
   httplib::Server http_;
   SlotQueue slot_;
   Metrics metrics_;
@@ -231,6 +233,21 @@ int Server::run() {
   context_.metrics = &metrics_;
   context_.log = log_line;
   context_.handshake_timeout = runtime_.handshake_timeout;
+  if (hybrid_active() && !config_.prefill_remote.empty()) {
+    // Started now, so the first request does not pay for it; a start that fails is the
+    // first request's fallback (and the next one's retry), never serve's exit.
+    RemoteReceiverProcess::Options receiver_options;
+    receiver_options.program = runtime_.serve_dir / "kvshare-remote-receiver";
+    receiver_options.private_dir = decoder_->slot_dir();
+    receiver_options.log = log_line;
+    receiver_options.metrics = &metrics_;
+    remote_receiver_ = std::make_unique<RemoteReceiverProcess>(std::move(receiver_options));
+    if (auto up = remote_receiver_->ensure_running(); up)
+      log_line(fmt::format("kvshare-serve: remote receiver running (pid {})", remote_receiver_->pid()));
+    else
+      log_line(fmt::format("kvshare-serve: {}", up.error().what()));
+    context_.remote_receiver = remote_receiver_.get();
+  }
   if (hybrid_active()) {
     auto version = probe_decoder_state_version(*client_, decoder_->slot_dir());
     if (version) {
@@ -344,6 +361,7 @@ int Server::run() {
   http_.listen_after_bind();
   listen_ended = true;
   signal_thread.join();
+  remote_receiver_.reset();
   decoder_->stop();
   return decoder_died_ ? 1 : 0;
 }

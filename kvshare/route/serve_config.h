@@ -23,6 +23,7 @@ struct ServeConfig {
   Device device = Device::hybrid;         // --device
   std::string prefill_provider;           // --prefill-provider, else ONEBIT_HYBRID_PREFILL
   std::string prefill_remote;             // --prefill-remote URL: a kvshare-provider-server (docs/remote.md)
+  std::string prefill_remote_key;         // KVSHARE_REMOTE_KEY or --prefill-remote-key-file: the provider server's key
   std::string elfs_dir;                   // ONEBIT_HYBRID_ELFS: adds --elfs DIR to the provider
   std::string host = "127.0.0.1";         // --host (serve's own listening address)
   int port = 8080;                        // --port (0: any free port, printed at start)

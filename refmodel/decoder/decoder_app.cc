@@ -147,8 +147,6 @@ int run_decoder(const DecoderOptions& options) {
   // "Set and non-empty", as the seed's decoder reads it: ONEBIT_KV_SHARE=0 is on too.
   const char* share_flag = std::getenv("ONEBIT_KV_SHARE");
   engine_options.share_requested = share_flag != nullptr && share_flag[0] != '\0';
-  const char* remote_flag = std::getenv("KVSHARE_REMOTE");
-  engine_options.remote_requested = remote_flag != nullptr && remote_flag[0] != '\0';
   auto engine = load_refmodel_engine(engine_options);
   if (!engine) {
     std::fprintf(stderr, "kvshare-decoder: %s\n", engine.error().what().c_str());

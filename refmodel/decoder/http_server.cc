@@ -12,7 +12,6 @@
 #include <stdexcept>
 #include <thread>
 
-#include "kvshare/remote/remote_offer.h"
 #include "kvshare/route/api_key.h"
 #include "refmodel/decoder/api_error.h"
 #include "refmodel/decoder/completion.h"
@@ -393,26 +392,8 @@ void DecoderServer::Impl::handle_slots_action(const httplib::Request& req, httpl
     const int32_t n_erased = slot->erase();
     return reply_json(res, 200, Json{{"id_slot", id_slot}, {"n_erased", n_erased}});
   }
-  if (action == "share") {
-    auto request = parse_share_request(req.body);
-    if (request && request->is_remote) {
-      auto shared = slot->share_remote(request->n_tokens);
-      if (!shared) return reply_error(res, shared.error());
-      return reply_json(res, 200,
-                        Json{{"id_slot", id_slot},
-                             {"share_id", shared->offer.share_id},
-                             {"transport", "ucx"},
-                             {"offer", Json::parse(remote::to_json(shared->offer).dump())},
-                             {"timings", Json{{"share_ms", shared->ms}}}});
-    }
-  }
-  // A remote share's adopt needs no local export: only the receiver's word.
-  const bool is_remote_adopt = action == "adopt" && [&] {
-    auto request = parse_adopt_request(req.body);
-    return request && eng().is_remote_share(request->share_id);
-  }();
   if (action == "share" || action == "adopt") {
-    if (!is_remote_adopt && eng().share_availability() != ShareAvailability::enabled) {
+    if (eng().share_availability() != ShareAvailability::enabled) {
       return reply_error(res, ApiError{ErrorType::not_supported, eng().share_refusal() +
                                                                      ". Use the state-file route (?action=restore)."});
     }

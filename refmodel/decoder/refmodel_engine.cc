@@ -11,7 +11,6 @@
 
 #include "kvshare/mapping.h"
 #include "kvshare/region/backend.h"
-#include "kvshare/remote/remote_receiver.h"
 #include "kvshare/share/decoder_share.h"
 #include "kvshare/statefile/state_file_reader.h"
 #include "kvshare/statefile/state_file_writer.h"
@@ -45,37 +44,6 @@ class RefModelEngine final : public SlotEngine {
         share_(share),
         share_failure_(std::move(share_failure)) {}
 
-  // Starts the remote receiver over this engine's chunks (after construction: the chunks
-  // must be where the context reads them).
-  void start_remote(const layout::ShareHeader& header) {
-    std::vector<std::span<std::byte>> chunks(kv_.chunks.begin(), kv_.chunks.end());
-    auto receiver = remote::RemoteReceiver::start(header, std::move(chunks), [](const std::string& line) {
-      std::fprintf(stderr, "kvshare-decoder: %s\n", line.c_str());
-    });
-    if (!receiver) {
-      remote_failure_ = receiver.error().what();
-      std::fprintf(stderr, "kvshare-decoder: remote route off: %s\n", remote_failure_.c_str());
-      return;
-    }
-    remote_ = std::move(*receiver);
-    std::fprintf(stderr, "kvshare-decoder: remote route: UCX receiver over %zu chunk(s), registered once\n",
-                 kv_.chunks.size());
-  }
-
-  Result<remote::RemoteOffer> share_remote(uint32_t n_cells) override {
-    if (remote_ == nullptr)
-      return remote_failure_.empty() ? SlotEngine::share_remote(n_cells) : fail(ENOTSUP, "{}", remote_failure_);
-    // A remote share replaces a local one: the local id goes stale with it.
-    sent_share_id_ = 0;
-    return remote_->grant(n_cells);
-  }
-
-  bool is_remote_share(uint64_t share_id) const override { return remote_ != nullptr && remote_->issued(share_id); }
-
-  void revoke_remote(std::string_view why) override {
-    if (remote_ != nullptr) remote_->revoke(why);
-  }
-
   const ModelInfo& info() const override { return info_; }
   int32_t n_ctx() const override { return context_->n_ctx(); }
   int32_t n_vocab() const override { return model_->tokenizer().n_vocab(); }
@@ -98,8 +66,6 @@ class RefModelEngine final : public SlotEngine {
   }
 
   Result<std::vector<float>> eval(std::span<const int32_t> tokens, int32_t pos0) override {
-    // The owner revokes first: no remote write may land in cells being evaluated.
-    revoke_remote("the decoder evaluates into its cells");
     return context_->decode(tokens, pos0);
   }
 
@@ -127,15 +93,6 @@ class RefModelEngine final : public SlotEngine {
 
   // No data moves: the provider wrote cells 0..n-1 of the region the context reads.
   tl::expected<void, AdoptError> adopt(std::span<const int32_t> tokens, uint64_t share_id) override {
-    if (is_remote_share(share_id)) {
-      auto done = remote_->complete(share_id, static_cast<uint32_t>(tokens.size()));
-      if (done) return {};
-      const int e = done.error().errno_value();
-      return tl::unexpected(AdoptError{e == ESTALE   ? AdoptRefusal::stale_share_id
-                                       : e == ERANGE ? AdoptRefusal::too_many_tokens
-                                                     : AdoptRefusal::other,
-                                       done.error()});
-    }
     if (shared_ == nullptr || !shared_->can_share()) {
       return tl::unexpected(AdoptError{AdoptRefusal::other, Error(ENOTSUP, share_refusal())});
     }
@@ -195,8 +152,6 @@ class RefModelEngine final : public SlotEngine {
   ShareAvailability share_;
   std::string share_failure_;                    // why export failed, for the 501
   uint64_t sent_share_id_ = 0;                   // the latest share that reached a broker
-  std::unique_ptr<remote::RemoteReceiver> remote_;  // null unless KVSHARE_REMOTE and UCX work
-  std::string remote_failure_;                   // why the receiver did not start
   mutable std::mutex control_mutex_;
   mutable std::unordered_map<int32_t, bool> control_cache_;
 };
@@ -252,7 +207,6 @@ Result<uint64_t> RefModelEngine::save_state(const std::filesystem::path& path, s
 }
 
 Result<RestoredState> RefModelEngine::restore_state(const std::filesystem::path& path, uint32_t max_tokens) {
-  revoke_remote("a state file is restored into the cells");
   const layout::MemoryShape& memory = kv_.memory;
   const layout::KvCacheShape& cache = memory.kv_caches.front();
   auto file = statefile::read_state_file(path, &memory);
@@ -390,17 +344,9 @@ Result<std::unique_ptr<SlotEngine>> load_refmodel_engine(const RefEngineOptions&
   info.n_ctx_train = static_cast<int32_t>((*model)->shape().n_ctx_train);
   info.n_embd = static_cast<int32_t>((*model)->shape().n_embd);
   info.size_bytes = owned->size();
-  std::optional<layout::ShareHeader> remote_header;
-  if (options.remote_requested) {
-    const auto fingerprint = layout::model_fingerprint((*model)->metadata(), (*model)->tensor_infos());
-    auto header = layout::make_share_header(fingerprint, (*model)->shape(), params);
-    if (!header) return fail(header.error().with_context(fmt::format("model {}", options.model_path.string())));
-    remote_header = std::move(*header);
-  }
   auto engine = std::make_unique<RefModelEngine>(*model, std::move(*context), std::move(kv), std::move(buffers),
                                                  std::move(shared), std::move(info), share, std::move(share_failure),
                                                  options.state_version);
-  if (remote_header) engine->start_remote(*remote_header);
   return std::unique_ptr<SlotEngine>(std::move(engine));
 }
 

@@ -22,10 +22,6 @@ struct RefEngineOptions {
   // share/adopt work. When no backend can export, the engine says so on stderr once and
   // answers share with the "cannot export" refusal.
   bool share_requested = false;
-  // KVSHARE_REMOTE was set: register the cache's chunks with UCX once and start a remote
-  // receiver, so share {"transport":"ucx"} works (docs/remote.md). When that fails the
-  // engine says why on stderr once and answers remote shares with ENOTSUP.
-  bool remote_requested = false;
   // The LLAMA_STATE_SEQ_VERSION this decoder mirrors: its saves write it and its restores
   // refuse any other, as llama_state_seq_load_file does (2: llama-server d32676d, 3: current).
   uint32_t state_version = layout::kStateSeqVersionLatest;

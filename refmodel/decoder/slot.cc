@@ -360,7 +360,6 @@ ApiResult<SlotFileReply> Slot::restore(const std::string& filename, const std::f
 
 int32_t Slot::erase() {
   std::lock_guard work(work_);
-  engine_.revoke_remote("the slot was erased");
   const auto n_erased = static_cast<int32_t>(tokens_.size());
   set_tokens({});
   return n_erased;
@@ -379,22 +378,6 @@ ApiResult<Slot::ShareResult> Slot::share(const std::string& socket_path) {
     return api_fail(type, "Unable to share the KV cache: " + shared.error().what());
   }
   return ShareResult{*shared, ms_since(t_start)};
-}
-
-ApiResult<Slot::RemoteShareResult> Slot::share_remote(uint32_t n_tokens) {
-  std::lock_guard work(work_);
-  const auto t_start = Clock::now();
-  if (static_cast<int64_t>(n_tokens) >= n_ctx())
-    return api_fail(ErrorType::invalid_request, fmt::format("share: {} tokens do not fit the slot's context of {} "
-                                                            "cells (at most {})", n_tokens, n_ctx(), n_ctx() - 1));
-  set_tokens({});
-  auto offer = engine_.share_remote(n_tokens);
-  if (!offer) {
-    std::fprintf(stderr, "kvshare-decoder: slot %d: remote share failed: %s\n", id_, offer.error().what().c_str());
-    const ErrorType type = offer.error().errno_value() == ENOTSUP ? ErrorType::not_supported : ErrorType::server;
-    return api_fail(type, "Unable to share the KV cache remotely: " + offer.error().what());
-  }
-  return RemoteShareResult{std::move(*offer), ms_since(t_start)};
 }
 
 ApiResult<Slot::AdoptResult> Slot::adopt(std::span<const int32_t> tokens, uint64_t share_id) {

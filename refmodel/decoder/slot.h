@@ -65,13 +65,6 @@ class Slot {
     double ms = 0.0;
   };
   ApiResult<ShareResult> share(const std::string& socket_path);
-  struct RemoteShareResult {
-    remote::RemoteOffer offer;
-    double ms = 0.0;
-  };
-  // Grants cells 0..n_tokens-1 to a remote provider. The slot forgets its tokens first:
-  // from now on those cells hold whatever the provider writes.
-  ApiResult<RemoteShareResult> share_remote(uint32_t n_tokens);
   struct AdoptResult {
     int32_t n_adopted = 0;
     double ms = 0.0;

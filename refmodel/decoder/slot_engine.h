@@ -12,7 +12,6 @@
 #include <string_view>
 #include <vector>
 
-#include "kvshare/remote/remote_offer.h"
 #include "layout/error.h"
 #include "refmodel/engine.h"
 
@@ -102,17 +101,6 @@ class SlotEngine {
   // of share `share_id` wrote them. Refuses a share_id that is not the latest, or more
   // tokens than cells.
   virtual tl::expected<void, AdoptError> adopt(std::span<const int32_t> tokens, uint64_t share_id) = 0;
-
-  // The remote route (docs/remote.md): grants cells 0..n_cells-1 to a remote provider
-  // and returns the offer it needs; every earlier share is stale from now on. A later
-  // adopt with the offer's share_id succeeds only after the provider's matching
-  // completion. ENOTSUP when this decoder has no remote receiver (KVSHARE_REMOTE unset,
-  // or built without UCX).
-  virtual Result<remote::RemoteOffer> share_remote(uint32_t n_cells);
-  // Whether `share_id` is the latest remote share this decoder granted.
-  virtual bool is_remote_share(uint64_t share_id) const;
-  // Stops accepting remote writes into the cells (before they are reused or erased).
-  virtual void revoke_remote(std::string_view why);
 };
 
 }  // namespace kvshare::decoder

@@ -35,20 +35,6 @@ ApiResult<SlotFileRequest> parse_slot_file_request(std::string_view body) {
 ApiResult<ShareRequest> parse_share_request(std::string_view body) {
   auto json = parse_action_body("share", body);
   if (!json) return tl::unexpected(json.error());
-  if (json->is_object() && json->contains("transport")) {
-    const Json& transport = json->at("transport");
-    if (!transport.is_string() || transport.get<std::string>() != "ucx")
-      return api_fail(ErrorType::invalid_request, "share: \"transport\" must be \"ucx\" (or absent for the local route)");
-    auto n = json->find("n_tokens");
-    if (n == json->end() || !n->is_number_unsigned() || n->get<uint64_t>() == 0 ||
-        n->get<uint64_t>() > std::numeric_limits<int32_t>::max())
-      return api_fail(ErrorType::invalid_request,
-                      "share: the remote body is {\"transport\": \"ucx\", \"n_tokens\": N} with N the cells to grant");
-    ShareRequest request;
-    request.is_remote = true;
-    request.n_tokens = static_cast<uint32_t>(n->get<uint64_t>());
-    return request;
-  }
   auto socket = json->is_object() ? json->find("socket") : json->end();
   if (!json->is_object() || socket == json->end() || !socket->is_string() || socket->get<std::string>().empty())
     return api_fail(ErrorType::invalid_request, "share: the body must be {\"socket\": \"<path of the AF_UNIX socket>\"}");

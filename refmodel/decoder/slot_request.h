@@ -20,14 +20,11 @@ struct SlotFileRequest {
 };
 ApiResult<SlotFileRequest> parse_slot_file_request(std::string_view body);
 
-// share: {"socket": "<path of the broker's AF_UNIX socket>"}, or for the remote route
-// {"transport": "ucx", "n_tokens": N} (the cells 0..N-1 a remote provider may write;
-// docs/remote.md); 400 otherwise. The path is checked by the one who connects
-// (handshake::connect_checked_listener), not here.
+// share: {"socket": "<path of the broker's AF_UNIX socket>"} (the remote route too: its
+// receiver process is that broker, docs/remote.md); 400 otherwise. The path is checked by
+// the one who connects (handshake::connect_checked_listener), not here.
 struct ShareRequest {
   std::string socket;
-  bool is_remote = false;   // "transport": "ucx"
-  uint32_t n_tokens = 0;    // remote: cells granted
 };
 ApiResult<ShareRequest> parse_share_request(std::string_view body);
 

@@ -13,12 +13,15 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "bench_registry.h"
+#include "kvshare/region/importer.h"
 #include "kvshare/remote/remote_receiver.h"
 #include "kvshare/remote/remote_sender.h"
+#include "kvshare/share/broker.h"
 #include "kvshare/statefile/state_file_reader.h"
 #include "kvshare/statefile/state_file_writer.h"
 #include "layout/model_shape.h"
@@ -165,12 +168,17 @@ void bm_file(benchmark::State& state) {
   set_bytes_rate(state, bytes);
 }
 
-// First token: a remote prefill (provider and decoder in this process, KV over UCX) then
-// the decoder's one-token eval, against the decoder evaluating the whole prompt itself.
+// First token: a remote prefill (provider, receiver and decoder in this process, KV over
+// UCX) then the decoder's one-token eval, against the decoder evaluating the whole prompt
+// itself. As on the route, the receiver maps the decoder's exported region, received by the
+// share handshake, and registers it once: here before the timed loop.
 struct FirstTokenSetup {
   std::string skip;
   std::unique_ptr<decoder::SlotEngine> engine;
   std::unique_ptr<refmodel::RemotePrefiller> prefiller;
+  std::optional<ImportedShare> region;
+  std::unique_ptr<remote::RemoteReceiver> receiver;
+  uint64_t share_id = 0;  // the decoder's, for the adopt
 
   FirstTokenSetup(uint32_t n_tokens, bool smoke) {
     ::setenv("UCX_TLS", "tcp", 0);
@@ -184,7 +192,7 @@ struct FirstTokenSetup {
     decoder::RefEngineOptions options;
     options.model_path = model;
     options.params.n_ctx = smoke ? 256 : 8192;
-    options.remote_requested = true;
+    options.share_requested = true;
     options.n_threads = 1;
     auto e = decoder::load_refmodel_engine(options);
     auto p = refmodel::RemotePrefiller::load(model.string(), 1);
@@ -196,6 +204,34 @@ struct FirstTokenSetup {
     }
     engine = std::move(*e);
     prefiller = std::move(*p);
+    auto broker = ShareBroker::listen();
+    if (!broker) {
+      skip = broker.error().what();
+      return;
+    }
+    auto shared = engine->share(broker->socket_path());
+    auto share = shared ? broker->receive(10000) : Result<ReceivedShare>(fail(shared.error()));
+    if (!share) {
+      skip = share.error().what();
+      return;
+    }
+    share_id = share->share_id;
+    std::vector<uint64_t> offsets;
+    for (const auto& entry : share->entries) offsets.push_back(entry.offset);
+    auto imported = ImportedShare::import(share->header.layout, std::move(share->fds), offsets, true);
+    if (!imported) {
+      skip = imported.error().what();
+      return;
+    }
+    region.emplace(std::move(*imported));
+    const auto chunks = region->chunk_bytes();
+    auto r = remote::RemoteReceiver::start(share->header, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
+                                           [](const std::string&) {});
+    if (!r) {
+      skip = r.error().what();
+      return;
+    }
+    receiver = std::move(*r);
     (void)n_tokens;
   }
 };
@@ -213,13 +249,15 @@ void bm_first_token_remote(benchmark::State& state, bool smoke) {
   const auto ids = prompt(n);
   const std::span<const int32_t> head(ids.data(), n - 1);
   for (auto _ : state) {
-    auto offer = setup.engine->share_remote(n - 1);
+    auto offer = setup.receiver->grant(n - 1);
     if (!offer) return state.SkipWithError(offer.error().what().c_str());
     auto pushed = setup.prefiller->run(head, *offer);
     if (!pushed) return state.SkipWithError(pushed.error().what().c_str());
     state.counters["forward_ms"] = pushed->forward_ms;
     state.counters["transfer_ms"] = pushed->transfer_ms;
-    if (auto adopted = setup.engine->adopt(head, offer->share_id); !adopted)
+    if (auto completed = setup.receiver->complete(offer->share_id, n - 1); !completed)
+      return state.SkipWithError(completed.error().what().c_str());
+    if (auto adopted = setup.engine->adopt(head, setup.share_id); !adopted)
       return state.SkipWithError(adopted.error().error.what().c_str());
     auto logits = setup.engine->eval(std::span(ids).subspan(n - 1), static_cast<int32_t>(n - 1));
     if (!logits) return state.SkipWithError(logits.error().what().c_str());

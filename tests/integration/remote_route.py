@@ -1,14 +1,19 @@
 #!/usr/bin/env python3
 """remote_route: the remote route end to end, kvshare-serve --prefill-remote with a
-kvshare-provider-server, the KV moved over UCX (UCX_TLS=tcp):
+kvshare-provider-server, the KV moved over UCX (UCX_TLS=tcp) into serve's resident
+kvshare-remote-receiver, which took the decoder's region by the share handshake. The
+decoder is kvshare-decoder, or with REMOTE_ROUTE_DECODER=llama-server the patched
+llama-server (LLAMA_SERVER_KVSHARE; exit 77 without it):
 
 - the greedy reply equals --device cpu's, prompt_n is 1, the log line says "share Y ms
   remote", and the decoder's KV after the handoff equals its own prefill's (kvshare-state diff);
-- a hostile peer (kvshare-remote-attack-peer) writing outside its share is refused, and
-  the decoder's cells and replies are unharmed;
+- a hostile provider (it hands its offer to kvshare-remote-attack-peer, which writes outside
+  the grant) is refused, the handoff falls back and the reply is unharmed;
 - every failure falls back and the reply is still right: no provider listening, a provider
-  of another model (refused before any byte moves), a provider killed mid-prefill, an
-  adopt without the provider's completion.
+  of another model (refused before any byte moves), a provider killed mid-prefill (10 times
+  in a row beside two busy loops), a provider that claims success without writing, the
+  receiver killed with SIGKILL or SIGSEGV mid-transfer (then serve starts another and later
+  requests take the route again); the decoder and serve never go down.
 
 usage: remote_route.py BIN_DIR TESTS_DIR [--netns]
   --netns: as root, the decoder side runs in one network namespace and the provider in
@@ -32,10 +37,22 @@ MODE = sys.argv[3] if len(sys.argv) > 3 else "--loopback"
 TOOLS = {name: os.path.join(BIN, name) for name in ("kvshare-serve", "kvshare-decoder", "kvshare-provider-server",
                                                     "kvshare-mkmodel", "kvshare-state", "kvshare-prefill")}
 ATTACK_PEER = os.path.join(TESTS, "kvshare-remote-attack-peer")
+TOOLS["kvshare-remote-receiver"] = os.path.join(BIN, "kvshare-remote-receiver")
 missing = [p for p in list(TOOLS.values()) + [ATTACK_PEER] if not os.access(p, os.X_OK)]
 if missing:
     print("SKIP remote_route: %s not built" % ", ".join(missing))
     sys.exit(77)
+DECODER_NAME = os.environ.get("REMOTE_ROUTE_DECODER", "kvshare-decoder")
+if DECODER_NAME == "llama-server":
+    DECODER = os.environ.get("LLAMA_SERVER_KVSHARE", "")
+    if not DECODER or not os.access(DECODER, os.X_OK):
+        print("SKIP remote_route (llama-server): set LLAMA_SERVER_KVSHARE=path of a llama-server built with "
+              "integrations/llama.cpp (scripts/build-llama-server.sh --with-kvshare; scripts/test.sh does)")
+        sys.exit(77)
+else:
+    DECODER = TOOLS["kvshare-decoder"]
+# The deployment's key for the serve -> provider-server hop, fresh per run.
+REMOTE_KEY = os.urandom(16).hex()
 
 NETNS_PREFIX = "kvsr%d" % os.getpid()
 
@@ -118,15 +135,24 @@ def request(text, stream=False, max_tokens=8):
 class Provider:
     """kvshare-provider-server (in namespace B with --netns), on a free port."""
 
-    def __init__(self, model=MODEL, extra=()):
-        self.proc = subprocess.Popen(PROVIDER_PREFIX + [TOOLS["kvshare-provider-server"], "-m", model, "--host",
-                                                        PROVIDER_HOST, "--port", "0", "-t", "2"] + list(extra),
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-        line = self.proc.stderr.readline().decode()
-        match = LISTEN_RE.search(line)
-        if not match:
+    def __init__(self, model=MODEL, extra=(), port=0):
+        # A given port was a killed provider's: it is free again once the kernel lets go of
+        # it, so a start that cannot bind it is tried again (bounded).
+        deadline = time.monotonic() + 60
+        while True:
+            self.proc = subprocess.Popen(PROVIDER_PREFIX + [TOOLS["kvshare-provider-server"], "-m", model, "--host",
+                                                            PROVIDER_HOST, "--port", str(port), "-t", "2"] + list(extra),
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                                         env=dict(os.environ, KVSHARE_REMOTE_KEY=REMOTE_KEY))
+            line = self.proc.stderr.readline().decode()
+            match = LISTEN_RE.search(line)
+            if match:
+                break
             self.stop()
-            raise Failure("the provider server did not start: %r" % line)
+            if port == 0 or time.monotonic() > deadline:
+                raise Failure("the provider server did not start: %r" % line)
+            time.sleep(0.05)  # polling for the port to be free, not a delay a test depends on
+        self.port = int(match.group(1))
         self.url = "http://%s:%s" % (PROVIDER_HOST, match.group(1))
 
     def stop(self, sig=signal.SIGTERM):
@@ -156,8 +182,9 @@ def stop_checked(serve):
 
 
 def start_serve(device, url=None, kv_flags=KV_FLAGS):
-    args = ["-m", MODEL, "--device", device, "--port", "0", "--backend", TOOLS["kvshare-decoder"]] + kv_flags
-    env = dict(DECODER_ENV, TMPDIR=SERVE_TMP, ONEBIT_HYBRID_PREFILL="", ONEBIT_KV_SHARE=None)
+    args = ["-m", MODEL, "--device", device, "--port", "0", "--backend", DECODER] + kv_flags
+    env = dict(DECODER_ENV, TMPDIR=SERVE_TMP, ONEBIT_HYBRID_PREFILL="", ONEBIT_KV_SHARE=None,
+               KVSHARE_REMOTE_KEY=REMOTE_KEY)
     if url:
         args += ["--prefill-remote", url]
     return Serve(TOOLS["kvshare-serve"], args, env, timeout=120)
@@ -297,65 +324,6 @@ def own_prefill_state(prompt):
         stop_checked(serve)
 
 
-class Decoder:
-    """kvshare-decoder alone, with its remote receiver (for the attack and adopt cases)."""
-
-    def __init__(self):
-        self.slots = os.path.join(WORK, "decoder-slots")
-        os.makedirs(self.slots, exist_ok=True)
-        self.serve = Serve(TOOLS["kvshare-decoder"], ["-m", MODEL, "--port", "0", "--slot-save-path", self.slots]
-                           + KV_FLAGS, dict(DECODER_ENV, KVSHARE_REMOTE="ucx", ONEBIT_KV_SHARE=None),
-                           expect_listen=False)
-        line = self.serve.wait_line(r"server is listening on http://127\.0\.0\.1:(\d+)", 60)
-        self.port = int(re.search(r":(\d+)$", line).group(1))
-        self.serve.wait_line("model loaded", 60)
-
-    def share(self, n_tokens):
-        status, data = decoder_post(self.port, "/slots/0?action=share", {"transport": "ucx", "n_tokens": n_tokens})
-        check(status == 200, "remote share: %d %s" % (status, data))
-        return json.loads(data)
-
-
-def test_a_peer_writing_outside_its_share_is_refused():
-    decoder = Decoder()
-    try:
-        before = decoder_post(decoder.port, "/v1/chat/completions", request(PROMPTS[2]))
-        shared = decoder.share(8)
-        offer_path = os.path.join(WORK, "offer.json")
-        with open(offer_path, "w") as f:
-            json.dump(shared["offer"], f)
-        prefix = PROVIDER_PREFIX
-        result = subprocess.run(prefix + [ATTACK_PEER, offer_path], capture_output=True, text=True, timeout=120)
-        check(result.returncode == 0, "the attack peer got a write accepted:\n%s%s" % (result.stdout, result.stderr))
-        check(result.stdout.count("refused:") == 5, "attack peer output:\n%s" % result.stdout)
-        check_no_sanitizer_report(result.stderr.splitlines(), "the attack peer")
-        decoder.serve.wait_line("remote write refused: share \\d+: remote write of \\d+ bytes .* outside cells 0..7", 10)
-        # The share is spoiled: its adopt is refused, with the first refusal as the reason.
-        status, data = decoder_post(decoder.port, "/slots/0?action=adopt",
-                                    {"tokens": [1] * 8, "share_id": shared["share_id"]})
-        check(status != 200 and b"outside cells" in data, "adopt after the attack: %d %s" % (status, data))
-        # The decoder still answers exactly as before.
-        after = decoder_post(decoder.port, "/v1/chat/completions", request(PROMPTS[2]))
-        check(json.loads(after[1])["choices"] == json.loads(before[1])["choices"], "reply changed after the attack")
-    finally:
-        stop_checked(decoder.serve)
-
-
-def test_adopt_without_the_providers_completion_is_refused():
-    decoder = Decoder()
-    try:
-        shared = decoder.share(4)
-        status, data = decoder_post(decoder.port, "/slots/0?action=adopt",
-                                    {"tokens": [1, 2, 3, 4], "share_id": shared["share_id"]})
-        check(status != 200 and b"partial transfer" in data, "adopt without completion: %d %s" % (status, data))
-        decoder.serve.wait_line("adopt refused: remote share \\d+: no completion message", 10)
-        status, data = decoder_post(decoder.port, "/slots/0?action=adopt",
-                                    {"tokens": [1, 2, 3, 4], "share_id": shared["share_id"]})
-        check(status != 200, "a second adopt of a revoked share was accepted: %s" % data)
-    finally:
-        stop_checked(decoder.serve)
-
-
 def test_no_provider_listening_falls_back():
     expect_fallback("http://%s:9" % PROVIDER_HOST, "remote_provider_failed", "did not answer")
 
@@ -375,34 +343,202 @@ def cpu_ticks(pid):
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
-def test_a_provider_killed_mid_prefill_falls_back():
+def kill_once_busy(pid, kill, idle_ticks):
+    """Calls kill() once process `pid` has burnt 50 ms of CPU past `idle_ticks` (mid-prefill:
+    the provider sends its rows layer by layer as it computes them), or after 60 s."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if cpu_ticks(pid) >= idle_ticks + 5:
+                break
+        except FileNotFoundError:
+            return
+        time.sleep(0.002)
+    kill()
+
+
+class BusyLoops:
+    """Two CPU burners beside the test (the 2-core CI machine, busy): bounded, always ended."""
+
+    def __enter__(self):
+        self.procs = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(2)]
+        return self
+
+    def __exit__(self, *exc):
+        for proc in self.procs:
+            proc.kill()
+            proc.wait(10)
+
+
+def serve_children_alive(serve):
+    """serve and its decoder are both still running."""
+    check(serve.proc.poll() is None, "kvshare-serve exited:\n%s" % "\n".join(serve.lines[-30:]))
+    port = decoder_port(serve)
+    status, data = decoder_get(port, "/health")
+    check(status == 200, "the decoder does not answer /health: %s %s" % (status, data))
+
+
+def decoder_get(port, path):
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", path)
+    response = conn.getresponse()
+    data = response.read()
+    conn.close()
+    return response.status, data
+
+
+def test_a_provider_killed_mid_prefill_ten_times_under_load_leaves_decoder_and_serve_alive():
+    import threading
+    expected = cpu_reply(LONG_PROMPT)
+    first = Provider()
+    serve = start_serve("hybrid", first.url)
+    try:
+        with BusyLoops():
+            provider = first
+            for round_ in range(10):
+                if provider is None:
+                    provider = Provider(port=first.port)  # serve's --prefill-remote names this port
+                idle = cpu_ticks(provider.proc.pid)
+                killer = threading.Thread(target=kill_once_busy,
+                                          args=(provider.proc.pid, lambda p=provider: p.stop(signal.SIGKILL), idle))
+                killer.start()
+                text, _ = reply(serve, LONG_PROMPT)
+                killer.join()
+                provider.stop()
+                provider = None
+                check(text == expected, "round %d: reply %r after the provider died differs from --device cpu %r" %
+                      (round_, text, expected))
+                serve_children_alive(serve)
+            fallbacks = serve.wait_count(r"hybrid: fallback \(remote_", 10, timeout=30)
+            check(len(fallbacks) >= 10, "expected 10 remote fallbacks:\n%s" % "\n".join(serve.lines))
+        # With a provider that stays, the route is taken again.
+        provider = Provider(port=first.port)
+        try:
+            text, prompt_n = reply(serve, PROMPTS[0])
+            check(text == cpu_reply(PROMPTS[0]), "reply after the kills: %r" % text)
+            check(prompt_n == 1, "prompt_n %s after the kills, expected 1" % prompt_n)
+        finally:
+            provider.stop()
+    finally:
+        stop_checked(serve)
+
+
+class FakeProvider:
+    """A provider server on 127.0.0.1 that does not prefill: `behave(offer)` decides what it
+    does with the offer, then it answers 200 as if all went well."""
+
+    def __init__(self, behave):
+        import http.server
+        import threading
+        fake = self
+        self.seen_keys = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.seen_keys.append(self.headers.get("Authorization", ""))
+                behave(body["share"])
+                data = json.dumps({"n_tokens": len(body["tokens"]), "prefill_ms": 1.0}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = "http://127.0.0.1:%d" % self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_hostile_provider_writing_outside_its_grant_is_refused_and_the_reply_is_unharmed():
+    attack = {}
+
+    def run_attack_peer(offer):
+        offer_path = os.path.join(WORK, "offer.json")
+        with open(offer_path, "w") as f:
+            json.dump(offer, f)
+        attack["result"] = subprocess.run(PROVIDER_PREFIX + [ATTACK_PEER, offer_path], capture_output=True, text=True,
+                                          timeout=120)
+
+    fake = FakeProvider(run_attack_peer)
+    try:
+        lines = expect_fallback(fake.url, "remote_receiver_failed", "outside cells")
+        result = attack["result"]
+        check(result.returncode == 0, "the attack peer got a write accepted:\n%s%s" % (result.stdout, result.stderr))
+        check(result.stdout.count("refused:") >= 5 and "ACCEPTED" not in result.stdout,
+              "attack peer output:\n%s" % result.stdout)
+        check_no_sanitizer_report(result.stderr.splitlines(), "the attack peer")
+        check(any(re.search(r"kvshare-remote-receiver: remote write refused: share \d+: .*outside cells", line)
+                  for line in lines), "no refusal on serve's stderr:\n%s" % "\n".join(lines))
+        check(fake.seen_keys and all(key == "Bearer " + REMOTE_KEY for key in fake.seen_keys),
+              "serve did not send the provider server's key: %r" % fake.seen_keys)
+    finally:
+        fake.stop()
+
+
+def test_a_provider_that_claims_success_without_writing_is_refused_at_the_completion_check():
+    fake = FakeProvider(lambda offer: None)
+    try:
+        expect_fallback(fake.url, "remote_receiver_failed", "no completion message from the provider: partial transfer")
+    finally:
+        fake.stop()
+
+
+RECEIVER_PID_RE = re.compile(r"remote receiver (?:running|started again) \(pid (\d+)")
+
+
+def receiver_pid(serve, start=0):
+    return int(RECEIVER_PID_RE.search(serve.wait_line(RECEIVER_PID_RE, 60, start)).group(1))
+
+
+def receiver_killed_mid_transfer(sig):
+    import threading
     provider = Provider()
     serve = start_serve("hybrid", provider.url)
     try:
-        import threading
+        pid = receiver_pid(serve)
         idle = cpu_ticks(provider.proc.pid)
-
-        def kill_once_busy():
-            # SIGKILL once the provider has burnt 50 ms of CPU on this prompt: mid-prefill,
-            # with some layers' rows already sent (they go out layer by layer).
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and cpu_ticks(provider.proc.pid) < idle + 5:
-                time.sleep(0.002)
-            provider.stop(signal.SIGKILL)
-
-        killer = threading.Thread(target=kill_once_busy)
+        killer = threading.Thread(target=kill_once_busy, args=(provider.proc.pid, lambda: os.kill(pid, sig), idle))
         killer.start()
         text, _ = reply(serve, LONG_PROMPT)
         killer.join()
-        check(text == cpu_reply(LONG_PROMPT), "reply %r after the provider died differs from --device cpu %r" %
+        check(text == cpu_reply(LONG_PROMPT), "reply %r after the receiver died differs from --device cpu %r" %
               (text, cpu_reply(LONG_PROMPT)))
-        serve.wait_line(r"hybrid: fallback \(remote_provider_failed\): the remote provider .* did not answer", 30)
-        # The next request, with no provider at all, is still served right.
-        text, _ = reply(serve, PROMPTS[0])
-        check(text == cpu_reply(PROMPTS[0]), "reply after the provider died: %r" % text)
+        line = serve.wait_line(r"hybrid: fallback \(remote_receiver_died\)", 30)
+        check(re.search(r"remote receiver \(pid %d\) .*signal %d" % (pid, sig), line),
+              "the fallback does not name the receiver's end: %r" % line)
+        serve_children_alive(serve)
+        # serve starts another receiver; within a few requests the route is taken again.
+        before = len(serve.wait_count(REMOTE_LINE, 0))
+        for _ in range(20):
+            text, _ = reply(serve, PROMPTS[0])
+            check(text == cpu_reply(PROMPTS[0]), "reply after the receiver died: %r" % text)
+            if len(serve.wait_count(REMOTE_LINE, before + 1, timeout=5)) > before:
+                break
+        check(len(serve.wait_count(REMOTE_LINE, before + 1)) > before,
+              "the route was not taken again after the receiver died:\n%s" % "\n".join(serve.lines))
+        check(receiver_pid(serve, 0) and any("started again" in l for l in serve.lines), "no restart said")
+        status, data = serve.request("GET", "/metrics")[0::2]
+        check(b"kvshare_remote_receiver_restarts_total 1" in data, "metrics: %s" % data.decode())
     finally:
         stop_checked(serve)
         provider.stop()
+
+
+def test_the_receiver_killed_with_sigkill_mid_transfer_is_a_fallback_and_is_restarted():
+    receiver_killed_mid_transfer(signal.SIGKILL)
+
+
+def test_the_receiver_killed_with_sigsegv_mid_transfer_is_a_fallback_and_is_restarted():
+    receiver_killed_mid_transfer(signal.SIGSEGV)
 
 
 run_tests(globals(), WORK)

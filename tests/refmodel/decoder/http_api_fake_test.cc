@@ -235,13 +235,12 @@ TEST(DecoderHttpFake, RefusesAStaleShareIdAndTooManyTokensWith400) {
   expect_error(server.post("/slots/0?action=share", Json::object()), 400, "invalid_request_error", "socket");
 }
 
-TEST(DecoderHttpFake, AnswersARemoteShareWith501WhenItHasNoReceiverAnd400ForABadBody) {
+// The decoder has no remote share of its own any more (its receiver runs in serve's
+// kvshare-remote-receiver process): the old {"transport": "ucx"} body is a bad share body.
+TEST(DecoderHttpFake, RefusesTheRetiredRemoteShareBodyNamingTheSocketField) {
   FakeServer server(ShareAvailability::enabled);
-  expect_error(server.post("/slots/0?action=share", {{"transport", "ucx"}, {"n_tokens", 4}}), 501,
-               "not_supported_error", "KVSHARE_REMOTE");
-  expect_error(server.post("/slots/0?action=share", {{"transport", "ucx"}}), 400, "invalid_request_error", "n_tokens");
-  expect_error(server.post("/slots/0?action=share", {{"transport", "rdma"}, {"n_tokens", 4}}), 400,
-               "invalid_request_error", "\"transport\" must be \"ucx\"");
+  expect_error(server.post("/slots/0?action=share", {{"transport", "ucx"}, {"n_tokens", 4}}), 400,
+               "invalid_request_error", "socket");
 }
 
 TEST(DecoderHttpFake, AnswersShareWith501NamingBothCausesWhenTheFlagIsUnset) {

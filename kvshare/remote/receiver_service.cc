@@ -1,0 +1,251 @@
+#include "kvshare/remote/receiver_service.h"
+
+#include <fmt/format.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "kvshare/handshake/message.h"
+#include "kvshare/handshake/transport.h"
+#include "kvshare/region/importer.h"
+#include "kvshare/remote/remote_receiver.h"
+#include "kvshare/share/broker.h"
+#include "layout/receiver_message.h"
+#include "layout/remote_grant.h"
+
+namespace kvshare::remote {
+namespace {
+
+using layout::ReceiverOp;
+using layout::ReceiverReply;
+using layout::ReceiverRequest;
+
+constexpr std::string_view kPeer = "kvshare-serve";
+// serve sends a request as one small frame: once its first byte is here the rest follows.
+constexpr int kFrameTimeoutMs = 10000;
+// serve asks for the grant after the decoder answered its share request, and the decoder
+// sends its message while it answers: this bounds a decoder that answered and never sent.
+constexpr int kShareMessageTimeoutMs = 30000;
+constexpr int kReplyTimeoutMs = 10000;
+
+void say(const std::string& line) {
+  std::fprintf(stderr, "kvshare-remote-receiver: %s\n", line.c_str());
+  std::fflush(stderr);
+}
+
+// What makes a region the same region: the same files (device and inode of each fd) at the
+// same offsets and sizes, laid out the same. A decoder that re-exports (a restart, a new
+// cache after a resume) sends other files, so the receiver maps those and drops the old.
+using RegionKey = std::vector<std::tuple<dev_t, ino_t, uint64_t, uint64_t, uint64_t>>;
+
+Result<RegionKey> region_key(const ReceivedShare& share) {
+  RegionKey key;
+  const uint64_t hash = layout::whole_layout_hash(share.header.layout);
+  for (size_t i = 0; i < share.fds.size(); ++i) {
+    struct stat st {};
+    if (::fstat(share.fds[i].get(), &st) != 0)
+      return fail(errno, "fstat of the decoder's fd {} (chunk {})", share.fds[i].get(), i);
+    key.emplace_back(st.st_dev, st.st_ino, share.entries[i].offset, share.entries[i].size_bytes, hash);
+  }
+  return key;
+}
+
+double ms_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The decoder's region as this process holds it: its own mappings of the fds the decoder
+// shared, and the UCX receiver registered over them once.
+struct Region {
+  RegionKey key;
+  layout::ShareHeader header;
+  ImportedShare imported;
+  // Members go in reverse order: the CPU-access guards, then the receiver (its progress
+  // thread and registrations), and only then the mappings it wrote through.
+  std::unique_ptr<RemoteReceiver> receiver;
+  std::vector<DmaBufCpuAccess> cpu_access;   // held while a grant is open (dma-buf chunks only)
+};
+
+class Service {
+ public:
+  explicit Service(const ReceiverServiceOptions& options) : options_(options) {}
+
+  Result<void> send(const ReceiverReply& reply) {
+    const std::string text = layout::encode_receiver_reply(reply);
+    const auto frame = handshake::length_prefixed(text);
+    return handshake::send_frame(options_.control_fd, frame, {}, kReplyTimeoutMs, "remote receiver reply");
+  }
+
+  ReceiverReply handle(const ReceiverRequest& request) {
+    ReceiverReply reply;
+    reply.op = request.op;
+    Result<void> done = [&]() -> Result<void> {
+      switch (request.op) {
+        case ReceiverOp::listen: return listen(request, reply);
+        case ReceiverOp::grant: return grant(request, reply);
+        case ReceiverOp::complete: return complete(request, reply);
+        case ReceiverOp::revoke: return revoke(request);
+        case ReceiverOp::hello: break;
+      }
+      return fail(EINVAL, "unexpected request");
+    }();
+    if (!done) {
+      reply.ok = false;
+      reply.error_errno = done.error().errno_value();
+      reply.error = done.error().what();
+      say(fmt::format("{} failed: {}", layout::receiver_op_name(request.op), reply.error));
+    }
+    return reply;
+  }
+
+ private:
+  Result<void> listen(const ReceiverRequest& request, ReceiverReply& reply) {
+    pending_.reset();  // a listen that never came to a grant: its socket goes
+    auto broker = ShareBroker::listen_in(options_.private_dir, request.socket_name);
+    if (!broker) return fail(broker.error());
+    pending_.emplace(std::move(*broker));
+    reply.socket_path = pending_->socket_path();
+    return {};
+  }
+
+  Result<void> grant(const ReceiverRequest& request, ReceiverReply& reply) {
+    if (!pending_) return fail(EINVAL, "grant of {} cells without a listen before it", request.n_cells);
+    const auto start = std::chrono::steady_clock::now();
+    auto share = pending_->receive(kShareMessageTimeoutMs);
+    pending_.reset();
+    if (!share) return fail(share.error().with_context("taking the decoder's share"));
+    auto key = region_key(*share);
+    if (!key) return fail(key.error());
+    if (!region_ || region_->key != *key) {
+      // A new region: the old one (if any) is dropped before the new one is mapped, so two
+      // caches' worth of registrations never coexist.
+      region_.reset();
+      std::vector<uint64_t> offsets;
+      for (const auto& entry : share->entries) offsets.push_back(entry.offset);
+      auto imported = ImportedShare::import(share->header.layout, std::move(share->fds), offsets, true);
+      if (!imported) return fail(imported.error().with_context("mapping the decoder's region"));
+      auto region = std::make_unique<Region>();
+      region->key = std::move(*key);
+      region->header = share->header;
+      region->imported = std::move(*imported);
+      const auto chunks = region->imported.chunk_bytes();
+      auto receiver = RemoteReceiver::start(region->header, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
+                                            [](const std::string& line) { say(line); });
+      if (!receiver) return fail(receiver.error());
+      region->receiver = std::move(*receiver);
+      region_ = std::move(region);
+      reply.region_mapped = true;
+      say(fmt::format("the decoder's region: {} chunk(s), {} bytes, mapped and registered with UCX once ({:.3f} ms)",
+                      chunks.size(), total_bytes(chunks), ms_since(start)));
+    }
+    region_->cpu_access.clear();
+    auto access = region_->imported.begin_cpu_access(DmaBufCpuAccess::Mode::write);
+    if (!access) return fail(access.error());
+    auto offer = region_->receiver->grant(request.n_cells, std::chrono::milliseconds(request.timeout_ms));
+    if (!offer) return fail(offer.error());
+    region_->cpu_access = std::move(*access);
+    reply.share_id = share->share_id;
+    reply.offer = nlohmann::json::parse(to_json(*offer).dump());
+    reply.region_ms = ms_since(start);
+    return {};
+  }
+
+  Result<void> complete(const ReceiverRequest& request, ReceiverReply& reply) {
+    if (!region_) return fail(ESTALE, "remote share {}: no region is mapped (no grant since this receiver started)",
+                              request.grant_id);
+    auto completed = region_->receiver->complete(request.grant_id, request.n_tokens);
+    region_->cpu_access.clear();
+    if (!completed) return fail(completed.error());
+    reply.bytes_received = layout::granted_bytes(region_->header.layout, region_->header.memory, request.n_tokens);
+    return {};
+  }
+
+  Result<void> revoke(const ReceiverRequest& request) {
+    pending_.reset();
+    if (region_) {
+      region_->receiver->revoke(request.why);
+      region_->cpu_access.clear();
+    }
+    return {};
+  }
+
+  static uint64_t total_bytes(std::span<const std::span<std::byte>> chunks) {
+    uint64_t total = 0;
+    for (const auto& chunk : chunks) total += chunk.size();
+    return total;
+  }
+
+  const ReceiverServiceOptions& options_;
+  std::optional<ShareBroker> pending_;
+  std::unique_ptr<Region> region_;
+};
+
+// Blocks until serve sends something or closes the channel. False on a clean close.
+Result<bool> wait_for_request(int fd) {
+  for (;;) {
+    pollfd p{fd, POLLIN, 0};
+    const int n = ::poll(&p, 1, -1);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return fail(errno, "poll on the control socket fd {}", fd);
+    char byte;
+    const ssize_t peeked = ::recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (peeked > 0) return true;
+    if (peeked == 0) return false;
+    if (errno == EAGAIN || errno == EINTR) continue;
+    if (errno == ECONNRESET) return false;
+    return fail(errno, "recv on the control socket fd {}", fd);
+  }
+}
+
+}  // namespace
+
+int run_receiver_service(const ReceiverServiceOptions& options) {
+  Service service(options);
+  ReceiverReply hello;
+  hello.op = ReceiverOp::hello;
+  hello.pid = static_cast<uint64_t>(::getpid());
+  if (auto sent = service.send(hello); !sent) {
+    say(sent.error().what());
+    return 1;
+  }
+  for (;;) {
+    auto more = wait_for_request(options.control_fd);
+    if (!more) {
+      say(more.error().what());
+      return 1;
+    }
+    if (!*more) return 0;  // serve closed the channel: it is stopping
+    auto frame = handshake::receive_frame(options.control_fd, kFrameTimeoutMs, kPeer, -1, "remote receiver request",
+                                          layout::kMaxReceiverMessageBytes);
+    if (!frame) {
+      say(frame.error().what());
+      return 1;
+    }
+    if (!frame->fds.empty()) {
+      say(fmt::format("a request from {} carried {} fd(s); this channel carries none (closed)", kPeer,
+                      frame->fds.size()));
+      return 1;
+    }
+    auto request = layout::parse_receiver_request(
+        std::string_view(reinterpret_cast<const char*>(frame->body.data()), frame->body.size()), kPeer);
+    if (!request) {
+      say(request.error().what());
+      return 1;
+    }
+    if (auto sent = service.send(service.handle(*request)); !sent) {
+      say(sent.error().what());
+      return 1;
+    }
+  }
+}
+
+}  // namespace kvshare::remote
