@@ -34,7 +34,8 @@ DEFAULT_OUT = os.path.join(os.path.dirname(HERE), "docs", "plots")
 # SVGs that differ only in matplotlib's random ids and dates make noisy diffs.
 matplotlib.rcParams["svg.hashsalt"] = "kvshare"
 matplotlib.rcParams["svg.fonttype"] = "none"
-COLORS = {"shared": "#1b7837", "shared_map": "#a6dba0", "file": "#762a83", "cpu": "#999999", "floor": "#444444"}
+COLORS = {"shared": "#1b7837", "shared_map": "#a6dba0", "file": "#762a83", "cpu": "#999999", "floor": "#444444",
+          "remote": "#2166ac"}
 
 
 def run_group(bench, group, extra=()):
@@ -115,11 +116,12 @@ def plot_first_byte(lines, out, stamp):
     for ax, decoder in zip(axes[0], decoders):
         mine = [line for line in route if line.get("decoder", "kvshare-decoder") == decoder]
         tokens = sorted({line["tokens"] for line in mine})
-        names = ["cpu", "file", "shared"]
+        # A kept run from before the remote side has no "remote" rows: it is drawn without it.
+        names = [n for n in ("cpu", "file", "shared", "remote") if any(line["route"] == n for line in mine)]
         width = 0.8 / len(names)
         for i, name in enumerate(names):
             rows = [next((line for line in mine if line["tokens"] == t and line["route"] == name), None) for t in tokens]
-            xs = [k + (i - 1) * width for k in range(len(tokens))]
+            xs = [k + (i - (len(names) - 1) / 2) * width for k in range(len(tokens))]
             first = [row["first_byte_ms"] if row else 0 for row in rows]
             if name == "cpu":
                 ax.bar(xs, first, width, color=COLORS["cpu"], label="--device cpu (the decoder prefills)")

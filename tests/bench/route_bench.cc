@@ -1,6 +1,8 @@
 // kvshare-bench route: what each route adds to the time to first byte through
-// kvshare-serve, for prompts of 307 and 4096 tokens on a generated model. Three serves run
-// side by side (--device cpu, the file route, the shared route, each with its own decoder)
+// kvshare-serve, for prompts of 307 and 4096 tokens on a generated model. Four serves run
+// side by side (--device cpu, the file route, the shared route and the remote route, each
+// with its own decoder; the remote one prefilled by a kvshare-provider-server on loopback,
+// its rows over UCX tcp into serve's kvshare-remote-receiver)
 // and every round sends the same fresh prompt to each, the order rotating from round to
 // round, so a slow moment of the machine falls on every route alike.
 //
@@ -47,7 +49,9 @@ using kvshare::ChildProcess;
 using Clock = std::chrono::steady_clock;
 
 
-const char* const kRoutes[] = {"cpu", "file", "shared"};
+const char* const kRoutes[] = {"cpu", "file", "shared", "remote"};
+// The remote route's provider server and its deployment key (the same for the run).
+constexpr const char* kRemoteKey = "kvshare-bench-route-key";
 
 struct Settings {
   fs::path backend;   // the decoder binary
@@ -71,7 +75,7 @@ struct ServeUnderTest {
 };
 
 std::unique_ptr<ServeUnderTest> start_serve(const std::string& route, const fs::path& model, const fs::path& dir,
-                                            std::string& why) {
+                                            const std::string& remote_url, std::string& why) {
   auto serve = std::make_unique<ServeUnderTest>();
   auto port = route::pick_free_loopback_port();
   if (!port) {
@@ -84,13 +88,15 @@ std::unique_ptr<ServeUnderTest> start_serve(const std::string& route, const fs::
                                    route == "cpu" ? "cpu" : "hybrid", "--backend", settings().backend.string(),
                                    "--port", std::to_string(serve->port), "-c", "8192", "-fa", "on",
                                    "-ctk", "f16", "-ctv", "f16"};
-  if (route != "cpu") argv.insert(argv.end(), {"--prefill-provider", settings().provider.string()});
+  if (route == "remote") argv.insert(argv.end(), {"--prefill-remote", remote_url});
+  else if (route != "cpu") argv.insert(argv.end(), {"--prefill-provider", settings().provider.string()});
   // The child takes serve's environment: ONEBIT_KV_SHARE only for the shared route's.
   if (route == "shared") ::setenv("ONEBIT_KV_SHARE", "1", 1);
   else ::unsetenv("ONEBIT_KV_SHARE");
   SpawnOptions options;
   options.stderr_path = serve->stderr_path.string();
   options.die_with_parent = true;
+  options.env = {std::string("KVSHARE_REMOTE_KEY=") + kRemoteKey, "UCX_TLS=tcp"};
   auto child = ChildProcess::spawn(argv, options);
   ::unsetenv("ONEBIT_KV_SHARE");
   if (!child) {
@@ -139,19 +145,19 @@ std::string prompt_of(const route::DecoderClient& decoder, int n_tokens, int sal
 struct HybridLine {
   double prefill_ms = 0;
   double handoff_ms = 0;
-  bool is_shared = false;
+  std::string route;  // "file", "shared" or "remote"
 };
 
 std::vector<HybridLine> hybrid_lines(const fs::path& log_path) {
   const std::regex line_re(
-      R"(hybrid: \d+ prompt tokens: prefill ([\d.]+) ms, (share ([\d.]+) ms, )?(restore ([\d.]+) ms, )?first byte)");
+      R"(hybrid: \d+ prompt tokens: prefill ([\d.]+) ms, (share ([\d.]+) ms( remote)?, )?(restore ([\d.]+) ms, )?first byte)");
   const std::string log = read_all(log_path);
   std::vector<HybridLine> lines;
   for (std::sregex_iterator it(log.begin(), log.end(), line_re), end; it != end; ++it) {
     HybridLine line;
     line.prefill_ms = std::stod((*it)[1]);
-    line.is_shared = (*it)[3].matched && !(*it)[5].matched;
-    line.handoff_ms = (*it)[5].matched ? std::stod((*it)[5]) : (*it)[3].matched ? std::stod((*it)[3]) : 0;
+    line.route = (*it)[4].matched ? "remote" : (*it)[3].matched && !(*it)[6].matched ? "shared" : "file";
+    line.handoff_ms = (*it)[6].matched ? std::stod((*it)[6]) : (*it)[3].matched ? std::stod((*it)[3]) : 0;
     lines.push_back(line);
   }
   return lines;
@@ -160,11 +166,35 @@ std::vector<HybridLine> hybrid_lines(const fs::path& log_path) {
 struct Setup {
   fs::path dir;
   fs::path model;
+  ChildProcess provider_server;  // the remote route's prefill host, on loopback
   std::map<std::string, std::unique_ptr<ServeUnderTest>> serves;
   std::string why;  // empty when ready
 };
 
 bool g_setup_started = false;
+
+// kvshare-provider-server on a free loopback port, one forward-pass thread as the other
+// providers have; its URL once it listens.
+Result<std::string> start_provider_server(Setup& made) {
+  auto port = route::pick_free_loopback_port();
+  if (!port) return fail(port.error());
+  const fs::path log = made.dir / "provider-server.log";
+  SpawnOptions options;
+  options.stderr_path = log.string();
+  options.die_with_parent = true;
+  options.env = {std::string("KVSHARE_REMOTE_KEY=") + kRemoteKey, "UCX_TLS=tcp"};
+  auto child = ChildProcess::spawn({bin("kvshare-provider-server").string(), "-m", made.model.string(), "--host",
+                                    "127.0.0.1", "--port", std::to_string(*port), "-t", "1"},
+                                   options);
+  if (!child) return fail(child.error());
+  made.provider_server = std::move(*child);
+  for (int i = 0; i < 2400; ++i) {
+    if (read_all(log).find("listening on") != std::string::npos) return fmt::format("http://127.0.0.1:{}", *port);
+    if (made.provider_server.poll_exit()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return fail(EIO, "kvshare-provider-server did not start listening (log {})", log.string());
+}
 
 Setup& setup() {
   g_setup_started = true;
@@ -193,8 +223,13 @@ Setup& setup() {
       made.why = "kvshare-mkmodel failed";
       return made;
     }
+    auto remote_url = start_provider_server(made);
+    if (!remote_url) {
+      made.why = remote_url.error().what();
+      return made;
+    }
     for (const char* route_name : kRoutes) {
-      auto serve = start_serve(route_name, made.model, made.dir, made.why);
+      auto serve = start_serve(route_name, made.model, made.dir, *remote_url, made.why);
       if (!serve) return made;
       made.serves[route_name] = std::move(serve);
     }
@@ -233,9 +268,9 @@ Result<Request> one_request(ServeUnderTest& serve, const std::string& route_name
     const auto lines = hybrid_lines(serve.stderr_path);
     if (lines.size() > lines_before) {
       const HybridLine& line = lines.back();
-      if (line.is_shared != (route_name == "shared"))
-        return fail(EPROTO, "route {}: serve's line says the {} route was taken (log {})", route_name,
-                    line.is_shared ? "shared" : "file", serve.stderr_path.string());
+      if (line.route != route_name)
+        return fail(EPROTO, "route {}: serve's line says the {} route was taken (log {})", route_name, line.route,
+                    serve.stderr_path.string());
       out.prefill_ms = line.prefill_ms;
       out.handoff_ms = line.handoff_ms;
       return out;
@@ -253,6 +288,7 @@ void bm_rounds(benchmark::State& state) {
   static int salt = 0;
   std::map<std::string, std::vector<Request>> done;
   std::vector<double> overhead_saved;  // file - shared, per round
+  std::vector<double> remote_added;    // remote - shared, per round
   size_t turn = 0;
   for (auto _ : state) {
     const std::string prompt = prompt_of(decoder, n_tokens, ++salt);
@@ -267,6 +303,8 @@ void bm_rounds(benchmark::State& state) {
     for (const auto& [name, request] : round) done[name].push_back(request);
     overhead_saved.push_back((round["file"].first_byte_ms - round["file"].prefill_ms) -
                              (round["shared"].first_byte_ms - round["shared"].prefill_ms));
+    remote_added.push_back((round["remote"].first_byte_ms - round["remote"].prefill_ms) -
+                           (round["shared"].first_byte_ms - round["shared"].prefill_ms));
     state.SetIterationTime(round["shared"].first_byte_ms / 1e3);
   }
   for (const auto& [name, requests] : done) {
@@ -283,6 +321,7 @@ void bm_rounds(benchmark::State& state) {
     record_spread(state, name + ".overhead_ms", overhead);
   }
   record_spread(state, "overhead_saved_ms", overhead_saved);
+  record_spread(state, "remote_added_ms", remote_added);
   state.counters["rounds"] = static_cast<double>(state.iterations());
   state.counters["tokens"] = n_tokens;
 }
@@ -312,11 +351,11 @@ void register_all(const BenchArgs& args) {
 int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
   const Settings& s = settings();
   if (!args.json)
-    fmt::print("\nroute (decoder {}, provider {}; generated model, -c 8192 -fa on f16; rounds of cpu, file, shared "
-               "with the order rotating)\n{:<7} {:>6} {:>26} {:>26} {:>22} {:>22} {:>7}\n",
+    fmt::print("\nroute (decoder {}, provider {}; generated model, -c 8192 -fa on f16; rounds of cpu, file, shared, "
+               "remote with the order rotating)\n{:<7} {:>6} {:>26} {:>26} {:>22} {:>22} {:>7}\n",
                s.backend.filename().string(), s.provider.filename().string(), "route", "tokens",
                "first_byte_ms [p25..p75]", "overhead_ms [p25..p75]", "prefill_ms", "handoff_ms", "rounds");
-  std::map<int, double> file_handoff, shared_overhead, saved;
+  std::map<int, double> file_handoff, shared_overhead, saved, remote_added;
   for (const RunResult* run : runs_with_prefix(runs, "route/")) {
     auto c = [&](const std::string& key) { return run->counters.count(key) ? run->counters.at(key) : 0.0; };
     const int tokens = static_cast<int>(c("tokens"));
@@ -343,22 +382,33 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
     file_handoff[tokens] = c("file.handoff_ms");
     shared_overhead[tokens] = c("shared.overhead_ms");
     saved[tokens] = c("overhead_saved_ms");
+    remote_added[tokens] = c("remote_added_ms");
     if (args.json)
       fmt::print("{{\"bench\":\"route_paired\",\"tokens\":{},\"overhead_saved_ms\":{:.3f},\"overhead_saved_ms_p25\":{:.3f},"
                  "\"overhead_saved_ms_p75\":{:.3f},\"file_handoff_ms\":{:.3f}}}\n",
                  tokens, saved[tokens], c("overhead_saved_ms_p25"), c("overhead_saved_ms_p75"), file_handoff[tokens]);
+    if (args.json)
+      fmt::print("{{\"bench\":\"route_remote_paired\",\"tokens\":{},\"remote_added_ms\":{:.3f},"
+                 "\"remote_added_ms_p25\":{:.3f},\"remote_added_ms_p75\":{:.3f}}}\n",
+                 tokens, remote_added[tokens], c("remote_added_ms_p25"), c("remote_added_ms_p75"));
   }
   if (!args.json)
     for (const auto& [tokens, value] : saved)
       fmt::print("{} tokens: file - shared overhead_ms per round, median {:.1f} ms; target >= half the file handoff "
                  "({:.1f} ms): {}\n",
                  tokens, value, file_handoff[tokens] / 2, value >= file_handoff[tokens] / 2 ? "met" : "missed");
+  if (!args.json)
+    for (const auto& [tokens, value] : remote_added)
+      fmt::print("{} tokens: remote - shared overhead_ms per round, median {:.1f} ms (what the receiver process, the "
+                 "provider server's HTTP hop and UCX tcp add to the shared route)\n",
+                 tokens, value);
   if (!args.json && shared_overhead.size() >= 2 && shared_overhead.begin()->second > 0)
     fmt::print("shared overhead_ms {} / {} tokens: {:.2f}x (target <= 1.5)\n", shared_overhead.rbegin()->first,
                shared_overhead.begin()->first, shared_overhead.rbegin()->second / shared_overhead.begin()->second);
   if (g_setup_started) {
     Setup& made = setup();
     made.serves.clear();
+    made.provider_server.terminate(std::chrono::seconds(10));
     std::error_code ec;
     if (!made.dir.empty()) fs::remove_all(made.dir, ec);
   }
@@ -367,7 +417,7 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
 
 const bool registered = add_group({
     "route",
-    "kvshare-serve end to end, paired rounds of --device cpu / file / shared on the same prompts: first byte and "
+    "kvshare-serve end to end, paired rounds of --device cpu / file / shared / remote on the same prompts: first byte and "
     "overhead_ms (first byte - the provider's prefill_ms); --backend PATH for another decoder (llama-server)",
     register_all,
     report,

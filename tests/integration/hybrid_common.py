@@ -252,8 +252,10 @@ def run_tests(namespace, work_dir):
     """Runs every test_* function of a script's globals(), in name order, then removes its
     work directory and exits non-zero if any failed."""
     runner = Runner()
+    # KVSHARE_TEST_ONLY=REGEX runs only the matching cases (a developer's re-run of one).
+    only = re.compile(os.environ.get("KVSHARE_TEST_ONLY", ""))
     for name, function in sorted(namespace.items()):
-        if name.startswith("test_") and callable(function):
+        if name.startswith("test_") and callable(function) and only.search(name):
             runner.run(name, function)
     shutil.rmtree(work_dir, ignore_errors=True)
     runner.finish()

