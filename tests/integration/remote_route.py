@@ -18,6 +18,7 @@ usage: remote_route.py BIN_DIR TESTS_DIR [--netns]
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -115,13 +116,19 @@ def request(text, stream=False, max_tokens=8):
             "max_tokens": max_tokens, "temperature": 0, "stream": stream}
 
 
+# The deployment's key on the serve -> provider-server hop, new every run; the provider
+# takes it from its environment (never a command line, which /proc shows).
+REMOTE_KEY = secrets.token_hex(16)
+
+
 class Provider:
-    """kvshare-provider-server (in namespace B with --netns), on a free port."""
+    """kvshare-provider-server (in namespace B with --netns), on a free port, keyed with REMOTE_KEY."""
 
     def __init__(self, model=MODEL, extra=()):
         self.proc = subprocess.Popen(PROVIDER_PREFIX + [TOOLS["kvshare-provider-server"], "-m", model, "--host",
                                                         PROVIDER_HOST, "--port", "0", "-t", "2"] + list(extra),
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                                     env=dict(os.environ, KVSHARE_REMOTE_KEY=REMOTE_KEY))
         line = self.proc.stderr.readline().decode()
         match = LISTEN_RE.search(line)
         if not match:
