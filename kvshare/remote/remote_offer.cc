@@ -31,6 +31,35 @@ Result<std::vector<std::byte>> from_hex(std::string_view text, std::string_view 
   return out;
 }
 
+Result<layout::RemoteSecret> secret_field(const nlohmann::json& json, std::string_view source) {
+  constexpr size_t kDigits = 2 * layout::kRemoteSecretBytes;
+  auto it = json.find("secret");
+  if (it == json.end() || !it->is_string())
+    return fail(EINVAL, "offer from {}: field \"secret\" is missing or not a string ({} lowercase hex digits)", source,
+                kDigits);
+  const std::string& text = it->get_ref<const std::string&>();
+  if (text.size() != kDigits)
+    return fail(EINVAL, "offer from {}: field \"secret\" is {} characters, expected {} lowercase hex digits", source,
+                text.size(), kDigits);
+  auto digit = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  layout::RemoteSecret secret{};
+  for (size_t i = 0; i < secret.size(); ++i) {
+    const int hi = digit(text[2 * i]), lo = digit(text[2 * i + 1]);
+    // The position only, never the text: the secret must not reach a log.
+    if (hi < 0 || lo < 0)
+      return fail(EINVAL, "offer from {}: field \"secret\" has a character other than 0-9a-f at {}", source,
+                  hi < 0 ? 2 * i : 2 * i + 1);
+    secret[i] = static_cast<std::byte>(hi * 16 + lo);
+  }
+  if (layout::same_secret(secret, layout::RemoteSecret{}))
+    return fail(EINVAL, "offer from {}: field \"secret\" is all zeros, not a drawn secret", source);
+  return secret;
+}
+
 template <class T>
 Result<T> unsigned_field(const nlohmann::json& json, const char* key, std::string_view source) {
   auto it = json.find(key);
@@ -60,6 +89,7 @@ nlohmann::ordered_json to_json(const RemoteOffer& offer) {
   json["transport"] = kTransportUcx;
   json["version"] = offer.version;
   json["share_id"] = offer.share_id;
+  json["secret"] = to_hex(std::vector<std::byte>(offer.secret.begin(), offer.secret.end()));
   json["worker_address"] = to_hex(offer.worker_address);
   json["n_cells"] = offer.n_cells;
   json["bytes"] = offer.bytes;
@@ -77,6 +107,9 @@ Result<RemoteOffer> parse_offer(const nlohmann::json& json, std::string_view sou
   RemoteOffer offer;
   auto version = unsigned_field<uint32_t>(json, "version", source);
   if (!version) return fail(version.error());
+  if (*version == 1)
+    return fail(EINVAL, "offer from {}: version 1, this side speaks version {} (version 2 carries the share's "
+                "\"secret\"; update the decoder)", source, kOfferVersion);
   if (*version != kOfferVersion)
     return fail(EINVAL, "offer from {}: version {}, this side speaks version {}", source, *version, kOfferVersion);
   auto share_id = unsigned_field<uint64_t>(json, "share_id", source);
@@ -88,6 +121,8 @@ Result<RemoteOffer> parse_offer(const nlohmann::json& json, std::string_view sou
     if (!*f) return fail(f->error());
   if (!n_cells) return fail(n_cells.error());
   if (*share_id == 0) return fail(EINVAL, "offer from {}: field \"share_id\" is 0", source);
+  auto secret = secret_field(json, source);
+  if (!secret) return fail(secret.error());
   auto address = json.find("worker_address");
   if (address == json.end() || !address->is_string())
     return fail(EINVAL, "offer from {}: field \"worker_address\" is missing or not a string", source);
@@ -101,6 +136,7 @@ Result<RemoteOffer> parse_offer(const nlohmann::json& json, std::string_view sou
   if (!header) return fail(header.error());
   offer.version = *version;
   offer.share_id = *share_id;
+  offer.secret = *secret;
   offer.worker_address = std::move(*address_bytes);
   offer.n_cells = *n_cells;
   offer.bytes = *bytes;

@@ -1,8 +1,10 @@
 // The offer: what the decoder answers `POST /slots/0?action=share {"transport":"ucx"}`
 // with, and what a remote provider needs to write the share — the decoder's UCX worker
-// address, the layout header, the share_id, how many cells are granted, the byte count
-// and layout hash the completion must repeat, and how long the grant lives. JSON, so it
-// rides inside the HTTP bodies unchanged (docs/remote.md, "The offer").
+// address, the layout header, the share_id and the share's secret (every message must
+// carry both), how many cells are granted, the byte count and layout hash the completion
+// must repeat, and how long the grant lives. JSON, so it rides inside the HTTP bodies
+// unchanged (docs/remote.md, "The offer"). The secret is a capability: whoever holds the
+// offer can write the granted cells, so it goes only to the provider asked to prefill.
 #pragma once
 
 #include <cstdint>
@@ -13,19 +15,22 @@
 #include <nlohmann/json.hpp>
 
 #include "layout/error.h"
+#include "layout/remote_message.h"
 #include "layout/share_header.h"
 
 namespace kvshare::remote {
 
 inline constexpr std::string_view kTransportUcx = "ucx";
-inline constexpr uint32_t kOfferVersion = 1;
+// 2: the offer carries the share's "secret" (version 1 had none and is refused).
+inline constexpr uint32_t kOfferVersion = 2;
 // A UCX 1.13 worker address is 50-186 bytes here; a few interfaces more stay far below.
 inline constexpr size_t kMaxWorkerAddressBytes = 4096;
 inline constexpr size_t kMaxOfferBytes = size_t{16} << 20;
 
 struct RemoteOffer {
   uint32_t version = kOfferVersion;
-  uint64_t share_id = 0;                 // random, unguessable: a write must carry it
+  uint64_t share_id = 0;                 // random: every message names the share with it
+  layout::RemoteSecret secret{};         // 128 random bits: every message must carry them
   std::vector<std::byte> worker_address; // ucp_worker_get_address, opaque
   uint32_t n_cells = 0;                  // cells 0..n_cells-1 of every K/V tensor are granted
   uint64_t bytes = 0;                    // layout::granted_bytes for n_cells
@@ -37,8 +42,9 @@ struct RemoteOffer {
 nlohmann::ordered_json to_json(const RemoteOffer& offer);
 
 // Parses and checks an offer (EINVAL naming the field): transport "ucx", a version this
-// side speaks, a hex worker address of at most kMaxWorkerAddressBytes, a valid layout
-// header (layout::parse_share_header_document), n_cells within the cache, and bytes and
+// side speaks, a "secret" of 32 lowercase hex digits (not all zero; a refusal never shows
+// it), a hex worker address of at most kMaxWorkerAddressBytes, a valid layout header
+// (layout::parse_share_header_document), n_cells within the cache, and bytes and
 // layout_hash equal to what the header gives for n_cells — a provider refuses before
 // connecting, so an incompatible peer fails fast and no byte moves.
 Result<RemoteOffer> parse_offer(const nlohmann::json& json, std::string_view source);

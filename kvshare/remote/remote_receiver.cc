@@ -40,6 +40,16 @@ uint64_t random_share_id() {
   return id;
 }
 
+// 128 bits from getrandom (the kernel's CSPRNG; it blocks only before the pool is first
+// seeded, long before a decoder shares). Never all zero: that is what "no share" holds.
+layout::RemoteSecret random_secret() {
+  layout::RemoteSecret secret{};
+  while (layout::same_secret(secret, layout::RemoteSecret{})) {
+    if (::getrandom(secret.data(), secret.size(), 0) != static_cast<ssize_t>(secret.size())) secret = {};
+  }
+  return secret;
+}
+
 }  // namespace
 
 struct RemoteReceiver::Impl {
@@ -59,6 +69,7 @@ struct RemoteReceiver::Impl {
   ShareState state = ShareState::none;
   std::atomic<bool> is_open{false};      // state == open, for revoke's fast path
   uint64_t share_id = 0;
+  layout::RemoteSecret secret{};         // the open share's; every message must carry it
   uint32_t n_cells = 0;
   Clock::time_point deadline{};
   uint64_t bytes_received = 0;
@@ -145,6 +156,15 @@ struct RemoteReceiver::Impl {
       say(counters.last_refusal);
       return refused;
     }
+    // The secret first, compared in constant time, and a mismatch never spoils the open
+    // share: a peer that saw or guessed a share_id but lacks the secret must not be able
+    // to make the real provider's transfer fail (the forger is refused, the share lives on).
+    if (!layout::same_secret(write->secret, secret)) {
+      refuse_locked(fmt::format("remote write refused: share_id {}: the secret is not the open share's (refused, the "
+                                "open share is not spoiled)", write->share_id), false);
+      say(counters.last_refusal);
+      return refused;
+    }
     std::string why;
     if (write->share_id != share_id || share_id == 0) {
       why = fmt::format("remote write refused: share_id {} is not the open share", write->share_id);
@@ -198,6 +218,9 @@ struct RemoteReceiver::Impl {
     std::lock_guard lock(mutex);
     std::string why;
     if (!message) why = fmt::format("remote completion refused: {}", message.error().message());
+    else if (!layout::same_secret(message->secret, secret))
+      why = fmt::format("remote completion refused: share_id {}: the secret is not the open share's",
+                        message->share_id);
     else if (length != 0) why = fmt::format("remote completion refused: it carries {} payload bytes, expected none", length);
     else if (message->share_id != share_id || state != ShareState::open)
       why = fmt::format("remote completion refused: share_id {} is not the open share", message->share_id);
@@ -316,6 +339,7 @@ Result<RemoteOffer> RemoteReceiver::grant(uint32_t n_cells, std::chrono::millise
   revoke("a new share replaces it");
   std::lock_guard lock(in.mutex);
   in.share_id = random_share_id();
+  in.secret = random_secret();
   in.n_cells = n_cells;
   in.deadline = Clock::now() + timeout;
   in.bytes_received = 0;
@@ -326,6 +350,7 @@ Result<RemoteOffer> RemoteReceiver::grant(uint32_t n_cells, std::chrono::millise
   in.is_open = true;
   RemoteOffer offer;
   offer.share_id = in.share_id;
+  offer.secret = in.secret;
   offer.worker_address = in.worker_address;
   offer.n_cells = n_cells;
   offer.bytes = layout::granted_bytes(in.header.layout, in.header.memory, n_cells);

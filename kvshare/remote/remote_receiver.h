@@ -1,10 +1,13 @@
 // The decoder side of the remote route: the KV cache's chunks registered with UCX once at
 // start, a UCX worker whose address goes out in every offer, and a progress thread that
 // receives the provider's writes. Every write is checked before a byte lands: its header
-// must name the open share (share_id), before its deadline, and a byte range inside the
-// granted cells (layout::check_write); only then is its payload received, by
+// must carry the open share's secret (compared in constant time, first), name the open
+// share (share_id), arrive before its deadline, and give a byte range inside the granted
+// cells (layout::check_write); only then is its payload received, by
 // ucp_am_recv_data_nbx, into the decoder's own pages. Anything else is refused (the
-// sender's send fails with UCS_ERR_REJECTED), logged, and spoils the open share.
+// sender's send fails with UCS_ERR_REJECTED) and logged; a write with the right secret
+// that is refused spoils the open share, one without it does not (a forger must not be
+// able to deny the real provider's transfer).
 //
 // Lifetime: between grant() and complete()/revoke() the provider may write the granted
 // cells and the decoder must not touch them. revoke() (and a failed complete()) stops
@@ -50,7 +53,8 @@ class RemoteReceiver {
   ~RemoteReceiver();
 
   // Opens a new share of cells 0..n_cells-1 that lives `timeout`: revokes the earlier one
-  // first (waiting for its receives), draws a random share_id, and returns the offer.
+  // first (waiting for its receives), draws a random share_id and a 128-bit secret
+  // (getrandom), and returns the offer, which carries both.
   // ERANGE/EINVAL when the layout cannot grant n_cells (layout::check_grant).
   Result<RemoteOffer> grant(uint32_t n_cells, std::chrono::milliseconds timeout = kDefaultGrantTimeout);
 

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <thread>
 
+#include "kvshare/route/api_key.h"
 #include "layout/json_depth.h"
 #include "refmodel/provider/remote_prefill.h"
 
@@ -56,6 +57,32 @@ Result<PrefillBody> parse_prefill_body(std::string_view body) {
   return out;
 }
 
+Result<std::vector<std::string>> resolve_provider_keys(const ProviderKeySources& sources) {
+  std::vector<std::string> keys = route::parse_api_key_list(sources.api_key);
+  if (!sources.api_key_file.empty()) {
+    auto from_file = route::read_api_key_file(sources.api_key_file);
+    if (!from_file) return fail(from_file.error());
+    if (from_file->empty())
+      return fail(EINVAL, "--api-key-file {}: no key in it (one key per line, \"#\" lines are comments)",
+                  sources.api_key_file);
+    keys.insert(keys.end(), from_file->begin(), from_file->end());
+  }
+  if (sources.env_key != nullptr) {
+    if (*sources.env_key == '\0') return fail(EINVAL, "{} is set but empty", kRemoteKeyEnv);
+    keys.emplace_back(sources.env_key);
+  }
+  if (sources.no_api_key) {
+    if (!keys.empty())
+      return fail(EINVAL, "--no-api-key, yet a key is given (--api-key, --api-key-file or {}): choose one", kRemoteKeyEnv);
+    return keys;
+  }
+  if (keys.empty())
+    return fail(EINVAL, "no API key: give the deployment's key with --api-key-file FILE, the environment variable {} "
+                "or --api-key KEY (visible to local users in /proc), or serve without one with --no-api-key",
+                kRemoteKeyEnv);
+  return keys;
+}
+
 int run_provider_server(const ProviderServerOptions& options) {
   sigset_t signals;
   sigemptyset(&signals);
@@ -72,6 +99,18 @@ int run_provider_server(const ProviderServerOptions& options) {
   std::mutex one_at_a_time;
   httplib::Server http;
   http.set_default_headers({{"Server", "kvshare-provider-server"}});
+  // Before routing, so a refused request's body is never read or parsed.
+  http.set_pre_routing_handler([&options](const httplib::Request& req, httplib::Response& res) {
+    if (route::is_public_endpoint(req.path) ||
+        route::api_key_accepted(options.api_keys, req.get_header_value("Authorization"),
+                                req.get_header_value("X-Api-Key")))
+      return httplib::Server::HandlerResponse::Unhandled;
+    res.status = 401;
+    res.set_content(std::string(route::kInvalidApiKeyBody), kJsonType);
+    std::fprintf(stderr, "kvshare-provider-server: unauthorized: Invalid API Key (%s %s from %s)\n", req.method.c_str(),
+                 req.path.c_str(), req.remote_addr.c_str());
+    return httplib::Server::HandlerResponse::Handled;
+  });
   http.Get("/health", [](const httplib::Request&, httplib::Response& res) { reply(res, 200, Json{{"status", "ok"}}); });
   http.Post("/prefill", [&](const httplib::Request& req, httplib::Response& res) {
     auto body = parse_prefill_body(req.body);
@@ -117,6 +156,9 @@ int run_provider_server(const ProviderServerOptions& options) {
   std::fprintf(stderr, "kvshare-provider-server: listening on http://%s:%d (model %s, prefill by %s)\n",
                options.host.c_str(), port, options.model_path.c_str(),
                options.provider_command.empty() ? "the reference model" : options.provider_command.c_str());
+  if (options.api_keys.empty())
+    std::fprintf(stderr, "kvshare-provider-server: warning: --no-api-key: anyone who reaches this port can make it "
+                 "prefill and push KV rows into any decoder whose offer they send\n");
   std::atomic<bool> listen_done{false};
   std::thread listener([&] {
     http.listen_after_bind();

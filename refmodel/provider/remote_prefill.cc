@@ -95,7 +95,7 @@ struct Staging {
 Result<void> send_cells(remote::RemoteSender& sender, const remote::RemoteOffer& offer, const Staging& staging,
                         uint32_t il, uint32_t begin, uint32_t end) {
   for (const layout::ChunkRange& r : layout::cell_ranges(offer.header.layout, offer.header.memory, il, begin, end))
-    if (auto sent = sender.write({offer.share_id, r.chunk, r.offset, r.size_bytes},
+    if (auto sent = sender.write({offer.share_id, offer.secret, r.chunk, r.offset, r.size_bytes},
                                  staging.chunks[r.chunk].subspan(r.offset, r.size_bytes));
         !sent)
       return sent;
@@ -106,7 +106,7 @@ Result<void> send_cells(remote::RemoteSender& sender, const remote::RemoteOffer&
 Result<uint64_t> finish(remote::RemoteSender& sender, const remote::RemoteOffer& offer, uint32_t n,
                         Clock::time_point deadline) {
   if (auto flushed = sender.flush(deadline); !flushed) return fail(flushed.error().with_context("remote route"));
-  const layout::RemoteDone done{offer.share_id, n, sender.bytes_sent(), offer.layout_hash};
+  const layout::RemoteDone done{offer.share_id, offer.secret, n, sender.bytes_sent(), offer.layout_hash};
   if (auto finished = sender.finish(done, deadline); !finished) return fail(finished.error().with_context("remote route"));
   return done.bytes;
 }

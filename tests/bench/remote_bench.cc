@@ -104,14 +104,14 @@ void bm_ucx(benchmark::State& state) {
     auto sender = remote::RemoteSender::connect(offer->worker_address);
     if (!sender) return state.SkipWithError(sender.error().what().c_str());
     for (const auto& r : ranges)
-      if (auto ok = (*sender)->write({offer->share_id, r.chunk, r.offset, r.size_bytes},
+      if (auto ok = (*sender)->write({offer->share_id, offer->secret, r.chunk, r.offset, r.size_bytes},
                                      std::span(setup.staging[r.chunk]).subspan(r.offset, r.size_bytes));
           !ok)
         return state.SkipWithError(ok.error().what().c_str());
     const auto deadline = Clock::now() + std::chrono::seconds(60);
     if (auto ok = (*sender)->flush(deadline); !ok) return state.SkipWithError(ok.error().what().c_str());
     bytes = (*sender)->bytes_sent();
-    if (auto ok = (*sender)->finish({offer->share_id, n, bytes, offer->layout_hash}, deadline); !ok)
+    if (auto ok = (*sender)->finish({offer->share_id, offer->secret, n, bytes, offer->layout_hash}, deadline); !ok)
       return state.SkipWithError(ok.error().what().c_str());
     if (auto ok = setup.receiver->complete(offer->share_id, n); !ok)
       return state.SkipWithError(ok.error().what().c_str());

@@ -1,8 +1,11 @@
 // Fuzzes what a remote provider and a remote decoder read from their peer: the offer JSON
-// (parse_offer_text) and the 40-byte active-message headers. Any bytes give a value or an
-// error, never a crash or a hang. An offer that parses must re-encode to one that parses
-// the same, and a write header decoded from the input is bounds-checked against the
-// offer's grant without overflow.
+// (parse_offer_text) and the 56-byte active-message headers (version 2, with the share
+// secret; shorter inputs too, so the size and version checks see every length). Any bytes
+// give a value or an error, never a crash or a hang. A header that decodes must encode
+// back to the same bytes; an offer that parses must re-encode to one that parses the
+// same, and a write header decoded from the input is bounds-checked against the offer's
+// grant without overflow.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -15,10 +18,15 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(data), size);
-  if (size >= kvshare::layout::kRemoteHeaderBytes) {
-    const auto header = bytes.first(kvshare::layout::kRemoteHeaderBytes);
-    (void)kvshare::layout::decode_remote_write(header);
-    (void)kvshare::layout::decode_remote_done(header);
+  {
+    const auto header = bytes.first(std::min(size, kvshare::layout::kRemoteHeaderBytes));
+    auto same = [&](const kvshare::layout::RemoteHeaderBytes& again) {
+      return std::equal(again.begin(), again.end(), header.begin(), header.end());
+    };
+    if (auto write = kvshare::layout::decode_remote_write(header); write && !same(kvshare::layout::encode(*write)))
+      std::abort();
+    if (auto done = kvshare::layout::decode_remote_done(header); done && !same(kvshare::layout::encode(*done)))
+      std::abort();
   }
   const std::string_view text(reinterpret_cast<const char*>(data), size);
   auto offer = kvshare::remote::parse_offer_text(text, "fuzz");

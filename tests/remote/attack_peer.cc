@@ -1,8 +1,10 @@
 // A hostile remote provider for the integration tests: given a decoder's offer (a file),
 // it connects to the decoder's worker and tries to write where its share does not reach
-// — the first cell past the grant, another share_id, a chunk that does not exist, the
-// padding at a chunk's end, a garbage header. Prints one line per attempt; exits 0 when
-// the decoder refused every one, 1 when any write was accepted, 2 on bad usage.
+// — the first cell past the grant, another share_id, the granted cells with the right
+// share_id but a wrong secret (a forger who saw the share_id), a chunk that does not
+// exist, the padding at a chunk's end, a garbage header. Prints one line per attempt;
+// exits 0 when the decoder refused every one, 1 when any write was accepted, 2 on bad
+// usage.
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -39,11 +41,16 @@ int main(int argc, char** argv) {
     layout::RemoteWrite write;
     bool raw = false;
   };
+  const layout::RemoteSecret secret = offer->secret;
+  layout::RemoteSecret wrong_secret = secret;
+  wrong_secret[0] ^= std::byte{0x80};
   const std::vector<Attempt> attempts = {
-      {"the first cell past the grant", {offer->share_id, k0->chunk, k0->offset + offer->n_cells * row, row}},
-      {"the granted cells under another share_id", {offer->share_id ^ 0x5555, k0->chunk, k0->offset, row}},
-      {"a chunk that does not exist", {offer->share_id, 4242, 0, row}},
-      {"the end of the chunk", {offer->share_id, k0->chunk, chunk_end - row / 2, row}},
+      {"the first cell past the grant", {offer->share_id, secret, k0->chunk, k0->offset + offer->n_cells * row, row}},
+      {"the granted cells under another share_id", {offer->share_id ^ 0x5555, secret, k0->chunk, k0->offset, row}},
+      {"the granted cells with the share_id and a wrong secret",
+       {offer->share_id, wrong_secret, k0->chunk, k0->offset, row}},
+      {"a chunk that does not exist", {offer->share_id, secret, 4242, 0, row}},
+      {"the end of the chunk", {offer->share_id, secret, k0->chunk, chunk_end - row / 2, row}},
       {"a 13-byte garbage header", {}, true},
   };
   int accepted = 0;

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <mutex>
 #include <thread>
@@ -32,6 +33,7 @@ class RemoteTransfer : public ::testing::Test {
     auto receiver = RemoteReceiver::start(header_, spans, [this](const std::string& line) {
       std::lock_guard lock(log_mutex_);
       log_.push_back(line);
+      logged_.notify_all();
     });
     if (!receiver && receiver.error().errno_value() == ENOTSUP) GTEST_SKIP() << receiver.error().what();
     ASSERT_TRUE(receiver) << receiver.error().what();
@@ -50,7 +52,7 @@ class RemoteTransfer : public ::testing::Test {
     size_t at = 0;
     for (const auto& layer : header_.memory.kv_caches[0].layers) {
       for (const layout::ChunkRange& r : layout::cell_ranges(header_.layout, header_.memory, layer.il, 0, n)) {
-        if (auto ok = sender.write({offer.share_id, r.chunk, r.offset, r.size_bytes},
+        if (auto ok = sender.write({offer.share_id, offer.secret, r.chunk, r.offset, r.size_bytes},
                                    std::span(payload_).subspan(at, r.size_bytes));
             !ok)
           return ok;
@@ -61,7 +63,7 @@ class RemoteTransfer : public ::testing::Test {
   }
 
   Result<void> finish(RemoteSender& sender, const RemoteOffer& offer, uint32_t n, uint64_t bytes, uint64_t hash) {
-    return sender.finish({offer.share_id, n, bytes, hash}, Clock::now() + std::chrono::seconds(10));
+    return sender.finish({offer.share_id, offer.secret, n, bytes, hash}, Clock::now() + std::chrono::seconds(10));
   }
 
   std::byte at(const layout::SharedTensor& t, uint64_t offset) const { return decoder_chunks_[t.chunk][t.offset + offset]; }
@@ -72,12 +74,28 @@ class RemoteTransfer : public ::testing::Test {
     for (const auto& l : log_) all += l + "\n";
     return all;
   }
+  // Waits until the receiver has said a line containing `words` (the bound only keeps a
+  // broken build from hanging: the condition ends the wait).
+  bool wait_logged(const std::string& words) {
+    std::unique_lock lock(log_mutex_);
+    return logged_.wait_for(lock, std::chrono::seconds(30), [&] {
+      for (const auto& l : log_)
+        if (l.find(words) != std::string::npos) return true;
+      return false;
+    });
+  }
+  static layout::RemoteSecret wrong_secret(const RemoteOffer& offer) {
+    layout::RemoteSecret s = offer.secret;
+    s[15] ^= std::byte{1};  // right but for the last bit: the compare must look at every byte
+    return s;
+  }
 
   layout::ShareHeader header_;
   std::vector<std::vector<std::byte>> decoder_chunks_;
   std::vector<std::byte> payload_;
   std::unique_ptr<RemoteReceiver> receiver_;
   std::mutex log_mutex_;
+  std::condition_variable logged_;
   std::vector<std::string> log_;
 };
 
@@ -103,7 +121,7 @@ TEST_F(RemoteTransfer, RefusesAWriteOutsideTheShareAndLeavesThoseBytesAlone) {
   ASSERT_TRUE(sender);
   // The attack: cell 10 of layer 0's K, one row past the grant.
   std::vector<std::byte> evil(256, std::byte{0xee});
-  auto posted = sender->write({offer->share_id, k0().chunk, k0().offset + 10 * 256, 256}, evil);
+  auto posted = sender->write({offer->share_id, offer->secret, k0().chunk, k0().offset + 10 * 256, 256}, evil);
   auto flushed = posted ? sender->flush(Clock::now() + std::chrono::seconds(10)) : posted;
   ASSERT_FALSE(flushed);
   EXPECT_EQ(flushed.error().errno_value(), ECONNREFUSED) << flushed.error().what();
@@ -123,11 +141,12 @@ TEST_F(RemoteTransfer, RefusesAWriteIntoAnotherChunkOrPastTheRegion) {
   auto sender = connect(*offer);
   ASSERT_TRUE(sender);
   std::vector<std::byte> evil(64, std::byte{0xee});
-  ASSERT_FALSE(sender->write({offer->share_id, 99, 0, 64}, evil).and_then([&] {
+  ASSERT_FALSE(sender->write({offer->share_id, offer->secret, 99, 0, 64}, evil).and_then([&] {
     return sender->flush(Clock::now() + std::chrono::seconds(10));
   }));
   auto again = connect(*offer);
-  ASSERT_FALSE(again->write({offer->share_id, 0, header_.layout.chunks[0].size_bytes - 32, 64}, evil).and_then([&] {
+  const uint64_t past_the_region = header_.layout.chunks[0].size_bytes - 32;
+  ASSERT_FALSE(again->write({offer->share_id, offer->secret, 0, past_the_region, 64}, evil).and_then([&] {
     return again->flush(Clock::now() + std::chrono::seconds(10));
   }));
   EXPECT_EQ(receiver_->counters().writes_refused, 2u);
@@ -140,12 +159,66 @@ TEST_F(RemoteTransfer, RefusesAWriteThatCarriesAnotherShareId) {
   ASSERT_TRUE(offer);
   auto sender = connect(*offer);
   std::vector<std::byte> rows(256, std::byte{0x11});
-  auto flushed = sender->write({offer->share_id + 1, k0().chunk, k0().offset, 256}, rows).and_then([&] {
+  auto flushed = sender->write({offer->share_id + 1, offer->secret, k0().chunk, k0().offset, 256}, rows).and_then([&] {
     return sender->flush(Clock::now() + std::chrono::seconds(10));
   });
   ASSERT_FALSE(flushed);
   EXPECT_EQ(at(k0(), 0), std::byte{0});
   EXPECT_NE(receiver_->counters().last_refusal.find("is not the open share"), std::string::npos);
+}
+
+TEST_F(RemoteTransfer, GrantsEachShareItsOwnSecret) {
+  auto first = receiver_->grant(2);
+  auto second = receiver_->grant(2);
+  ASSERT_TRUE(first && second);
+  EXPECT_NE(first->secret, layout::RemoteSecret{});
+  EXPECT_NE(first->secret, second->secret);
+}
+
+TEST_F(RemoteTransfer, RefusesAWriteWithTheWrongSecretWithoutSpoilingTheShare) {
+  auto offer = receiver_->grant(10);
+  ASSERT_TRUE(offer);
+  auto forger = connect(*offer);
+  ASSERT_TRUE(forger);
+  // The forger knows the share_id and the granted cells, not the secret.
+  std::vector<std::byte> evil(256, std::byte{0xee});
+  auto flushed = forger->write({offer->share_id, wrong_secret(*offer), k0().chunk, k0().offset, 256}, evil)
+                     .and_then([&] { return forger->flush(Clock::now() + std::chrono::seconds(10)); });
+  ASSERT_FALSE(flushed);
+  EXPECT_EQ(flushed.error().errno_value(), ECONNREFUSED) << flushed.error().what();
+  EXPECT_EQ(at(k0(), 0), std::byte{0}) << "the refused write's payload was received";
+  const ReceiverCounters refused = receiver_->counters();
+  EXPECT_EQ(refused.writes_refused, 1u);
+  EXPECT_EQ(refused.bytes_accepted, 0u);
+  EXPECT_NE(refused.last_refusal.find("the secret is not the open share's"), std::string::npos) << refused.last_refusal;
+  EXPECT_NE(log_text().find("the secret is not the open share's"), std::string::npos) << log_text();
+  EXPECT_EQ(log_text().find(to_hex({offer->secret.begin(), offer->secret.end()})), std::string::npos)
+      << "the log shows the secret";
+  // The real provider's transfer still lands and adopts.
+  auto provider = connect(*offer);
+  ASSERT_TRUE(provider);
+  ASSERT_TRUE(send_cells(*provider, *offer, 10, std::byte{0x5a}));
+  ASSERT_TRUE(finish(*provider, *offer, 10, provider->bytes_sent(), offer->layout_hash));
+  auto adopted = receiver_->complete(offer->share_id, 10);
+  ASSERT_TRUE(adopted) << adopted.error().what();
+  EXPECT_EQ(at(k0(), 0), std::byte{0x5a});
+}
+
+TEST_F(RemoteTransfer, RefusesACompletionWithTheWrongSecret) {
+  auto offer = receiver_->grant(3);
+  ASSERT_TRUE(offer);
+  auto sender = connect(*offer);
+  ASSERT_TRUE(send_cells(*sender, *offer, 3, std::byte{1}));
+  ASSERT_TRUE(sender->finish({offer->share_id, wrong_secret(*offer), 3, sender->bytes_sent(), offer->layout_hash},
+                             Clock::now() + std::chrono::seconds(10)));
+  ASSERT_TRUE(wait_logged("remote completion refused"));
+  EXPECT_NE(receiver_->counters().last_refusal.find("the secret is not the open share's"), std::string::npos)
+      << receiver_->counters().last_refusal;
+  EXPECT_EQ(receiver_->counters().writes_refused, 1u);
+  // It did not count as the provider's completion.
+  auto adopted = receiver_->complete(offer->share_id, 3);
+  ASSERT_FALSE(adopted);
+  EXPECT_NE(adopted.error().message().find("no completion message"), std::string::npos) << adopted.error().message();
 }
 
 TEST_F(RemoteTransfer, RefusesGarbageHeadersByName) {
@@ -158,7 +231,7 @@ TEST_F(RemoteTransfer, RefusesGarbageHeadersByName) {
     return sender->flush(Clock::now() + std::chrono::seconds(10));
   });
   ASSERT_FALSE(flushed);
-  EXPECT_NE(receiver_->counters().last_refusal.find("7 bytes, expected 40"), std::string::npos)
+  EXPECT_NE(receiver_->counters().last_refusal.find("7 bytes, expected 56"), std::string::npos)
       << receiver_->counters().last_refusal;
   EXPECT_EQ(at(k0(), 0), std::byte{0});
 }
@@ -170,7 +243,7 @@ TEST_F(RemoteTransfer, RefusesTheAdoptOfAPartialTransfer) {
   // Layer 0 only, and no completion: the provider "died" halfway.
   std::vector<std::byte> rows(10 * 256, std::byte{0x22});
   for (const auto& r : layout::cell_ranges(header_.layout, header_.memory, 0, 0, 10))
-    ASSERT_TRUE(sender->write({offer->share_id, r.chunk, r.offset, r.size_bytes}, rows));
+    ASSERT_TRUE(sender->write({offer->share_id, offer->secret, r.chunk, r.offset, r.size_bytes}, rows));
   ASSERT_TRUE(sender->flush(Clock::now() + std::chrono::seconds(10)));
   auto adopted = receiver_->complete(offer->share_id, 10);
   ASSERT_FALSE(adopted);
@@ -203,7 +276,7 @@ TEST_F(RemoteTransfer, RefusesWritesAndTheAdoptAfterTheDeadline) {
   std::this_thread::sleep_for(std::chrono::milliseconds(250));
   auto sender = connect(*offer);
   std::vector<std::byte> rows(256, std::byte{0x33});
-  EXPECT_FALSE(sender->write({offer->share_id, k0().chunk, k0().offset, 256}, rows).and_then([&] {
+  EXPECT_FALSE(sender->write({offer->share_id, offer->secret, k0().chunk, k0().offset, 256}, rows).and_then([&] {
     return sender->flush(Clock::now() + std::chrono::seconds(10));
   }));
   EXPECT_EQ(at(k0(), 0), std::byte{0});
@@ -219,7 +292,7 @@ TEST_F(RemoteTransfer, StopsAcceptingWritesOnceRevoked) {
   receiver_->revoke("the test reuses the cells");
   auto sender = connect(*offer);
   std::vector<std::byte> rows(256, std::byte{0x44});
-  EXPECT_FALSE(sender->write({offer->share_id, k0().chunk, k0().offset, 256}, rows).and_then([&] {
+  EXPECT_FALSE(sender->write({offer->share_id, offer->secret, k0().chunk, k0().offset, 256}, rows).and_then([&] {
     return sender->flush(Clock::now() + std::chrono::seconds(10));
   }));
   EXPECT_EQ(at(k0(), 0), std::byte{0});
