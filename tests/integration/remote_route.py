@@ -182,10 +182,10 @@ def stop_checked(serve):
     check_no_sanitizer_report(serve.lines, "kvshare-serve or its decoder")
 
 
-def start_serve(device, url=None, kv_flags=KV_FLAGS):
+def start_serve(device, url=None, kv_flags=KV_FLAGS, key=REMOTE_KEY):
     args = ["-m", MODEL, "--device", device, "--port", "0", "--backend", DECODER] + kv_flags
     env = dict(DECODER_ENV, TMPDIR=SERVE_TMP, ONEBIT_HYBRID_PREFILL="", ONEBIT_KV_SHARE=None,
-               KVSHARE_REMOTE_KEY=REMOTE_KEY)
+               KVSHARE_REMOTE_KEY=key)
     if url:
         args += ["--prefill-remote", url]
     return Serve(TOOLS["kvshare-serve"], args, env, timeout=120)
@@ -210,8 +210,8 @@ def cpu_reply(text):
     return CPU[text]
 
 
-def expect_fallback(url, reason, why_pattern, prompts=PROMPTS[:1]):
-    serve = start_serve("hybrid", url)
+def expect_fallback(url, reason, why_pattern, prompts=PROMPTS[:1], key=REMOTE_KEY):
+    serve = start_serve("hybrid", url, key=key)
     try:
         for prompt in prompts:
             text, _ = reply(serve, prompt)
@@ -323,6 +323,18 @@ def own_prefill_state(prompt):
         return save_slot(port, "own-prefill.state")
     finally:
         stop_checked(serve)
+
+
+def test_serve_without_the_key_or_with_a_wrong_one_is_refused_and_nothing_lands():
+    provider = Provider()
+    try:
+        for key in (None, "not-" + REMOTE_KEY):
+            lines = expect_fallback(provider.url, "remote_provider_failed", "answered 401: Invalid API Key", key=key)
+            check(not any("remote write" in line for line in lines), "a write reached the receiver:\n%s" %
+                  "\n".join(lines))
+            check(not any(REMOTE_KEY in line for line in lines), "the key shows on serve's stderr")
+    finally:
+        provider.stop()
 
 
 def test_no_provider_listening_falls_back():
