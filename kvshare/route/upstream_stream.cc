@@ -58,7 +58,12 @@ void UpstreamStream::run(Request request) {
     mark_first_byte();
     std::unique_lock lock(mutex_);
     // Backpressure: the decoder waits in TCP while the client catches up.
-    changed_.wait(lock, [&] { return buffered_bytes_ < kMaxBufferedBytes || cancelled_; });
+    if (buffered_bytes_ >= kMaxBufferedBytes && !cancelled_) {
+      is_waiting_for_room_ = true;
+      changed_.notify_all();
+      changed_.wait(lock, [&] { return buffered_bytes_ < kMaxBufferedBytes || cancelled_; });
+      is_waiting_for_room_ = false;
+    }
     if (cancelled_) return false;
     pieces_.emplace_back(data, length);
     buffered_bytes_ += length;
@@ -102,6 +107,12 @@ bool UpstreamStream::next(std::string& piece) {
 std::optional<Error> UpstreamStream::transport_error() {
   std::lock_guard lock(mutex_);
   return error_;
+}
+
+bool UpstreamStream::wait_for_backpressure() {
+  std::unique_lock lock(mutex_);
+  changed_.wait(lock, [&] { return is_waiting_for_room_ || done_ || cancelled_; });
+  return is_waiting_for_room_;
 }
 
 size_t UpstreamStream::buffered_bytes() {

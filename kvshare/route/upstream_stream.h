@@ -55,6 +55,10 @@ class UpstreamStream {
   // Bytes received and not yet taken by next(); never more than kMaxBufferedBytes plus
   // the one piece that crossed it.
   size_t buffered_bytes();
+  // Blocks until the call's thread has stopped reading because the queue is full (true)
+  // or the call has ended or was cancelled (false): a test of the bound waits for this
+  // state, however slowly the machine fills the queue.
+  bool wait_for_backpressure();
 
  private:
   UpstreamStream() = default;
@@ -68,6 +72,7 @@ class UpstreamStream {
   size_t buffered_bytes_ = 0;
   bool done_ = false;
   bool cancelled_ = false;
+  bool is_waiting_for_room_ = false;
   std::optional<Error> error_;
   std::function<void()> on_first_byte_;
   bool first_byte_seen_ = false;

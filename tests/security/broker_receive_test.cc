@@ -221,8 +221,12 @@ TEST_F(BrokerReceive, RefusesControlDataTruncatedWhenItsFdTableIsFull) {
   // fd; a peer can force that by sending more fds than we have room for.
   auto broker = ShareBroker::listen();
   ASSERT_TRUE(broker);
+  const size_t fds_before = kvshare::testing::open_fds().size();
   Fd connection = connect_to(*broker);
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the broker has accepted
+  // The count below must hold the broker's end of the connection too: wait for its accept
+  // (ours and the broker's, two more fds), however late its thread runs.
+  ASSERT_TRUE(kvshare::testing::wait_until([&] { return kvshare::testing::open_fds().size() >= fds_before + 2; }))
+      << "the broker never accepted";
   // The fd numbers below the limit that are still free: send more fds than that.
   const std::set<int> open_now = kvshare::testing::open_fds();
   const int limit = *open_now.rbegin() + 3;

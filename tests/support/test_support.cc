@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <fstream>
 #include <iterator>
+#include <thread>
 
 namespace kvshare::testing {
 
@@ -91,6 +92,15 @@ CommandResult run_command(const std::string& command_line) {
   result.out = slurp(out_path);
   result.err = slurp(err_path);
   return result;
+}
+
+bool wait_until(const std::function<bool()>& condition, std::chrono::milliseconds deadline) {
+  const auto end = std::chrono::steady_clock::now() + deadline;
+  for (;;) {
+    if (condition()) return true;
+    if (std::chrono::steady_clock::now() >= end) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 }  // namespace kvshare::testing

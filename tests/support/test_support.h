@@ -3,7 +3,9 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <filesystem>
+#include <functional>
 #include <set>
 #include <string>
 #include <vector>
@@ -54,5 +56,15 @@ struct CommandResult {
   std::string err;
 };
 CommandResult run_command(const std::string& command_line);
+
+// How long a test gives a condition it waits for: a safety net against a hang, never a
+// measurement. Generous because CI runs the suite two at a time on 2 busy cores, where a
+// step that takes milliseconds idle can take seconds.
+inline constexpr std::chrono::seconds kLoadedDeadline{60};
+
+// Checks `condition` every millisecond until it holds or `deadline` has passed; returns
+// whether it held. For a state another thread or process reaches with no event to wait
+// on: a test waits for what it means, not for a time.
+bool wait_until(const std::function<bool()>& condition, std::chrono::milliseconds deadline = kLoadedDeadline);
 
 }  // namespace kvshare::testing

@@ -79,8 +79,9 @@ TEST(UpstreamStream, StopsReadingTheDecoderWhileTheClientIsBehind) {
   BulkServer server(kBody);
   auto stream = get_bulk(server);
   ASSERT_TRUE(stream->wait_head());
-  // Nobody calls next() for a while: the queue must stop at its bound.
-  std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  // Nobody calls next(): the call's thread must stop at the bound rather than read on to the
+  // end. Waiting for that state, not for a time: a busy machine fills the queue slowly.
+  ASSERT_TRUE(stream->wait_for_backpressure()) << "read all " << kBody << " bytes with nobody taking them";
   EXPECT_LE(stream->buffered_bytes(), UpstreamStream::kMaxBufferedBytes + 256 * 1024);
   size_t total = 0;
   std::string piece;
@@ -93,10 +94,12 @@ TEST(UpstreamStream, CancelWakesAReaderThatWaitsForRoom) {
   BulkServer server(16u << 20);
   auto stream = get_bulk(server);
   ASSERT_TRUE(stream->wait_head());
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ASSERT_TRUE(stream->wait_for_backpressure());
+  // cancel + join: the reader waits for room no one will make, so only the cancel can end
+  // it. Without the wake this hangs; the bound is a safety net, not a measurement.
   const auto start = std::chrono::steady_clock::now();
-  stream.reset();  // cancel + join: must not wait for the 16 MiB to be read
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  stream.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, testing::kLoadedDeadline);
 }
 
 }  // namespace

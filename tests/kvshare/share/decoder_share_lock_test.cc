@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -46,16 +47,23 @@ TEST(DecoderShare, AnswersWhileAShareWaitsForABrokerThatDoesNotAccept) {
   const std::string path = (dir / "broker.sock").string();
   Fd listener = listen_unix(path, 0);
   Fd filler = connect_plain(path);  // the backlog of 0 holds this one; the next connect waits
-  std::thread blocked([&] { (void)decoder.share(path, 3000); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  const auto start = std::chrono::steady_clock::now();
-  const uint64_t latest = decoder.latest_share_id();
-  auto adopted = decoder.adopt(1, latest);
-  const auto waited = std::chrono::steady_clock::now() - start;
-  blocked.join();
-  EXPECT_EQ(latest, 1u);
+  // The share's connect can only end at its timeout or once the filler is accepted below,
+  // so whether adopt answered first is an order, not a time: with the mutex held across
+  // connect, latest_share_id() would return only after the share gave up.
+  const int share_timeout_ms = static_cast<int>(std::chrono::milliseconds(testing::kLoadedDeadline).count());
+  std::atomic<bool> share_returned{false};
+  std::thread blocked([&] {
+    (void)decoder.share(path, share_timeout_ms);
+    share_returned = true;
+  });
+  // Once the share has its id it is in (or about to enter) the connect that waits.
+  EXPECT_TRUE(testing::wait_until([&] { return decoder.latest_share_id() == 1; })) << "the share never took its id";
+  auto adopted = decoder.adopt(1, 1);
+  EXPECT_FALSE(share_returned) << "latest_share_id() and adopt() answered only after the share gave up";
   EXPECT_TRUE(adopted) << adopted.error().what();
-  EXPECT_LT(waited, std::chrono::milliseconds(500));
+  Fd accepted(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));  // lets the connect through
+  EXPECT_TRUE(accepted);
+  blocked.join();
 }
 
 }  // namespace

@@ -9,7 +9,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -39,6 +41,27 @@ bool process_gone(pid_t pid) {
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
   std::string line;
   return !std::getline(stat, line) || line.find(") Z") != std::string::npos;
+}
+
+// Whether `pid` has a handler installed for `sig` (its SigCgt mask in /proc/<pid>/status).
+bool catches_signal(pid_t pid, int sig) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("SigCgt:", 0) == 0) return (std::stoull(line.substr(7), nullptr, 16) >> (sig - 1)) & 1;
+  }
+  return false;
+}
+
+// The pid a shell wrote to `path` with `echo $! > path`, once the whole line is there; -1
+// if it never came.
+pid_t wait_for_pid_file(const std::filesystem::path& path) {
+  std::string text;
+  const bool written = testing::wait_until([&] {
+    std::ifstream file(path);
+    text.assign(std::istreambuf_iterator<char>(file), {});
+    return !text.empty() && text.back() == '\n';
+  });
+  return written ? std::stoi(text) : -1;
 }
 
 TEST_F(Spawn, InheritsExactlyTheToldDescriptorsAtThreeOnwards) {
@@ -130,12 +153,8 @@ TEST_F(Spawn, KillsWhatTheChildLeftInItsGroupBeforeReapingIt) {
   ASSERT_TRUE(finished->status.ok());
   const pid_t grandchild = std::stoi(finished->out);
   // No kill_group() here: the reap itself must have taken the leftover with it.
-  bool gone = false;
-  for (int i = 0; i < 200 && !gone; ++i) {
-    gone = process_gone(grandchild);
-    if (!gone) ::usleep(10000);
-  }
-  EXPECT_TRUE(gone) << "the group's leftover " << grandchild << " outlived its reaped leader";
+  EXPECT_TRUE(testing::wait_until([&] { return process_gone(grandchild); }))
+      << "the group's leftover " << grandchild << " outlived its reaped leader";
 }
 
 // Every kill and reap the spawner makes, in order: ('k', pid) for kill(pid, ...), ('r', pid)
@@ -206,16 +225,21 @@ TEST_F(Spawn, SignalsAGroupOnlyWhileItsLeaderIsUnreaped) {
 }
 
 TEST_F(Spawn, KillsTheProcessGroupAtTheDeadline) {
-  const auto result = run({"/bin/sh", "-c", "sleep 30 & echo $!; sleep 30"}, {}, std::chrono::milliseconds(300));
+  testing::TempDir dir;
+  const auto pid_file = dir / "grandchild.pid";
+  auto child = ChildProcess::spawn({"/bin/sh", "-c", "sleep 30 & echo $! > \"$0\"; sleep 30", pid_file.string()}, {});
+  ASSERT_TRUE(child) << child.error().what();
+  // The deadline starts once the group has its leftover: a busy machine may take longer
+  // than the deadline itself to get the shell that far.
+  const pid_t grandchild = wait_for_pid_file(pid_file);
+  const auto start = std::chrono::steady_clock::now();
+  const Finished result = child->wait_or_kill(std::chrono::milliseconds(300));
+  const auto waited = std::chrono::steady_clock::now() - start;
   EXPECT_TRUE(result.timed_out);
-  EXPECT_LT(result.elapsed_ms, 5000);
-  const pid_t grandchild = std::stoi(result.out);
-  bool gone = false;
-  for (int i = 0; i < 200 && !gone; ++i) {
-    gone = process_gone(grandchild);
-    if (!gone) ::usleep(10000);
-  }
-  EXPECT_TRUE(gone);
+  EXPECT_LT(waited, std::chrono::seconds(5));
+  ASSERT_GT(grandchild, 0) << "the shell never wrote its background pid";
+  EXPECT_TRUE(testing::wait_until([&] { return process_gone(grandchild); }))
+      << "the group's leftover " << grandchild << " outlived the deadline";
 }
 
 // Regression: the broker's provider inherited serve's blocked SIGTERM and ignored SIGPIPE.
@@ -270,7 +294,9 @@ TEST_F(Spawn, NamesAProgramThatCannotStart) {
 TEST_F(Spawn, TerminateGivesTheChildItsGraceThenReportsHowItEnded) {
   auto child = ChildProcess::spawn({"/bin/sh", "-c", "trap 'exit 7' TERM; while :; do sleep 0.01; done"}, {});
   ASSERT_TRUE(child) << child.error().what();
-  ::usleep(100000);  // let the shell install its trap
+  // Until the shell has installed its trap, SIGTERM kills it: wait for the handler itself.
+  ASSERT_TRUE(testing::wait_until([&] { return catches_signal(child->pid(), SIGTERM); }))
+      << "the shell never installed its TERM trap";
   const ExitStatus status = child->terminate(std::chrono::seconds(10));
   EXPECT_EQ(status.describe(), "exit code 7");
 }
