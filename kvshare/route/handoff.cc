@@ -197,6 +197,23 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
   return {Step::handed_off, "", ""};
 }
 
+// POST adopt of cells 0..n-1 for `share_id` (both shared routes' last step): the decoder's
+// adopt time (its own figure, else the wall time since `start`), or, when it refused, the
+// forward with slot 0 erased (a provider wrote its cells).
+tl::expected<double, StepResult> adopt_cells(const HandoffContext& context, std::span<const int32_t> handoff_ids,
+                                             uint64_t share_id, std::chrono::steady_clock::time_point start) {
+  const Json body = {{"tokens", ids_json(handoff_ids)}, {"share_id", share_id}, {"leave_one_token", true}};
+  auto adopted = context.decoder->slot_action("adopt", body);
+  const double wall_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  if (adopted && adopted->ok()) return adopted->timings_ms().value_or(wall_ms);
+  const bool erased = erase_slot(context);
+  return tl::unexpected(forward_because("adopt_failed",
+                                        adopted ? fmt::format("POST /slots/0?action=adopt answered {}: {}",
+                                                              adopted->status, adopted->error_message)
+                                                : adopted.error().what(),
+                                        !erased));
+}
+
 StepResult shared_route(const HandoffContext& context, std::span<const int32_t> handoff_ids,
                         const std::filesystem::path& ids_path, uint64_t sequence, HandoffReport& report) {
   const ServeConfig& config = *context.config;
@@ -246,19 +263,9 @@ StepResult shared_route(const HandoffContext& context, std::span<const int32_t> 
                            fmt::format("the provider {} ({})", run.describe(), config.prefill_provider), !erased);
   }
   const auto adopt_start = std::chrono::steady_clock::now();
-  const Json body = {{"tokens", ids_json(handoff_ids)}, {"share_id", share_id}, {"leave_one_token", true}};
-  auto adopted = context.decoder->slot_action("adopt", body);
-  const double adopt_wall_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - adopt_start).count();
-  if (!adopted || !adopted->ok()) {
-    const bool erased = erase_slot(context);
-    return forward_because("adopt_failed",
-                           adopted ? fmt::format("POST /slots/0?action=adopt answered {}: {}", adopted->status,
-                                                 adopted->error_message)
-                                   : adopted.error().what(),
-                           !erased);
-  }
-  report.handoff_ms = shared->timings_ms().value_or(share_wall_ms) + adopted->timings_ms().value_or(adopt_wall_ms);
+  auto adopted = adopt_cells(context, handoff_ids, share_id, adopt_start);
+  if (!adopted) return std::move(adopted.error());
+  report.handoff_ms = shared->timings_ms().value_or(share_wall_ms) + *adopted;
   return {Step::handed_off, "", ""};
 }
 
@@ -376,20 +383,10 @@ StepResult remote_route(const HandoffContext& context, std::span<const int32_t> 
   const auto adopt_start = std::chrono::steady_clock::now();
   auto completed = ask(complete, call_timeout);
   if (!completed) return after_grant(receiver_failed(completed.error()), completed.error().what());
-  const Json body = {{"tokens", ids_json(handoff_ids)}, {"share_id", share_id}, {"leave_one_token", true}};
-  auto adopted = context.decoder->slot_action("adopt", body);
-  const double adopt_wall_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - adopt_start).count();
-  if (!adopted || !adopted->ok()) {
-    const bool erased = erase_slot(context);
-    return forward_because("adopt_failed",
-                           adopted ? fmt::format("POST /slots/0?action=adopt answered {}: {}", adopted->status,
-                                                 adopted->error_message)
-                                   : adopted.error().what(),
-                           !erased);
-  }
+  auto adopted = adopt_cells(context, handoff_ids, share_id, adopt_start);
+  if (!adopted) return std::move(adopted.error());
   receiver.note_success();
-  report.handoff_ms = shared->timings_ms().value_or(share_wall_ms) + adopted->timings_ms().value_or(adopt_wall_ms);
+  report.handoff_ms = shared->timings_ms().value_or(share_wall_ms) + *adopted;
   return {Step::handed_off, "", ""};
 }
 
