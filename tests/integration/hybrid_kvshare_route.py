@@ -18,6 +18,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 
 from hybrid_common import (FAKE_DECODER, FAKE_PROVIDER, HERE, Serve, chat, check, events,
                            expected_chat_ids, expected_reply, read_log, run_tests, temp_dir)
@@ -41,7 +42,10 @@ class Case:
         os.makedirs(self.dir, exist_ok=True)
         self.decoder_log = os.path.join(self.dir, "decoder.log")
         self.provider_log = os.path.join(self.dir, "provider.log")
-        full_env = {"FAKE_DECODER_LOG": self.decoder_log, "FAKE_PROVIDER_LOG": self.provider_log,
+        # serve's slot directory goes under the test's own directory: a case ends with a
+        # SIGKILL, which leaves it behind, and the machine's /tmp is not the test's to fill.
+        full_env = {"TMPDIR": tempfile.mkdtemp(dir=WORK), "FAKE_DECODER_LOG": self.decoder_log,
+                    "FAKE_PROVIDER_LOG": self.provider_log,
                     "ONEBIT_KV_SHARE": "1", "FAKE_DECODER_SHARE_HEADER": HEADER}
         full_env.update(env or {})
         self.serve = Serve(SERVE, ["-m", MODEL, "--device", "hybrid", "--port", "0", "--backend", FAKE_DECODER,

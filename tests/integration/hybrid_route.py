@@ -19,6 +19,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import tempfile
 import sys
 import time
 
@@ -45,7 +46,10 @@ class Case:
         os.makedirs(self.dir, exist_ok=True)
         self.decoder_log = os.path.join(self.dir, "decoder.log")
         self.provider_log = os.path.join(self.dir, "provider.log")
-        full_env = {"FAKE_DECODER_LOG": self.decoder_log, "FAKE_PROVIDER_LOG": self.provider_log}
+        # serve's slot directory goes under the test's own directory: a case ends with a
+        # SIGKILL, which leaves it behind, and the machine's /tmp is not the test's to fill.
+        full_env = {"TMPDIR": tempfile.mkdtemp(dir=WORK), "FAKE_DECODER_LOG": self.decoder_log,
+                    "FAKE_PROVIDER_LOG": self.provider_log}
         full_env.update(env or {})
         full_args = ["-m", MODEL, "--device", "hybrid", "--port", "0", "--backend", FAKE_DECODER]
         if provider:
