@@ -67,8 +67,9 @@ echo "== tests under ASan+UBSan"
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=0
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 # OpenBLAS starts its thread pool when it is loaded; a pool thread still allocating when a
-# short sanitized process exits faults inside ASan's teardown (seen once in ~5000 runs, in a
-# test that had passed). One BLAS thread starts no pool; nothing here measures speed.
+# short sanitized process exits faults inside ASan's teardown (seen once in six loaded runs
+# of this script, in a test that had passed). One BLAS thread starts no pool; nothing here
+# measures speed.
 export OPENBLAS_NUM_THREADS=1
 # The benchmark smoke run is skipped here: it measures nothing under sanitizers.
 (cd build-asan && ctest --output-on-failure -j "$jobs" --timeout 1800 -E '^bench_smoke$')

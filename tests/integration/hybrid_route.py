@@ -19,8 +19,8 @@ import shutil
 import signal
 import stat
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 
 from hybrid_common import (FAKE_DECODER, FAKE_PROVIDER, Failure, Serve, chat, check, events,
