@@ -16,7 +16,8 @@ int main(int argc, char** argv) {
   kvshare::refmodel::reexec_with_best_blas_kernels(argv);  // before any work: it may exec
   CLI::App app{"The reference prefill provider: computes a prompt's KV cache on the CPU and writes a llama.cpp "
                "sequence-state file (--out) or scatters it into a decoder's shared region (--layout/--fds). "
-               "Prints {\"prefill_ms\": X} as its last line."};
+               "Prints {\"prefill_ms\": X, \"n_prefilled\": N} as its last line (N: ids computed and written "
+               "here)."};
   kvshare::refmodel::PrefillRequest r;
   std::string ctk = "f16", ctv = "f16", fa = "on", fds;
   app.add_option("--tokens", r.tokens_path, "ids file: one decimal id per line, or a JSON array")->required();
@@ -29,6 +30,11 @@ int main(int argc, char** argv) {
   app.add_option("--fa,--flash-attn", fa, "on|off|auto, as llama-server's -fa")->capture_default_str();
   app.add_option("--layout", r.layout_path, "layout header file (shared route)");
   app.add_option("--fds", fds, "inherited region descriptors n[,n...] in chunk order (shared route)");
+  uint32_t n_cached = 0;
+  auto* cached = app.add_option("--cached", n_cached,
+                                "shared route only: the region's cells 0..P-1 already hold the first P ids as "
+                                "positions 0..P-1 (the decoder kept them); compute ids P.. attending over them and "
+                                "write cells P.. only. 0 <= P < the number of ids; 0 is the same as none");
   app.add_option("-t,--threads", r.n_threads, "threads (0: all cores)")->capture_default_str();
   uint32_t state_version = 0;
   app.add_option("--state-version", state_version,
@@ -42,7 +48,14 @@ int main(int argc, char** argv) {
     if (a == "-ctk" || a == "-ctv" || a == "-fa") a = "-" + a;
   std::vector<char*> argv2;
   for (auto& a : args) argv2.push_back(a.data());
-  CLI11_PARSE(app, static_cast<int>(argv2.size()), argv2.data());
+  try {
+    app.parse(static_cast<int>(argv2.size()), argv2.data());
+  } catch (const CLI::ParseError& e) {
+    // Every bad usage is 2, an unknown flag included: kvshare-serve tells a provider that
+    // predates --cached by that status.
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  if (cached->count() > 0) r.n_cached = n_cached;
 
   auto type_k = kvshare::layout::parse_cache_type(ctk);
   auto type_v = kvshare::layout::parse_cache_type(ctv);
@@ -74,13 +87,17 @@ int main(int argc, char** argv) {
     }
     r.fds = *list;
   }
+  if (auto usage = kvshare::refmodel::check_prefill_usage(r); !usage) {
+    fmt::print(stderr, "kvshare-prefill: {}\n", usage.error().what());
+    return 2;
+  }
   auto report = kvshare::refmodel::run_prefill(r);
   if (!report) {
     fmt::print(stderr, "kvshare-prefill: {}\n", report.error().what());
     return 1;
   }
-  fmt::print(stderr, "kvshare-prefill: {} route, {} tokens: forward {:.3f} ms, write {:.3f} ms\n", report->route,
-             report->n_tokens, report->forward_ms, report->write_ms);
-  fmt::print("{{\"prefill_ms\": {:.3f}}}\n", report->prefill_ms);
+  fmt::print(stderr, "kvshare-prefill: {} route, {} tokens ({} prefilled): forward {:.3f} ms, write {:.3f} ms\n",
+             report->route, report->n_tokens, report->n_prefilled, report->forward_ms, report->write_ms);
+  fmt::print("{{\"prefill_ms\": {:.3f}, \"n_prefilled\": {}}}\n", report->prefill_ms, report->n_prefilled);
   return 0;
 }

@@ -400,7 +400,7 @@ void DecoderServer::Impl::handle_slots_action(const httplib::Request& req, httpl
     if (action == "share") {
       auto request = parse_share_request(req.body);
       if (!request) return reply_error(res, request.error());
-      auto shared = slot->share(request->socket);
+      auto shared = slot->share(request->socket, request->tokens ? &*request->tokens : nullptr);
       if (!shared) return reply_error(res, shared.error());
       return reply_json(res, 200,
                         Json{{"id_slot", id_slot},
@@ -408,13 +408,14 @@ void DecoderServer::Impl::handle_slots_action(const httplib::Request& req, httpl
                              {"backend", shared->reply.backend},
                              {"n_fds", shared->reply.n_fds},
                              {"region_bytes", shared->reply.region_bytes},
+                             {"n_cached", shared->n_cached},
                              {"timings", Json{{"share_ms", shared->ms}}}});
     }
     auto request = parse_adopt_request(req.body);
     if (!request) return reply_error(res, request.error());
     const uint64_t share_id = request->share_id;
     const std::vector<int32_t>& tokens = request->tokens;
-    auto adopted = slot->adopt(tokens, share_id);
+    auto adopted = slot->adopt(tokens, share_id, request->n_cached);
     if (!adopted) return reply_error(res, adopted.error());
     return reply_json(res, 200,
                       Json{{"id_slot", id_slot},

@@ -365,10 +365,20 @@ int32_t Slot::erase() {
   return n_erased;
 }
 
-ApiResult<Slot::ShareResult> Slot::share(const std::string& socket_path) {
+ApiResult<Slot::ShareResult> Slot::share(const std::string& socket_path, const std::vector<int32_t>* tokens) {
   // Not under work_: a share only sends the region's fds (the broker may keep it waiting
   // for its connect/send timeouts), and touches no cell or token of this slot.
   const auto t_start = Clock::now();
+  if (tokens != nullptr) {
+    // Refused before any fd leaves: a wrong id list would make n_cached meaningless.
+    const int32_t n_vocab = engine_.n_vocab();
+    for (size_t i = 0; i < tokens->size(); ++i) {
+      if ((*tokens)[i] >= n_vocab)
+        return api_fail(ErrorType::invalid_request,
+                        fmt::format("share: tokens[{}] is {}, outside the vocabulary (0..{})", i, (*tokens)[i],
+                                    n_vocab - 1));
+    }
+  }
   auto shared = engine_.share(socket_path);
   if (!shared) {
     std::fprintf(stderr, "kvshare-decoder: slot %d: share over %s failed: %s\n", id_, socket_path.c_str(),
@@ -377,10 +387,18 @@ ApiResult<Slot::ShareResult> Slot::share(const std::string& socket_path) {
     const ErrorType type = shared.error().errno_value() == EPERM ? ErrorType::permission : ErrorType::server;
     return api_fail(type, "Unable to share the KV cache: " + shared.error().what());
   }
-  return ShareResult{*shared, ms_since(t_start)};
+  int32_t n_cached = 0;
+  if (tokens != nullptr) {
+    // Cell i holds position i of the one sequence, so a common prefix of P tokens is
+    // cells 0..P-1 as positions 0..P-1. Not capped below tokens->size(): when every
+    // token is cached the caller has nothing for a provider to do.
+    std::lock_guard status(status_);
+    n_cached = static_cast<int32_t>(common_prefix(tokens_, *tokens));
+  }
+  return ShareResult{*shared, n_cached, ms_since(t_start)};
 }
 
-ApiResult<Slot::AdoptResult> Slot::adopt(std::span<const int32_t> tokens, uint64_t share_id) {
+ApiResult<Slot::AdoptResult> Slot::adopt(std::span<const int32_t> tokens, uint64_t share_id, uint32_t n_cached) {
   std::lock_guard work(work_);
   const auto t_start = Clock::now();
   const int32_t n_vocab = engine_.n_vocab();
@@ -395,6 +413,22 @@ ApiResult<Slot::AdoptResult> Slot::adopt(std::span<const int32_t> tokens, uint64
     return api_fail(ErrorType::invalid_request,
                     fmt::format("adopt: {} tokens do not fit the slot's context of {} cells (at most {})",
                                 tokens.size(), n_ctx(), n_ctx() - 1));
+  }
+  if (n_cached > tokens.size()) {
+    return api_fail(ErrorType::invalid_request,
+                    fmt::format("adopt: n_cached {} is more than the {} tokens given", n_cached, tokens.size()));
+  }
+  if (n_cached > 0) {
+    // The provider wrote only cells n_cached..: the cells before must still be the ones
+    // share counted. An erase, restore or completion since then may have changed them;
+    // checked before the engine spends the share_id, so the caller can share again.
+    const size_t held = common_prefix(tokens_, tokens.first(n_cached));
+    if (held < n_cached) {
+      return api_fail(ErrorType::invalid_request,
+                      fmt::format("adopt: n_cached {}: the slot holds only {} of these tokens (it was erased, restored "
+                                  "or reused since the share); share again",
+                                  n_cached, held));
+    }
   }
   auto adopted = engine_.adopt(tokens, share_id);
   if (!adopted) {

@@ -62,14 +62,23 @@ class Slot {
 
   struct ShareResult {
     ShareReply reply;
+    int32_t n_cached = 0;  // leading `tokens` the slot's cells already hold (0 without tokens)
     double ms = 0.0;
   };
-  ApiResult<ShareResult> share(const std::string& socket_path);
+  // Sends the region to the broker at `socket_path`. With `tokens` (the ids the caller
+  // will hand over, checked against the vocabulary before anything is sent) the reply
+  // says how many of them cells 0.. already hold as positions 0..: the longest common
+  // prefix of `tokens` and the slot's cached tokens. The share leaves the slot's cells
+  // and cached tokens as they are, so the provider need write only the cells after them.
+  ApiResult<ShareResult> share(const std::string& socket_path, const std::vector<int32_t>* tokens = nullptr);
   struct AdoptResult {
     int32_t n_adopted = 0;
     double ms = 0.0;
   };
-  ApiResult<AdoptResult> adopt(std::span<const int32_t> tokens, uint64_t share_id);
+  // Takes cells 0..tokens.size()-1 as the provider of `share_id` left them. `n_cached`:
+  // the first n_cached of them were the slot's own cells through the share (what share
+  // answered); refused, slot unchanged, when the slot no longer holds those tokens.
+  ApiResult<AdoptResult> adopt(std::span<const int32_t> tokens, uint64_t share_id, uint32_t n_cached = 0);
 
   // One element of GET /slots (server_slot::to_json with only_metrics).
   Json to_json() const;

@@ -18,6 +18,22 @@ ApiResult<Json> parse_action_body(std::string_view action, std::string_view body
   }
 }
 
+// A JSON array of token ids (0..2^31-1) for `field` of `action`; the vocabulary is the
+// slot's to check.
+ApiResult<std::vector<int32_t>> parse_token_array(std::string_view action, std::string_view field, const Json& value) {
+  if (!value.is_array())
+    return api_fail(ErrorType::invalid_request, fmt::format("{}: \"{}\" must be an array of token ids", action, field));
+  std::vector<int32_t> tokens;
+  tokens.reserve(value.size());
+  for (const auto& t : value) {
+    // A token id outside int32 would wrap into another id; refuse it instead.
+    if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > std::numeric_limits<int32_t>::max())
+      return api_fail(ErrorType::invalid_request, fmt::format("{}: \"{}\" must hold token ids only", action, field));
+    tokens.push_back(static_cast<int32_t>(t.get<int64_t>()));
+  }
+  return tokens;
+}
+
 }  // namespace
 
 ApiResult<SlotFileRequest> parse_slot_file_request(std::string_view body) {
@@ -40,6 +56,11 @@ ApiResult<ShareRequest> parse_share_request(std::string_view body) {
     return api_fail(ErrorType::invalid_request, "share: the body must be {\"socket\": \"<path of the AF_UNIX socket>\"}");
   ShareRequest request;
   request.socket = socket->get<std::string>();
+  if (auto tokens = json->find("tokens"); tokens != json->end() && !tokens->is_null()) {
+    auto parsed = parse_token_array("share", "tokens", *tokens);
+    if (!parsed) return tl::unexpected(parsed.error());
+    request.tokens = std::move(*parsed);
+  }
   return request;
 }
 
@@ -53,13 +74,18 @@ ApiResult<AdoptRequest> parse_adopt_request(std::string_view body) {
                     "adopt: the body must be {\"tokens\": [ids...], \"share_id\": N} with N the share_id a share "
                     "returned");
   AdoptRequest request;
-  for (const auto& t : json->at("tokens")) {
-    // A token id outside int32 would wrap into another id; refuse it instead.
-    if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > std::numeric_limits<int32_t>::max())
-      return api_fail(ErrorType::invalid_request, "adopt: \"tokens\" must hold token ids only");
-    request.tokens.push_back(static_cast<int32_t>(t.get<int64_t>()));
-  }
+  auto tokens = parse_token_array("adopt", "tokens", json->at("tokens"));
+  if (!tokens) return tl::unexpected(tokens.error());
+  request.tokens = std::move(*tokens);
   request.share_id = json->at("share_id").get<uint64_t>();
+  if (auto n_cached = json->find("n_cached"); n_cached != json->end() && !n_cached->is_null()) {
+    if (!n_cached->is_number_unsigned() || n_cached->get<uint64_t>() > request.tokens.size())
+      return api_fail(ErrorType::invalid_request,
+                      fmt::format("adopt: \"n_cached\" is {}; it must be an integer from 0 to the {} tokens given "
+                                  "(the n_cached the share answered)",
+                                  n_cached->dump(), request.tokens.size()));
+    request.n_cached = static_cast<uint32_t>(n_cached->get<uint64_t>());
+  }
   return request;
 }
 

@@ -11,6 +11,7 @@
 
 #include "kvshare/fd.h"
 #include "kvshare/mapping.h"
+#include "kvshare/region/dmabuf_sync.h"
 #include "kvshare/region/importer.h"
 #include "kvshare/share/provider_share.h"
 #include "kvshare/statefile/state_file_writer.h"
@@ -61,6 +62,44 @@ Result<Loaded> load_inputs(const PrefillRequest& r) {
 }
 
 
+// --cached P leaves at least the last id to compute: its K/V (and the decoder's first
+// logits, one token later) come from this prefill, never from a cell it did not write.
+Error cached_bound_error(uint32_t n_cached, size_t n_ids, const std::string& tokens_path) {
+  return Error(EINVAL, fmt::format("--cached {}: the ids file {} holds {} ids; --cached must be below that (0 <= P < {}): "
+                                   "when the region holds every id there is nothing to prefill",
+                                   n_cached, tokens_path, n_ids, n_ids));
+}
+
+Error cached_on_file_route_error() {
+  return Error(EINVAL, "--cached is for the shared route (--layout/--fds), where the region already holds the cached "
+                       "cells; the file route (--out) writes a state file of every id from position 0");
+}
+
+// The incremental shared route: a Context over the region itself, exactly as the decoder
+// runs on it (kvshare-decoder's eval is the same Context::decode), so the cached cells
+// are read in the decoder's cache types and rotation and the new ones stored the same
+// way. Creating the Context only checks the layout; decode writes cells n_cached.. only.
+Result<PrefillReport> extend_region(const Loaded& in, const layout::ShareHeader& header,
+                                    std::span<const std::span<std::byte>> chunks, uint32_t n_cached, int n_threads) {
+  KvMemory kv{header.memory, header.layout, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end())};
+  auto ctx = Context::create(in.model, std::move(kv), n_threads);
+  if (!ctx) return fail(ctx.error().with_context("shared route, the decoder's region"));
+  const auto t0 = Clock::now();
+  const std::span<const int32_t> rest = std::span<const int32_t>(in.tokens).subspan(n_cached);
+  auto logits = (*ctx)->decode(rest, static_cast<int32_t>(n_cached));
+  if (!logits)
+    return fail(logits.error().with_context(fmt::format("shared route, --cached {}: positions {}..{}", n_cached, n_cached,
+                                                        in.tokens.size() - 1)));
+  PrefillReport report;
+  report.route = "shared";
+  report.n_tokens = static_cast<uint32_t>(in.tokens.size());
+  report.n_prefilled = static_cast<uint32_t>(rest.size());
+  report.prefill_ms = ms_since(t0);
+  report.forward_ms = report.prefill_ms;  // the stores into the region are part of the forward pass
+  report.write_ms = 0;
+  return report;
+}
+
 Result<PrefillReport> run_file_route(const PrefillRequest& r) {
   auto in = load_inputs(r);
   if (!in) return fail(in.error());
@@ -103,6 +142,7 @@ Result<PrefillReport> run_file_route(const PrefillRequest& r) {
   PrefillReport report;
   report.route = "file";
   report.n_tokens = n;
+  report.n_prefilled = n;
   report.prefill_ms = ms_since(t0);
   report.write_ms = write_ms;
   report.forward_ms = report.prefill_ms - write_ms;
@@ -124,6 +164,8 @@ Result<PrefillReport> run_shared_route(const PrefillRequest& r, std::vector<Fd> 
   if (in->tokens.size() > kv_size)
     return fail(ERANGE, "ids file {}: {} tokens do not fit the shared cache of {} cells", r.tokens_path,
                 in->tokens.size(), kv_size);
+  const uint32_t n_cached = r.n_cached.value_or(0);
+  if (n_cached >= in->tokens.size()) return fail(cached_bound_error(n_cached, in->tokens.size(), r.tokens_path));
   if (fds.size() != theirs->layout.chunks.size())
     return fail(EINVAL, "--fds gives {} descriptors, layout header {} has {} chunks", fds.size(), r.layout_path,
                 theirs->layout.chunks.size());
@@ -132,8 +174,11 @@ Result<PrefillReport> run_shared_route(const PrefillRequest& r, std::vector<Fd> 
   auto share = ProviderShare::open(r.layout_path, fd_numbers, *ours);
   if (!share) return fail(share.error().with_context(fmt::format("model {}", r.model_path)));
   theirs = share->header();
-  auto access = share->begin_write();
+  // With cached cells the provider reads the region as well as writing it.
+  auto access = n_cached > 0 ? share->imported().begin_cpu_access(DmaBufCpuAccess::Mode::read_write)
+                             : share->begin_write();
   if (!access) return fail(access.error());
+  if (n_cached > 0) return extend_region(*in, *theirs, share->imported().chunk_bytes(), n_cached, r.n_threads);
 
   const auto n = static_cast<uint32_t>(in->tokens.size());
   auto own = make_private_kv(model, theirs->params, n);
@@ -159,6 +204,7 @@ Result<PrefillReport> run_shared_route(const PrefillRequest& r, std::vector<Fd> 
   PrefillReport report;
   report.route = "shared";
   report.n_tokens = n;
+  report.n_prefilled = n;
   report.prefill_ms = ms_since(t0);
   report.write_ms = write_ms;
   report.forward_ms = report.prefill_ms - write_ms;
@@ -212,10 +258,25 @@ Result<std::vector<int32_t>> parse_token_ids(std::string_view text, std::string_
   return ids;
 }
 
+Result<void> check_prefill_usage(const PrefillRequest& request) {
+  if (!request.n_cached) return {};
+  if (request.layout_path.empty()) return fail(cached_on_file_route_error());
+  if (*request.n_cached == 0) return {};
+  // An unreadable or malformed ids file is a failed prefill (exit 1), reported by
+  // run_prefill with the line at fault; only the bound is usage.
+  auto text = read_text_file(request.tokens_path, "ids file");
+  if (!text) return {};
+  auto ids = parse_token_ids(*text, request.tokens_path);
+  if (!ids) return {};
+  if (*request.n_cached >= ids->size()) return fail(cached_bound_error(*request.n_cached, ids->size(), request.tokens_path));
+  return {};
+}
+
 Result<PrefillReport> run_prefill(const PrefillRequest& request) {
   // Own the inherited descriptors before anything can fail: an early return closes them.
   std::vector<Fd> fds;
   for (int fd : request.fds) fds.emplace_back(fd);
+  if (request.n_cached && request.layout_path.empty()) return fail(cached_on_file_route_error());
   if (!request.layout_path.empty()) {
     if (!request.out_path.empty()) return fail(EINVAL, "--out and --layout exclude each other: pick the file or the shared route");
     return run_shared_route(request, std::move(fds));

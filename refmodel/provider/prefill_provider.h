@@ -7,10 +7,14 @@
 //                 imports the decoder's regions (inherited fds), checks the layout header
 //                 against the model, and scatters the rows into the region
 //                 (xdna::scatter), where the decoder adopts them with no copy.
+//                 With --cached P the region's cells 0..P-1 already hold the first P ids
+//                 (the decoder kept them): a Context over the region itself attends over
+//                 them and writes cells P.. only.
 // docs/refmodel.md documents the ids file and every refusal.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -39,16 +43,27 @@ struct PrefillRequest {
   std::string layout_path;
   std::vector<int> fds;           // inherited descriptors, one per chunk, in layout order (parsed by
                                   // kvshare::parse_fd_list: >= 3, distinct, at most SCM_MAX_FD); taken
+  // --cached P (shared route only): the region's cells 0..P-1 hold the first P ids as
+  // positions 0..P-1, in the decoder's cache types; 0 <= P < the number of ids. Unset
+  // and 0 are the same on the shared route; set at all on the file route is refused.
+  std::optional<uint32_t> n_cached;
   int n_threads = 0;              // 0: all cores
 };
 
 struct PrefillReport {
-  uint32_t n_tokens = 0;
+  uint32_t n_tokens = 0;          // ids in the ids file
+  uint32_t n_prefilled = 0;       // of them computed and written here: n_tokens less --cached
   double prefill_ms = 0;          // forward pass + writing/scattering, model load excluded
   double forward_ms = 0;          // the transformer alone
   double write_ms = 0;            // state-file writes and commit, or the scatter
   std::string route;              // "file" or "shared"
 };
+
+// The refusals that are the caller's usage, not a failed prefill (kvshare-prefill exits 2
+// for them): --cached on the file route, --cached not below the number of ids. Reads the
+// ids file for the latter; an ids file that cannot be read or parsed is left to
+// run_prefill, which names what is wrong with it.
+Result<void> check_prefill_usage(const PrefillRequest& request);
 
 // Runs one prefill. Every failure is an Error naming the file, flag, id or field; on the
 // file route no partial file is left behind. Takes ownership of request.fds (closed

@@ -398,12 +398,22 @@ class SharedRoute : public ::testing::TestWithParam<std::string> {
   }
 
   // share -> receive -> provider writes `head` into the region -> returns the share_id.
-  uint64_t prefill_through_share(const std::vector<int32_t>& head) {
+  // With `incremental`, the share carries `head` as its tokens, the decoder's answer goes
+  // to *n_cached and the provider gets --cached with it (it writes cells n_cached.. only).
+  uint64_t prefill_through_share(const std::vector<int32_t>& head, int* n_cached = nullptr) {
     auto broker = ShareBroker::listen(backend_->slots());
     EXPECT_TRUE(broker) << broker.error().what();
     if (!broker) return 0;
-    const Json shared = backend_->post_json("/slots/0?action=share", {{"socket", broker->socket_path()}});
+    Json body = {{"socket", broker->socket_path()}};
+    if (n_cached != nullptr) body["tokens"] = head;
+    const Json shared = backend_->post_json("/slots/0?action=share", body);
     EXPECT_TRUE(shared.contains("share_id")) << shared.dump();
+    std::vector<std::string> cached_flag;
+    if (n_cached != nullptr) {
+      EXPECT_TRUE(shared.contains("n_cached")) << shared.dump();
+      *n_cached = shared.value("n_cached", 0);
+      cached_flag = {"--cached", std::to_string(*n_cached)};
+    }
     auto share = broker->receive(10000);
     EXPECT_TRUE(share) << share.error().what();
     if (!share) return 0;
@@ -413,10 +423,10 @@ class SharedRoute : public ::testing::TestWithParam<std::string> {
       std::ofstream out(ids);
       for (int32_t id : head) out << id << "\n";
     }
-    auto run = broker->run_provider(*share,
-                                    {tool_path("kvshare-prefill").string(), "--tokens", ids.string(), "--model",
-                                     backend_->model().string(), "--layout", "{layout}", "--fds", "{fds}"},
-                                    60000);
+    std::vector<std::string> argv = {tool_path("kvshare-prefill").string(), "--tokens", ids.string(), "--model",
+                                     backend_->model().string(), "--layout", "{layout}", "--fds", "{fds}"};
+    argv.insert(argv.end(), cached_flag.begin(), cached_flag.end());
+    auto run = broker->run_provider(*share, argv, 60000);
     EXPECT_TRUE(run) << run.error().what();
     return share->share_id;
   }
@@ -439,6 +449,55 @@ TEST_P(SharedRoute, DecodesCellsAKvsharePrefillProcessWroteLikeItsOwnPrefillWith
   EXPECT_EQ(reply["tokens"], own["tokens"]);
   EXPECT_EQ(reply["timings"]["prompt_n"], 1);
   EXPECT_EQ(reply["timings"]["cache_n"], static_cast<int>(head.size()));
+}
+
+// A conversation's turn 2 on the shared route: the decoder keeps turn 1's cells, the
+// provider computes only the reply's last token and the new message, and the reply is
+// the decoder's own for the whole turn-2 prompt.
+TEST_P(SharedRoute, DecodesTurnTwoAfterAnIncrementalHandoffLikeItsOwnPrefill) {
+  const Backend& b = *backend_;
+  const std::vector<int32_t> turn_one = b.tokenize(kText);
+  const auto turn_one_reply = b.greedy(turn_one, 6, false)["tokens"].get<std::vector<int32_t>>();
+  ASSERT_FALSE(turn_one_reply.empty());
+  std::vector<int32_t> turn_two = turn_one;
+  turn_two.insert(turn_two.end(), turn_one_reply.begin(), turn_one_reply.end());
+  const auto message = b.post_json("/tokenize", {{"content", " And then what did the fox do?"}, {"add_special", false}})
+                           ["tokens"].get<std::vector<int32_t>>();
+  turn_two.insert(turn_two.end(), message.begin(), message.end());
+  const Json own = b.greedy(turn_two, 12, false);
+
+  // Turn 1 again, as the conversation had it: the slot holds turn 1 less its last token.
+  b.greedy(turn_one, 6, false);
+  const std::vector<int32_t> head(turn_two.begin(), turn_two.end() - 1);
+  int n_cached = -1;
+  const uint64_t share_id = prefill_through_share(head, &n_cached);
+  ASSERT_NE(share_id, 0u);
+  EXPECT_EQ(n_cached, static_cast<int>(turn_one.size() + turn_one_reply.size() - 1));
+  const Json adopted =
+      b.post_json("/slots/0?action=adopt", {{"tokens", head}, {"share_id", share_id}, {"n_cached", n_cached}});
+  EXPECT_EQ(adopted["n_adopted"], static_cast<int>(head.size()));
+  const Json reply = b.greedy(turn_two, 12);
+  EXPECT_EQ(reply["tokens"], own["tokens"]);
+  EXPECT_EQ(reply["timings"]["prompt_n"], 1);
+  EXPECT_EQ(reply["timings"]["cache_n"], static_cast<int>(head.size()));
+}
+
+TEST_P(SharedRoute, RefusesAnAdoptOfCachedTokensTheSlotLostSinceTheShareWith400) {
+  const Backend& b = *backend_;
+  const std::vector<int32_t> prompt = b.tokenize(kText);
+  b.greedy(prompt, 0, false);  // the slot holds exactly the prompt
+  std::vector<int32_t> head = prompt;
+  head.push_back(prompt.back());
+  int n_cached = -1;
+  const uint64_t share_id = prefill_through_share(head, &n_cached);
+  ASSERT_EQ(n_cached, static_cast<int>(prompt.size()));
+  EXPECT_EQ(b.post_json("/slots/0?action=erase", Json::object())["n_erased"], static_cast<int>(prompt.size()));
+  const HttpReply refused =
+      b.post("/slots/0?action=adopt", {{"tokens", head}, {"share_id", share_id}, {"n_cached", n_cached}});
+  expect_error(refused, 400, "invalid_request_error");
+  EXPECT_NE(refused.body.find("n_cached"), std::string::npos) << refused.body;
+  // Unchanged: still empty, so the whole prompt is evaluated.
+  EXPECT_EQ(b.greedy(prompt, 0)["timings"]["cache_n"], 0);
 }
 
 TEST_P(SharedRoute, RefusesAStaleShareIdAndTooManyTokensWith400) {

@@ -139,10 +139,12 @@ class FakeEngine : public SlotEngine {
     return {};
   }
 
-  // What a provider would write into the shared cells (no copy on adopt: these are the cells).
-  void provider_writes(std::span<const int32_t> tokens) {
+  // What a provider would write into the shared cells (no copy on adopt: these are the
+  // cells): tokens[first..] into cells first.., the cells before left as they are (an
+  // incremental handoff's cached prefix).
+  void provider_writes(std::span<const int32_t> tokens, size_t first = 0) {
     std::lock_guard lock(mutex_);
-    for (size_t i = 0; i < tokens.size(); ++i) cells_[i] = tokens[i];
+    for (size_t i = first; i < tokens.size(); ++i) cells_[i] = tokens[i];
   }
   int64_t n_evaluated() const {
     std::lock_guard lock(mutex_);

@@ -235,6 +235,118 @@ TEST(DecoderHttpFake, RefusesAStaleShareIdAndTooManyTokensWith400) {
   expect_error(server.post("/slots/0?action=share", Json::object()), 400, "invalid_request_error", "socket");
 }
 
+// Turn 1 of a conversation on the slot: returns what the slot's cells hold afterwards
+// (the prompt and every generated token but the last, which was sampled, never decoded).
+std::vector<int32_t> complete_turn_one(const FakeServer& server, const std::vector<int32_t>& prompt, int n_predict,
+                                       std::vector<int32_t>* reply_tokens = nullptr) {
+  const Json reply = server
+                         .post("/completion", {{"prompt", prompt}, {"n_predict", n_predict}, {"temperature", 0},
+                                               {"return_tokens", true}, {"cache_prompt", false}})
+                         .json();
+  const auto generated = reply["tokens"].get<std::vector<int32_t>>();
+  EXPECT_FALSE(generated.empty()) << reply.dump();
+  if (reply_tokens != nullptr) *reply_tokens = generated;
+  std::vector<int32_t> cached = prompt;
+  if (!generated.empty()) cached.insert(cached.end(), generated.begin(), generated.end() - 1);
+  EXPECT_EQ(server.get("/slots").json()[0]["n_prompt_tokens"], static_cast<int>(cached.size()));
+  return cached;
+}
+
+TEST(DecoderHttpFake, AnswersShareWithTheCommonPrefixOfItsTokensAndTheSlotsCachedTokens) {
+  FakeServer server(ShareAvailability::enabled);
+  const std::vector<int32_t> cached = complete_turn_one(server, kPrompt, 4);
+  const auto share = [&](const Json& body) { return server.post("/slots/0?action=share", body).json(); };
+
+  std::vector<int32_t> longer = cached;  // turn 2: the cached tokens, then new ones
+  longer.insert(longer.end(), {'!', ' ', 'o', 'k'});
+  EXPECT_EQ(share({{"socket", "/s"}, {"tokens", longer}})["n_cached"], static_cast<int>(cached.size()));
+  const std::vector<int32_t> diverging = {FakeEngine::kBos, 'h', 'e', 'X', 'Y'};
+  EXPECT_EQ(share({{"socket", "/s"}, {"tokens", diverging}})["n_cached"], 3);
+  const std::vector<int32_t> shorter(cached.begin(), cached.begin() + 5);  // capped at the tokens given
+  EXPECT_EQ(share({{"socket", "/s"}, {"tokens", shorter}})["n_cached"], 5);
+  EXPECT_EQ(share({{"socket", "/s"}, {"tokens", Json::array()}})["n_cached"], 0);
+  EXPECT_EQ(share({{"socket", "/s"}})["n_cached"], 0);
+  EXPECT_EQ(share({{"socket", "/s"}, {"tokens", nullptr}})["n_cached"], 0);
+  // None of these shares touched the slot: its cells and tokens are what turn 1 left.
+  EXPECT_EQ(server.get("/slots").json()[0]["n_prompt_tokens"], static_cast<int>(cached.size()));
+  EXPECT_EQ(share({{"socket", "/s"}, {"tokens", longer}})["n_cached"], static_cast<int>(cached.size()));
+}
+
+TEST(DecoderHttpFake, RefusesShareTokensThatAreNotIdsOfTheVocabularyWith400BeforeSharing) {
+  FakeServer server(ShareAvailability::enabled);
+  for (const Json& tokens : {Json(-1), Json::array({1, "a"}), Json::array({1, -2}), Json::array({1, 1LL << 33}),
+                             Json::array({1, FakeEngine::kVocab})}) {
+    SCOPED_TRACE(tokens.dump());
+    const HttpReply reply = server.post("/slots/0?action=share", {{"socket", "/never"}, {"tokens", tokens}});
+    expect_error(reply, 400, "invalid_request_error", "tokens");
+  }
+  EXPECT_EQ(server.engine().last_socket(), "") << "a refused share reached the engine";
+}
+
+TEST(DecoderHttpFake, DecodesATurnTwoPromptWhoseProviderWroteOnlyTheCellsAfterTheCachedOnes) {
+  FakeServer server(ShareAvailability::enabled);
+  std::vector<int32_t> turn_one_reply;
+  const std::vector<int32_t> cached = complete_turn_one(server, kPrompt, 4, &turn_one_reply);
+  std::vector<int32_t> turn_two = kPrompt;
+  turn_two.insert(turn_two.end(), turn_one_reply.begin(), turn_one_reply.end());
+  turn_two.insert(turn_two.end(), {' ', 'm', 'o', 'r', 'e', '?'});
+  const std::vector<int32_t> expected = expected_continuation(turn_two, 6);
+  const std::vector<int32_t> head(turn_two.begin(), turn_two.end() - 1);
+
+  const Json shared = server.post("/slots/0?action=share", {{"socket", "/s"}, {"tokens", head}}).json();
+  const int n_cached = shared["n_cached"].get<int>();
+  ASSERT_EQ(n_cached, static_cast<int>(cached.size()));
+  // The fake's logits hash every cell: had the decoder's cells 0..n_cached-1 been lost,
+  // the reply would differ.
+  server.engine().provider_writes(head, static_cast<size_t>(n_cached));
+  const Json adopted =
+      server.post("/slots/0?action=adopt", {{"tokens", head}, {"share_id", shared["share_id"]}, {"n_cached", n_cached}})
+          .json();
+  EXPECT_EQ(adopted["n_adopted"], static_cast<int>(head.size())) << adopted.dump();
+  const Json reply =
+      server.post("/completion", {{"prompt", turn_two}, {"n_predict", 6}, {"temperature", 0}, {"return_tokens", true}})
+          .json();
+  EXPECT_EQ(reply["tokens"], Json(expected));
+  EXPECT_EQ(reply["timings"]["prompt_n"], 1);
+  EXPECT_EQ(reply["timings"]["cache_n"], static_cast<int>(head.size()));
+}
+
+TEST(DecoderHttpFake, RefusesAnAdoptWhoseCachedTokensTheSlotNoLongerHoldsAndKeepsTheSlot) {
+  FakeServer server(ShareAvailability::enabled);
+  const std::vector<int32_t> cached = complete_turn_one(server, kPrompt, 4);
+  std::vector<int32_t> head = cached;
+  head.insert(head.end(), {'?', '!'});
+  const Json shared = server.post("/slots/0?action=share", {{"socket", "/s"}, {"tokens", head}}).json();
+  const int n_cached = shared["n_cached"].get<int>();
+  ASSERT_EQ(n_cached, static_cast<int>(cached.size()));
+  const Json adopt_body = {{"tokens", head}, {"share_id", shared["share_id"]}, {"n_cached", n_cached}};
+
+  // Reused between share and adopt: another prompt's completion replaced the cells.
+  const std::vector<int32_t> other = {FakeEngine::kBos, 'h', 'i'};
+  const std::vector<int32_t> reused = complete_turn_one(server, other, 2);
+  expect_error(server.post("/slots/0?action=adopt", adopt_body), 400, "invalid_request_error",
+               fmt::format("n_cached {}: the slot holds only 2 of these tokens", n_cached));
+  EXPECT_EQ(server.get("/slots").json()[0]["n_prompt_tokens"], static_cast<int>(reused.size()));
+  const Json after_refusal =
+      server.post("/completion", {{"prompt", reused}, {"n_predict", 1}, {"temperature", 0}}).json();
+  EXPECT_EQ(after_refusal["timings"]["cache_n"], static_cast<int>(reused.size()) - 1) << "the slot lost its cells";
+
+  // Erased between share and adopt.
+  server.post("/slots/0?action=erase", Json::object());
+  expect_error(server.post("/slots/0?action=adopt", adopt_body), 400, "invalid_request_error",
+               "the slot holds only 0 of these tokens");
+  // An n_cached past the tokens, or not a count, is a bad body.
+  expect_error(server.post("/slots/0?action=adopt", {{"tokens", {1, 2}}, {"share_id", shared["share_id"]}, {"n_cached", 3}}),
+               400, "invalid_request_error", "n_cached");
+  expect_error(server.post("/slots/0?action=adopt", {{"tokens", {1, 2}}, {"share_id", shared["share_id"]}, {"n_cached", -1}}),
+               400, "invalid_request_error", "n_cached");
+  // The refusals spent nothing: the share is still adoptable without the cached prefix.
+  server.engine().provider_writes(head);
+  const Json adopted =
+      server.post("/slots/0?action=adopt", {{"tokens", head}, {"share_id", shared["share_id"]}, {"n_cached", 0}}).json();
+  EXPECT_EQ(adopted["n_adopted"], static_cast<int>(head.size())) << adopted.dump();
+}
+
 // The decoder has no remote share of its own any more (its receiver runs in serve's
 // kvshare-remote-receiver process): the old {"transport": "ucx"} body is a bad share body.
 TEST(DecoderHttpFake, RefusesTheRetiredRemoteShareBodyNamingTheSocketField) {
