@@ -55,7 +55,7 @@ ls -l "$work/tiny.gguf" | awk '{print "   " $NF ": " $5 " bytes"}'
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 echo "== kvshare-serve --device hybrid on 127.0.0.1:$port (route: $route)"
 if [ "$route" = shared ]; then export ONEBIT_KV_SHARE=1; else unset ONEBIT_KV_SHARE; fi
-"$bin/kvshare-serve" -m "$work/tiny.gguf" --device hybrid --prefill-provider "$provider" \
+"$bin/kvshare-serve" -m "$work/tiny.gguf" --device hybrid --prefill-provider "$provider" --handoff always \
   --backend "$backend" --host 127.0.0.1 --port "$port" -c 1024 -fa on \
   2>"$work/serve.log" &
 serve_pid=$!

@@ -35,6 +35,12 @@ int main(int argc, char** argv) {
   auto* ctv = app.add_option("--cache-type-v", config.cache_type_v, "-ctv: V cache type")->capture_default_str();
   app.add_option("--provider-timeout", config.provider_timeout_s, "seconds before a provider is killed")
       ->capture_default_str();
+  std::string handoff = "auto";
+  app.add_option("--handoff", handoff,
+                 "when a prompt is handed to the provider: auto (when measured rates say it is sooner than the "
+                 "decoder evaluating what its slot does not hold), always, never, or N (when the provider would "
+                 "prefill at least N tokens); docs/hybrid.md")
+      ->capture_default_str();
   app.add_option("--backend", config.backend, "the decoder program (else llama-server on PATH, else kvshare-decoder)");
   app.add_flag("--print-backend", config.print_backend, "print the decoder's command line and exit");
   app.add_option("--parallel", config.parallel, "-np: refused past 1, the route runs one slot");
@@ -63,6 +69,12 @@ int main(int argc, char** argv) {
     return app.exit(error) == 0 ? 0 : 2;
   }
   config.device = device == "cpu" ? Device::cpu : Device::hybrid;
+  if (auto policy = parse_handoff_policy(handoff); policy) {
+    config.handoff = *policy;
+  } else {
+    std::fprintf(stderr, "kvshare-serve: %s\n", policy.error().what().c_str());
+    return 2;
+  }
   config.api_keys = parse_api_key_list(api_key);
   // The decoder child inherits the environment, not a command line any user can read;
   // no thread exists yet, so setenv is safe here.

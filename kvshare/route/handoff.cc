@@ -156,6 +156,8 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
   if (!run.ok())
     return forward_because(run.timed_out ? "provider_timeout" : "provider_failed",
                            fmt::format("the provider {} ({})", run.describe(), config.prefill_provider));
+  context.rates.observe_provider(0, handoff_ids.size(), run.prefill_ms(), run.wall_ms);
+  report.n_prefilled = handoff_ids.size();
   std::error_code ec;
   if (!std::filesystem::is_regular_file(state.path, ec) || std::filesystem::file_size(state.path, ec) == 0)
     return forward_because("no_state_file",
@@ -201,8 +203,11 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
 // adopt time (its own figure, else the wall time since `start`), or, when it refused, the
 // forward with slot 0 erased (a provider wrote its cells).
 tl::expected<double, StepResult> adopt_cells(const HandoffContext& context, std::span<const int32_t> handoff_ids,
-                                             uint64_t share_id, std::chrono::steady_clock::time_point start) {
-  const Json body = {{"tokens", ids_json(handoff_ids)}, {"share_id", share_id}, {"leave_one_token", true}};
+                                             uint64_t share_id, std::chrono::steady_clock::time_point start,
+                                             size_t n_cached = 0) {
+  Json body = {{"tokens", ids_json(handoff_ids)}, {"share_id", share_id}, {"leave_one_token", true}};
+  // The decoder checks that the cells it said it holds still hold these tokens.
+  if (n_cached > 0) body["n_cached"] = n_cached;
   auto adopted = context.decoder->slot_action("adopt", body);
   const double wall_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   if (adopted && adopted->ok()) return adopted->timings_ms().value_or(wall_ms);
@@ -227,7 +232,10 @@ StepResult shared_route(const HandoffContext& context, std::span<const int32_t> 
   if (!context.slot->wait_idle(provider_timeout(config)))
     return {Step::take_file_route, "decoder_busy", "the decoder is still generating an earlier reply"};
   const auto share_start = std::chrono::steady_clock::now();
-  auto shared = context.decoder->slot_action("share", Json{{"socket", broker->socket_path()}});
+  // With the ids the decoder answers how many of them its slot holds (n_cached) and keeps
+  // those cells; a decoder that does not know the field answers without it: nothing held.
+  auto shared = context.decoder->slot_action(
+      "share", Json{{"socket", broker->socket_path()}, {"tokens", ids_json(handoff_ids)}});
   if (!shared) return {Step::take_file_route, "handshake_failed", shared.error().what()};
   if (!shared->ok())
     return {Step::take_file_route, "share_refused",
@@ -250,20 +258,51 @@ StepResult shared_route(const HandoffContext& context, std::span<const int32_t> 
             fmt::format("the share reply says share_id {}, the message on the socket says {}",
                         shared->body["share_id"].dump(), share_id)};
 
-  // From here the provider may write into the region: no file route, only forwarding.
-  std::vector<std::string> argv = shared_provider_command(config, ids_path.string());
-  argv.insert(argv.end(), {"--layout", "{layout}", "--fds", "{fds}"});
-  const ProviderRun run =
-      provider_run_from(broker->run_provider(*share, argv, static_cast<int>(provider_timeout(config).count())));
-  log_provider_stderr(context, run);
-  report.prefill_ms = run.prefill_ms();
-  if (!run.ok()) {
-    const bool erased = !run.started || erase_slot(context);
-    return forward_because(run.timed_out ? "provider_timeout" : "provider_failed",
-                           fmt::format("the provider {} ({})", run.describe(), config.prefill_provider), !erased);
+  size_t n_cached = 0;
+  if (const auto held = shared->body.find("n_cached"); held != shared->body.end()) {
+    if (!held->is_number_unsigned() || held->get<uint64_t>() > handoff_ids.size())
+      return {Step::take_file_route, "handshake_failed",
+              fmt::format("the share reply's n_cached {} is not a count of at most the {} tokens handed over",
+                          held->dump(), handoff_ids.size())};
+    n_cached = static_cast<size_t>(held->get<uint64_t>());
   }
+  if (!context.provider_takes_cached.load()) n_cached = 0;
+
+  // From here the provider may write into the region: no file route, only forwarding.
+  // Cells 0..n_cached-1 are the decoder's own and stay as they are; the provider reads them
+  // and writes the rest (docs/provider.md, --cached). When the slot holds every token there
+  // is nothing to write and no provider runs.
+  auto run_once = [&](size_t cached) {
+    std::vector<std::string> argv = shared_provider_command(config, ids_path.string());
+    argv.insert(argv.end(), {"--layout", "{layout}", "--fds", "{fds}"});
+    if (cached > 0) argv.insert(argv.end(), {"--cached", std::to_string(cached)});
+    return provider_run_from(broker->run_provider(*share, argv, static_cast<int>(provider_timeout(config).count())));
+  };
+  if (n_cached < handoff_ids.size()) {
+    ProviderRun run = run_once(n_cached);
+    if (n_cached > 0 && run.started && !run.timed_out && run.status.exited && run.status.code == 2) {
+      // A usage error on the flag: an older provider. Whatever it wrote, a whole prefill
+      // writes every cell again.
+      context.provider_takes_cached = false;
+      log_provider_stderr(context, run);
+      context.log(fmt::format("hybrid: the provider ({}) exited 2 on --cached {}: it gets whole prompts from now on",
+                              config.prefill_provider, n_cached));
+      n_cached = 0;
+      run = run_once(0);
+    }
+    log_provider_stderr(context, run);
+    report.prefill_ms = run.prefill_ms();
+    if (!run.ok()) {
+      const bool erased = !run.started || erase_slot(context);
+      return forward_because(run.timed_out ? "provider_timeout" : "provider_failed",
+                             fmt::format("the provider {} ({})", run.describe(), config.prefill_provider), !erased);
+    }
+    context.rates.observe_provider(n_cached, handoff_ids.size() - n_cached, run.prefill_ms(), run.wall_ms);
+  }
+  report.n_cached = n_cached;
+  report.n_prefilled = handoff_ids.size() - n_cached;
   const auto adopt_start = std::chrono::steady_clock::now();
-  auto adopted = adopt_cells(context, handoff_ids, share_id, adopt_start);
+  auto adopted = adopt_cells(context, handoff_ids, share_id, adopt_start, n_cached);
   if (!adopted) return std::move(adopted.error());
   report.handoff_ms = shared->timings_ms().value_or(share_wall_ms) + *adopted;
   return {Step::handed_off, "", ""};
@@ -373,9 +412,12 @@ StepResult remote_route(const HandoffContext& context, std::span<const int32_t> 
     return after_grant("remote_provider_failed",
                        fmt::format("the remote provider {} answered {}: {}", config.prefill_remote, prefilled->status,
                                    error_message_of(prefilled->body)));
+  const double prefill_wall_ms = report.prefill_ms;
   const Json answer = Json::parse(prefilled->body, nullptr, false);
   if (answer.is_object() && answer.contains("prefill_ms") && answer["prefill_ms"].is_number())
     report.prefill_ms = answer["prefill_ms"].get<double>();
+  context.rates.observe_provider(0, handoff_ids.size(), report.prefill_ms, prefill_wall_ms);
+  report.n_prefilled = handoff_ids.size();
   layout::ReceiverRequest complete;
   complete.op = layout::ReceiverOp::complete;
   complete.grant_id = grant_id;
@@ -396,22 +438,39 @@ std::string_view endpoint_path(Endpoint endpoint) {
   return endpoint == Endpoint::chat_completions ? "/v1/chat/completions" : "/v1/completions";
 }
 
+namespace {
+
+// "N prompt tokens" and, when the slot held some, ", P cached".
+std::string prompt_words(const HandoffReport& report) {
+  if (report.n_cached == 0 && !report.decided_forward) return fmt::format("{} prompt tokens", report.n_prompt_tokens);
+  return fmt::format("{} prompt tokens, {} cached", report.n_prompt_tokens, report.n_cached);
+}
+
+}  // namespace
+
 std::string hybrid_line(const HandoffReport& report, double first_byte_ms) {
+  const std::string prefill =
+      report.n_cached == 0 ? fmt::format("prefill {:.3f} ms", report.prefill_ms)
+                           : fmt::format("prefill {:.3f} ms of {} tokens", report.prefill_ms, report.n_prefilled);
   switch (report.route) {
     case HandoffRoute::shared:
-      return fmt::format("hybrid: {} prompt tokens: prefill {:.3f} ms, share {:.3f} ms, first byte {:.3f} ms",
-                         report.n_prompt_tokens, report.prefill_ms, report.handoff_ms, first_byte_ms);
+      return fmt::format("hybrid: {}: {}, share {:.3f} ms, first byte {:.3f} ms", prompt_words(report), prefill,
+                         report.handoff_ms, first_byte_ms);
     case HandoffRoute::remote:
-      return fmt::format("hybrid: {} prompt tokens: prefill {:.3f} ms, share {:.3f} ms remote, first byte {:.3f} ms",
-                         report.n_prompt_tokens, report.prefill_ms, report.handoff_ms, first_byte_ms);
+      return fmt::format("hybrid: {}: {}, share {:.3f} ms remote, first byte {:.3f} ms", prompt_words(report), prefill,
+                         report.handoff_ms, first_byte_ms);
     case HandoffRoute::shared_then_file:
-      return fmt::format(
-          "hybrid: {} prompt tokens: prefill {:.3f} ms, share 0.000 ms, restore {:.3f} ms, first byte {:.3f} ms",
-          report.n_prompt_tokens, report.prefill_ms, report.handoff_ms, first_byte_ms);
+      return fmt::format("hybrid: {}: {}, share 0.000 ms, restore {:.3f} ms, first byte {:.3f} ms",
+                         prompt_words(report), prefill, report.handoff_ms, first_byte_ms);
     default:
-      return fmt::format("hybrid: {} prompt tokens: prefill {:.3f} ms, restore {:.3f} ms, first byte {:.3f} ms",
-                         report.n_prompt_tokens, report.prefill_ms, report.handoff_ms, first_byte_ms);
+      return fmt::format("hybrid: {}: {}, restore {:.3f} ms, first byte {:.3f} ms", prompt_words(report), prefill,
+                         report.handoff_ms, first_byte_ms);
   }
+}
+
+std::string forwarded_line(const HandoffReport& report, double first_byte_ms) {
+  return fmt::format("hybrid: {}: forwarded ({}), first byte {:.3f} ms", prompt_words(report), report.decision,
+                     first_byte_ms);
 }
 
 Result<std::optional<std::string>> request_prompt(Endpoint endpoint, const Json& request) {
@@ -465,19 +524,45 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
     return report;
   };
 
+  // A request serve cannot tokenize still reaches slot 0: nothing is known of what it holds.
+  auto fall_back_unknown = [&](const std::string& reason, const std::string& why) {
+    context.slot_record.forget();
+    return fall_back(reason, why);
+  };
   const Json request = Json::parse(body, nullptr, false);
-  if (!request.is_object()) return fall_back("no_text_prompt", "the request body is not a JSON object");
+  if (!request.is_object()) return fall_back_unknown("no_text_prompt", "the request body is not a JSON object");
   auto text = prompt_text(context, endpoint, request);
-  if (!text) return fall_back(text.error().errno_value() == EPROTO ? "template_failed" : "no_text_prompt",
-                              "no text prompt: " + text.error().message());
+  if (!text) return fall_back_unknown(text.error().errno_value() == EPROTO ? "template_failed" : "no_text_prompt",
+                                      "no text prompt: " + text.error().message());
   auto ids = context.decoder->tokenize(*text);
-  if (!ids) return fall_back("tokenize_failed", ids.error().what());
+  if (!ids) return fall_back_unknown("tokenize_failed", ids.error().what());
   report.n_prompt_tokens = ids->size();
-  if (ids->size() < 2)
+  if (ids->size() < 2) {
+    context.slot_record.remember_prompt(*ids);
     return fall_back("prompt_too_short", fmt::format("the prompt has {} token(s): nothing to hand off before the "
                                                      "last one", ids->size()));
+  }
   // engine#941: the decoder evaluates the prompt's last token itself.
   const std::span<const int32_t> handoff_ids(ids->data(), ids->size() - 1);
+
+  // Whatever happens next, the slot's prompt is this one: a handoff puts it there, and a
+  // forward has the decoder evaluate it.
+  const size_t n_cached_estimate = context.slot_record.estimate_cached(*ids);
+  context.slot_record.remember_prompt(*ids);
+  HandoffQuestion question;
+  question.n_prompt = ids->size();
+  question.n_cached = n_cached_estimate;
+  question.ctx_size = static_cast<size_t>(std::max(context.config->ctx_size, 0));
+  question.provider_incremental = context.config->prefill_remote.empty() && context.config->kv_share &&
+                                  context.provider_takes_cached.load();
+  const HandoffDecision decision = decide_handoff(context.config->handoff, context.rates.snapshot(), question);
+  context.metrics->count_decision(decision.hand_off ? "handoff" : "forward", decision.label);
+  if (!decision.hand_off) {
+    report.decided_forward = true;
+    report.n_cached = n_cached_estimate;
+    report.decision = decision.why;
+    return report;  // as it came: the decoder's own prompt cache finds what it holds
+  }
 
   const uint64_t sequence = ++g_request_sequence;
   ScopedFile ids_file{context.slot_dir / fmt::format("kvshare-request-{}.ids", sequence)};
@@ -508,6 +593,7 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
     StepResult shared = shared_route(context, handoff_ids, ids_file.path, sequence, report);
     if (shared.step == Step::handed_off) {
       report.route = HandoffRoute::shared;
+      context.metrics->count_cached_tokens(report.n_cached);
       report.body = forward_body(request);
       context.metrics->count_handoff("shared", "ok");
       return report;
@@ -517,6 +603,7 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
       return fall_back(shared.reason, shared.why, shared.slot_may_be_stale);
     }
     context.metrics->count_handoff("shared", "file_fallback");
+    report.n_cached = 0;
     context.metrics->count_fallback(shared.reason);
     context.log(fmt::format("hybrid: shared route not taken ({}): {}; this request takes the state-file route",
                             shared.reason, shared.why));

@@ -18,10 +18,12 @@
 #include <string>
 
 #include "kvshare/route/decoder_client.h"
+#include "kvshare/route/handoff_policy.h"
 #include "kvshare/route/metrics.h"
 #include "kvshare/route/provider_run.h"
 #include "kvshare/route/serve_config.h"
 #include "kvshare/route/slot_queue.h"
+#include "kvshare/route/slot_record.h"
 
 namespace kvshare::route {
 
@@ -40,15 +42,26 @@ struct HandoffReport {
   double handoff_ms = 0;                    // the decoder's restore, or share + adopt
   std::string body;                         // what to forward
   bool slot_may_be_stale = false;           // the erase failed: forwarded with cache_prompt false
+  size_t n_cached = 0;                      // prompt tokens the decoder's slot held and kept
+  size_t n_prefilled = 0;                   // tokens the provider prefilled
+  // Forwarded because a handoff was not worth it (handoff_policy.h), not because one failed:
+  // `decision` is the rule's sentence for the log line.
+  bool decided_forward = false;
+  std::string decision;
   bool handed_off() const { return route != HandoffRoute::none; }
 };
 
-// The request's line (exact formats; times with 3 decimals):
+// The request's line (exact formats; times with 3 decimals). With P > 0 tokens the slot held,
+// "N prompt tokens:" reads "N prompt tokens, P cached:" and "prefill X ms" reads
+// "prefill X ms of M tokens" (M = what the provider prefilled):
 //   hybrid: N prompt tokens: prefill X ms, restore Y ms, first byte Z ms
 //   hybrid: N prompt tokens: prefill X ms, share Y ms, first byte Z ms
 //   hybrid: N prompt tokens: prefill X ms, share 0.000 ms, restore Y ms, first byte Z ms
 //   hybrid: N prompt tokens: prefill X ms, share Y ms remote, first byte Z ms
 std::string hybrid_line(const HandoffReport& report, double first_byte_ms);
+// A request forwarded by decision:
+//   hybrid: N prompt tokens, P cached: forwarded (WHY), first byte Z ms
+std::string forwarded_line(const HandoffReport& report, double first_byte_ms);
 
 // Writes one whole line to serve's stderr (thread-safe; tests capture it instead).
 using LogSink = std::function<void(const std::string& line)>;
@@ -82,6 +95,13 @@ struct HandoffContext {
   // provider's file goes to the restore unchecked and the decoder's refusal is the check; a
   // refused restore probes again and keeps what it learns (hence mutable, atomic).
   mutable std::atomic<uint32_t> decoder_state_version{0};
+  // What serve has measured of the decoder and the provider, and what it believes slot 0
+  // holds: the handoff decision's inputs (handoff_policy.h), updated by every request.
+  mutable RateBook rates;
+  mutable SlotRecord slot_record;
+  // The provider takes --cached (prefills only what the slot does not hold) until it exits 2
+  // on the flag: from then on it gets whole prompts.
+  mutable std::atomic<bool> provider_takes_cached{true};
 };
 
 // Runs the handoff for `body` (the request as it came). The caller holds the slot.

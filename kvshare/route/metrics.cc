@@ -64,6 +64,16 @@ void Metrics::count_prompt_not_reused() {
   ++prompt_not_reused_;
 }
 
+void Metrics::count_decision(const std::string& decision, const std::string& label) {
+  std::lock_guard lock(mutex_);
+  ++decisions_[{decision, label}];
+}
+
+void Metrics::count_cached_tokens(size_t n_cached) {
+  std::lock_guard lock(mutex_);
+  cached_tokens_ += n_cached;
+}
+
 void Metrics::count_reply_cut(const std::string& by) {
   std::lock_guard lock(mutex_);
   ++replies_cut_[by];
@@ -91,6 +101,14 @@ std::string Metrics::render() const {
   out += "# HELP kvshare_fallbacks_total Fallbacks, by reason.\n# TYPE kvshare_fallbacks_total counter\n";
   for (const auto& [reason, count] : fallbacks_)
     out += fmt::format("kvshare_fallbacks_total{{reason=\"{}\"}} {}\n", reason, count);
+  out += "# HELP kvshare_handoff_decisions_total Whether serve handed a prompt off or forwarded it to the "
+         "decoder, and by which rule (docs/hybrid.md).\n# TYPE kvshare_handoff_decisions_total counter\n";
+  for (const auto& [key, count] : decisions_)
+    out += fmt::format("kvshare_handoff_decisions_total{{decision=\"{}\",rule=\"{}\"}} {}\n", key.first, key.second,
+                       count);
+  out += "# HELP kvshare_cached_tokens_total Prompt tokens a handoff left in the decoder's cells instead of "
+         "prefilling them again.\n# TYPE kvshare_cached_tokens_total counter\n";
+  out += fmt::format("kvshare_cached_tokens_total {}\n", cached_tokens_);
   out += "# HELP kvshare_prompt_not_reused_total Replies whose timings.prompt_n was not 1 after a handoff.\n"
          "# TYPE kvshare_prompt_not_reused_total counter\n";
   out += fmt::format("kvshare_prompt_not_reused_total {}\n", prompt_not_reused_);

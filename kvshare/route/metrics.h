@@ -4,6 +4,7 @@
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <map>
 #include <mutex>
 #include <string>
@@ -36,6 +37,11 @@ class Metrics {
   void count_fallback(const std::string& reason);
   void count_request(const std::string& endpoint);
   void count_prompt_not_reused();
+  // Each hybrid request's decision (kvshare/route/handoff_policy.h): decision "handoff" or
+  // "forward", with the rule's label; and the prompt tokens a handoff did not prefill
+  // again because the decoder's slot held them (--cached).
+  void count_decision(const std::string& decision, const std::string& label);
+  void count_cached_tokens(size_t n_cached);
   // serve started kvshare-remote-receiver again after it had exited.
   void count_receiver_restart();
   // A relayed reply that ended before its last byte; by: "client" (it left) | "decoder"
@@ -51,6 +57,8 @@ class Metrics {
   std::map<std::pair<std::string, std::string>, unsigned long long> handoffs_;
   std::map<std::string, unsigned long long> fallbacks_;
   std::map<std::string, unsigned long long> requests_;
+  std::map<std::pair<std::string, std::string>, unsigned long long> decisions_;
+  unsigned long long cached_tokens_ = 0;
   unsigned long long prompt_not_reused_ = 0;
   unsigned long long receiver_restarts_ = 0;
   std::map<std::string, unsigned long long> replies_cut_;

@@ -19,7 +19,7 @@
 #include "kvshare/route/handoff.h"
 #include "kvshare/route/listen_socket.h"
 #include "kvshare/route/metrics.h"
-#include "kvshare/route/prompt_n_scanner.h"
+#include "kvshare/route/reply_timings_scanner.h"
 #include "kvshare/route/remote_receiver_process.h"
 #include "kvshare/route/slot_queue.h"
 #include "kvshare/route/state_version_probe.h"
@@ -61,11 +61,12 @@ struct RelayState {
   HandoffReport report;
   bool is_hybrid = false;   // a handoff was attempted (the route's lines apply)
   Clock::time_point start;  // the start of the handoff
-  std::optional<PromptNScanner> scanner;
+  std::optional<ReplyTimingsScanner> scanner;
   bool first_relayed = false;
   bool finished = false;
   std::string cut_by;  // who ended the relay early: "client" or "decoder"
   Metrics* metrics = nullptr;
+  const HandoffContext* context = nullptr;  // hybrid requests: the rates and the slot record to update
 };
 
 void on_first_relayed(RelayState& state) {
@@ -79,6 +80,8 @@ void on_first_relayed(RelayState& state) {
                               : state.report.route == HandoffRoute::remote ? "remote"
                                                                            : "file";
     state.metrics->observe(route, state.report.prefill_ms, state.report.handoff_ms, first_byte_ms);
+  } else if (state.report.decided_forward) {
+    log_line(forwarded_line(state.report, first_byte_ms));
   } else {
     log_line(fmt::format("hybrid: {} prompt tokens: forwarded as it came, first byte {:.3f} ms",
                          state.report.n_prompt_tokens, first_byte_ms));
@@ -89,12 +92,22 @@ void on_relay_end(RelayState& state) {
   if (state.finished) return;
   state.finished = true;
   on_first_relayed(state);
-  if (!state.report.handed_off() || !state.scanner) return;
-  if (auto prompt_n = state.scanner->finish(); prompt_n && *prompt_n != 1) {
+  if (!state.is_hybrid || !state.scanner) return;
+  const ReplyTimings timings = state.scanner->finish();
+  // What the decoder generated stays in its slot after the prompt: the next turn's estimate.
+  if (timings.predicted_n) state.context->slot_record.remember_generated(*timings.predicted_n);
+  if (!state.report.handed_off()) {
+    // A forward is the decoder's own prompt speed over what its slot did not hold.
+    if (timings.prompt_n && timings.prompt_ms)
+      state.context->rates.observe_decoder(state.report.n_prompt_tokens, *timings.prompt_n, *timings.prompt_ms);
+    return;
+  }
+  state.context->rates.observe_handoff(state.report.handoff_ms);
+  if (timings.prompt_n && *timings.prompt_n != 1) {
     state.metrics->count_prompt_not_reused();
     log_line(fmt::format("hybrid: warning: the decoder evaluated {} prompt tokens, not 1: the handoff was not "
                          "reused (timings.prompt_n)",
-                         *prompt_n));
+                         *timings.prompt_n));
   }
 }
 
@@ -197,6 +210,7 @@ void Server::handle_completion(Endpoint endpoint, const httplib::Request& req, h
   }
   state->hold = std::make_shared<SlotQueue::Hold>(slot_.acquire());
   state->is_hybrid = true;
+  state->context = &context_;
   state->start = Clock::now();
   state->report = run_handoff(context_, endpoint, req.body);
   state->decode = slot_.begin_decode();

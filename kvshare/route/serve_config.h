@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "kvshare/route/handoff_policy.h"
 #include "layout/error.h"
 
 namespace kvshare::route {
@@ -33,6 +34,7 @@ struct ServeConfig {
   std::string cache_type_v = "f16";       // -ctv
   bool kv_flags_given = false;            // -c/-fa/-ctk/-ctv on the command line: the provider gets them too
   double provider_timeout_s = 120;        // --provider-timeout
+  HandoffPolicy handoff;                  // --handoff auto|always|never|N (kvshare/route/handoff_policy.h)
   std::string backend;                    // --backend PATH ("" = search)
   bool print_backend = false;             // --print-backend
   bool kv_share = false;                  // ONEBIT_KV_SHARE set and non-empty

@@ -35,6 +35,7 @@
 
 #include "bench_files.h"
 #include "bench_registry.h"
+#include "bench_serve.h"
 #include "bench_stats.h"
 #include "kvshare/route/decoder_client.h"
 #include "kvshare/route/decoder_process.h"
@@ -65,80 +66,20 @@ Settings& settings() {
   return s;
 }
 
-// One kvshare-serve for a route, started once per run and stopped at exit.
-struct ServeUnderTest {
-  ChildProcess process;
-  fs::path stderr_path;
-  int port = 0;
-  int decoder_port = 0;
-  ~ServeUnderTest() { process.terminate(std::chrono::seconds(10)); }
-};
-
+// One kvshare-serve per route, started once per run and stopped at exit.
 std::unique_ptr<ServeUnderTest> start_serve(const std::string& route, const fs::path& model, const fs::path& dir,
                                             const std::string& remote_url, std::string& why) {
-  auto serve = std::make_unique<ServeUnderTest>();
-  auto port = route::pick_free_loopback_port();
-  if (!port) {
-    why = port.error().what();
-    return nullptr;
-  }
-  serve->port = *port;
-  serve->stderr_path = dir / ("serve-" + route + ".log");
-  std::vector<std::string> argv = {bin("kvshare-serve").string(), "-m", model.string(), "--device",
-                                   route == "cpu" ? "cpu" : "hybrid", "--backend", settings().backend.string(),
-                                   "--port", std::to_string(serve->port), "-c", "8192", "-fa", "on",
-                                   "-ctk", "f16", "-ctv", "f16"};
-  if (route == "remote") argv.insert(argv.end(), {"--prefill-remote", remote_url});
-  else if (route != "cpu") argv.insert(argv.end(), {"--prefill-provider", settings().provider.string()});
-  // The child takes serve's environment: ONEBIT_KV_SHARE only for the shared route's.
-  if (route == "shared") ::setenv("ONEBIT_KV_SHARE", "1", 1);
-  else ::unsetenv("ONEBIT_KV_SHARE");
-  SpawnOptions options;
-  options.stderr_path = serve->stderr_path.string();
-  options.die_with_parent = true;
-  options.env = {std::string("KVSHARE_REMOTE_KEY=") + kRemoteKey, "UCX_TLS=tcp"};
-  auto child = ChildProcess::spawn(argv, options);
-  ::unsetenv("ONEBIT_KV_SHARE");
-  if (!child) {
-    why = child.error().what();
-    return nullptr;
-  }
-  serve->process = std::move(*child);
-  const std::regex decoder_re(R"(decoder \S+ on 127\.0\.0\.1:(\d+))");
-  for (int i = 0; i < 2400; ++i) {
-    std::smatch match;
-    const std::string log = read_all(serve->stderr_path);
-    if (std::regex_search(log, match, decoder_re)) {
-      serve->decoder_port = std::stoi(match[1]);
-      return serve;
-    }
-    if (serve->process.poll_exit()) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  why = fmt::format("kvshare-serve for route {} did not report its decoder (log {})", route,
-                    serve->stderr_path.string());
-  return nullptr;
-}
-
-// A prompt text the decoder tokenizes to exactly `n_tokens` (BOS included), starting with
-// `salt` so that no two rounds share a cached prefix.
-std::string prompt_of(const route::DecoderClient& decoder, int n_tokens, int salt) {
-  std::string text = fmt::format("{} ", salt);
-  const char* words[] = {"alpha ", "beta ", "gamma ", "delta ", "x", "y "};
-  size_t w = 0;
-  while (true) {
-    auto ids = decoder.tokenize(text);
-    if (!ids || static_cast<int>(ids->size()) >= n_tokens) break;
-    const size_t missing = static_cast<size_t>(n_tokens) - ids->size();
-    // Add many words at once while far away, one at a time near the target.
-    for (size_t k = 0; k < std::max<size_t>(1, missing / 3); ++k) text += words[w++ % 6];
-  }
-  while (true) {
-    auto ids = decoder.tokenize(text);
-    if (!ids || static_cast<int>(ids->size()) <= n_tokens) break;
-    text.pop_back();
-  }
-  return text;
+  ServeLaunch launch;
+  launch.name = route;
+  launch.args = {"-m", model.string(), "--device", route == "cpu" ? "cpu" : "hybrid", "--backend",
+                 settings().backend.string(), "-c", "8192", "-fa", "on", "-ctk", "f16", "-ctv", "f16"};
+  if (route == "remote") launch.args.insert(launch.args.end(), {"--prefill-remote", remote_url});
+  else if (route != "cpu") launch.args.insert(launch.args.end(), {"--prefill-provider", settings().provider.string()});
+  // The bench measures the handoff itself: every prompt takes it.
+  if (route != "cpu") launch.args.insert(launch.args.end(), {"--handoff", "always"});
+  launch.kv_share = route == "shared";
+  launch.env = {std::string("KVSHARE_REMOTE_KEY=") + kRemoteKey, "UCX_TLS=tcp"};
+  return kvshare::bench::start_serve(launch, dir, why);
 }
 
 // Serve's `hybrid:` lines: the provider's prefill and serve's handoff, per request.

@@ -12,7 +12,7 @@
 #include "kvshare/route/api_key.h"
 #include "kvshare/route/decoder_client.h"
 #include "kvshare/route/handoff.h"
-#include "kvshare/route/prompt_n_scanner.h"
+#include "kvshare/route/reply_timings_scanner.h"
 #include "refmodel/decoder/slot_request.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -28,7 +28,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (request.is_object()) (void)kvshare::route::forward_body(request);
   (void)kvshare::route::error_message_of(std::string(body));
   for (const bool is_event_stream : {false, true}) {
-    kvshare::route::PromptNScanner scanner(is_event_stream);
+    kvshare::route::ReplyTimingsScanner scanner(is_event_stream);
     scanner.feed(body.substr(0, size / 2));
     scanner.feed(body.substr(size / 2));
     (void)scanner.finish();

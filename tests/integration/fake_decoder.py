@@ -26,6 +26,7 @@ Behaviour switches (environment, inherited from kvshare-serve):
   FAKE_DECODER_SHARE_HEADER=path   the layout header it sends (one memfd per chunk);
                                else one chunk of FAKE_DECODER_SHARE_BYTES (default 65536)
   FAKE_DECODER_ADOPT=fail      refuse every adopt (400)
+  FAKE_DECODER_NO_CACHED=1     a decoder from before n_cached: its share reply has no n_cached
   FAKE_DECODER_UNSEALED=1      share memfds not sealed against shrinking (a broker refuses them)
   FAKE_DECODER_STATE_VERSION=n the state-file version it saves and restores (default 3)
   FAKE_DECODER_SAVE=fail|fail_first   answer every ?action=save / the first one with 500
@@ -277,16 +278,31 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_json(200, {"id_slot": 0, "share_id": slot.share_id, "n_fds": len(chunks),
                                      "backend": "memfd", "region_bytes": 0, "timings": {"share_ms": 0.5}})
                 return
-            for fd, _ in slot.share_regions:
-                os.close(fd)
-            slot.share_regions = []
-            for chunk in chunks:
-                fd = os.memfd_create("kvshare-fake-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-                os.ftruncate(fd, chunk["size_bytes"])
-                # As a real exporter does: a peer's mapping can never lose its pages under it.
-                if not os.environ.get("FAKE_DECODER_UNSEALED"):
-                    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
-                slot.share_regions.append((fd, chunk["size_bytes"]))
+            tokens = body.get("tokens")
+            if tokens is not None and (not isinstance(tokens, list) or
+                                       not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                               for t in tokens)):
+                self.send_error_json(400, 'share: "tokens" must be an array of token ids', "invalid_request_error")
+                return
+            # The region is the cache's own memory, exported once: the cells it holds
+            # outlive a share, as a real decoder's do.
+            if [size for _, size in slot.share_regions] != [c["size_bytes"] for c in chunks]:
+                for fd, _ in slot.share_regions:
+                    os.close(fd)
+                slot.share_regions = []
+                for chunk in chunks:
+                    fd = os.memfd_create("kvshare-fake-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+                    os.ftruncate(fd, chunk["size_bytes"])
+                    # As a real exporter does: a peer's mapping can never lose its pages under it.
+                    if not os.environ.get("FAKE_DECODER_UNSEALED"):
+                        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+                    slot.share_regions.append((fd, chunk["size_bytes"]))
+                write_cells(slot)
+            # The prefix of the ids whose cells the slot holds (stale cells hold nothing).
+            n_cached = 0
+            if tokens is not None and not slot.cells_may_be_stale:
+                while n_cached < min(len(tokens), len(slot.tokens)) and tokens[n_cached] == slot.tokens[n_cached]:
+                    n_cached += 1
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(5)
             try:
@@ -309,6 +325,9 @@ class Handler(BaseHTTPRequestHandler):
                 sock.close()
             reply = {"id_slot": 0, "share_id": slot.share_id, "n_fds": len(chunks), "backend": "memfd",
                      "region_bytes": sum(size for _, size in slot.share_regions), "timings": {"share_ms": 0.5}}
+            if not os.environ.get("FAKE_DECODER_NO_CACHED"):
+                reply["n_cached"] = n_cached
+            log("share_reply", n_cached=reply.get("n_cached"), n_tokens=None if tokens is None else len(tokens))
             if mode == "no_id":
                 del reply["share_id"]
             self.send_json(200, reply)
@@ -334,6 +353,11 @@ class Handler(BaseHTTPRequestHandler):
                 return
             if share_id != slot.share_id:
                 self.send_error_json(400, "stale share_id %s (latest %d)" % (share_id, slot.share_id),
+                                     "invalid_request_error")
+                return
+            n_cached = body.get("n_cached", 0)
+            if tokens[:n_cached] != slot.tokens[:n_cached]:
+                self.send_error_json(400, "adopt: n_cached %d: the slot no longer holds them" % n_cached,
                                      "invalid_request_error")
                 return
             if written != tokens:
@@ -366,6 +390,8 @@ class Handler(BaseHTTPRequestHandler):
             stale = slot.cells_may_be_stale and cache_n > 0
             slot.tokens = list(ids)
             slot.cells_may_be_stale = stale  # a full recompute overwrote every cell
+            if not stale:
+                write_cells(slot)  # the decoder's own evaluation fills its cells
             log("completion", path=path, n_prompt=len(ids), cache_n=cache_n, prompt_n=prompt_n, body=body,
                 used_stale_cells=stale)
             words = reply_words(ids) if not stale else ["stale", "cells", "reused", "wrong", "reply"]
@@ -401,6 +427,19 @@ class Handler(BaseHTTPRequestHandler):
                 os._exit(9)
             if delay:
                 time.sleep(delay)
+
+
+def write_cells(slot):
+    """The fake's cells: the first chunk holds u32 n, then n token ids (what a provider
+    writes there too)."""
+    if not slot.share_regions:
+        return
+    fd, size = slot.share_regions[0]
+    n = min(len(slot.tokens), (size - 4) // 4)
+    with mmap.mmap(fd, size) as region:
+        struct.pack_into("<I", region, 0, n)
+        if n:
+            struct.pack_into("<%di" % n, region, 4, *slot.tokens[:n])
 
 
 def share_frame(share_id, chunks, header):

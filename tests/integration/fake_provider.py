@@ -72,7 +72,11 @@ def main():
     parser.add_argument("-fa")
     parser.add_argument("-ctk")
     parser.add_argument("-ctv")
+    # FAKE_PROVIDER_NO_CACHED=1: a provider from before --cached (argparse exits 2 on it).
+    if not os.environ.get("FAKE_PROVIDER_NO_CACHED"):
+        parser.add_argument("--cached", type=int, default=0)
     args = parser.parse_args()
+    cached = getattr(args, "cached", 0)
     mode = os.environ.get("FAKE_PROVIDER_MODE", "ok")
     mode_file = os.environ.get("FAKE_PROVIDER_MODE_FILE")
     if mode_file and os.path.exists(mode_file):
@@ -118,13 +122,26 @@ def main():
             sys.exit(4)
         size = os.fstat(numbers[0]).st_size
         with mmap.mmap(numbers[0], size) as region:
+            # --cached P: cells 0..P-1 are the decoder's and must hold the first P ids; only
+            # cells P.. are written (docs/provider.md).
+            record["cached"] = cached
+            if cached:
+                held_n = struct.unpack_from("<I", region, 0)[0]
+                held = list(struct.unpack_from("<%di" % min(cached, held_n), region, 4)) if held_n else []
+                if held != ids[:cached]:
+                    record["cached_cells_wrong"] = held
+                    log(record)
+                    print("fake provider: cells 0..%d do not hold the cached ids" % (cached - 1), file=sys.stderr)
+                    sys.exit(5)
             struct.pack_into("<I", region, 0, len(ids))
             if mode == "killed":
                 record["killed_mid_write"] = True
                 log(record)
                 os.kill(os.getpid(), 9)
-            struct.pack_into("<%di" % len(ids), region, 4, *ids)
+            if len(ids) > cached:
+                struct.pack_into("<%di" % (len(ids) - cached), region, 4 + 4 * cached, *ids[cached:])
         record["wrote_region"] = True
+        record["wrote_cells"] = [cached, len(ids)]
     elif mode != "nofile":
         copy = os.environ.get("FAKE_PROVIDER_COPY")
         if copy:

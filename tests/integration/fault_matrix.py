@@ -94,7 +94,7 @@ class Row:
         if shared:
             full_env.update({"ONEBIT_KV_SHARE": "1", "FAKE_DECODER_SHARE_HEADER": HEADER})
         full_env.update(env or {})
-        self.serve = Serve(SERVE, ["-m", MODEL, "--device", "hybrid", "--port", "0", "--backend", FAKE_DECODER,
+        self.serve = Serve(SERVE, ["-m", MODEL, "--device", "hybrid", "--handoff", "always", "--port", "0", "--backend", FAKE_DECODER,
                                    "--prefill-provider", FAKE_PROVIDER] + (args or []), full_env, timeout=60)
         start = events(self.decoder_log, "start")[0]
         self.decoder_pid = start["pid"]

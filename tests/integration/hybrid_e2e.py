@@ -61,7 +61,8 @@ def start(device, backend, kv_share=False, extra_env=None):
     args = ["-m", MODEL, "--device", device, "--port", "0", "--backend", backend] + KV_FLAGS
     env = {"TMPDIR": SERVE_TMP, "ONEBIT_HYBRID_PREFILL": ""}
     if device == "hybrid":
-        args += ["--prefill-provider", TOOLS["kvshare-prefill"]]
+        # Every prompt here is short: the test is of the handoff, which auto would skip.
+        args += ["--prefill-provider", TOOLS["kvshare-prefill"], "--handoff", "always"]
     # "set and non-empty" turns the shared route on: unset is the only off.
     env["ONEBIT_KV_SHARE"] = "1" if kv_share else None
     env.update(extra_env or {})

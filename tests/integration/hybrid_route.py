@@ -51,7 +51,7 @@ class Case:
         full_env = {"TMPDIR": tempfile.mkdtemp(dir=WORK), "FAKE_DECODER_LOG": self.decoder_log,
                     "FAKE_PROVIDER_LOG": self.provider_log}
         full_env.update(env or {})
-        full_args = ["-m", MODEL, "--device", "hybrid", "--port", "0", "--backend", FAKE_DECODER]
+        full_args = ["-m", MODEL, "--device", "hybrid", "--handoff", "always", "--port", "0", "--backend", FAKE_DECODER]
         if provider:
             full_args += ["--prefill-provider", FAKE_PROVIDER]
         self.serve = Serve(SERVE, full_args + (args or []), full_env, expect_listen=expect_listen, timeout=60)

@@ -84,7 +84,8 @@ def start(device, kv_share=False, provider=None, extra_env=None, n_ctx=None, ext
     args = ["-m", MODEL, "--device", device, "--port", "0", "--backend", LLAMA] + kv_flags + (extra_args or [])
     env = {"TMPDIR": SERVE_TMP, "ONEBIT_HYBRID_PREFILL": "", "ONEBIT_KV_SHARE": "1" if kv_share else None}
     if device == "hybrid":
-        args += ["--prefill-provider", provider or TOOLS["kvshare-prefill"]]
+        # Every prompt here is short: the test is of the handoff, which auto would skip.
+        args += ["--prefill-provider", provider or TOOLS["kvshare-prefill"], "--handoff", "always"]
     env.update(extra_env or {})
     return Serve(TOOLS["kvshare-serve"], args, env, timeout=180)
 
@@ -236,7 +237,7 @@ def test_the_real_server_refuses_what_kvshare_decoder_refuses():
         listener.listen(1)
         status, shared = decoder_post(port, "/slots/0?action=share", {"socket": sock_path})
         check(status == 200, "share: %s %s" % (status, shared))
-        check(list(shared) == ["id_slot", "share_id", "backend", "n_fds", "region_bytes", "timings"],
+        check(list(shared) == ["id_slot", "share_id", "backend", "n_fds", "region_bytes", "n_cached", "timings"],
               "share reply keys %s" % list(shared))
         receive_the_share(listener, shared["n_fds"])
         share_id = shared["share_id"]

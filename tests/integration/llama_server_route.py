@@ -68,7 +68,8 @@ def provider_script(name, body):
 def start(device, provider=None, args=None, env=None):
     full = ["-m", MODEL, "--device", device, "--port", "0", "--backend", LLAMA] + KV_FLAGS + (args or [])
     if provider:
-        full += ["--prefill-provider", provider]
+        # Every prompt here is short: the test is of the handoff, which auto would skip.
+        full += ["--prefill-provider", provider, "--handoff", "always"]
     full_env = {"TMPDIR": SERVE_TMP, "ONEBIT_HYBRID_PREFILL": "", "ONEBIT_KV_SHARE": None}
     full_env.update(env or {})
     return Serve(SERVE, full, full_env, timeout=120)

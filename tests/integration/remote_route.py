@@ -194,7 +194,8 @@ def start_serve(device, url=None, kv_flags=KV_FLAGS, key=REMOTE_KEY):
     env = dict(DECODER_ENV, TMPDIR=SERVE_TMP, ONEBIT_HYBRID_PREFILL="", ONEBIT_KV_SHARE=None,
                KVSHARE_REMOTE_KEY=key)
     if url:
-        args += ["--prefill-remote", url]
+        # Every prompt here is short: the test is of the handoff, which auto would skip.
+        args += ["--prefill-remote", url, "--handoff", "always"]
     return Serve(TOOLS["kvshare-serve"], args, env, timeout=120)
 
 

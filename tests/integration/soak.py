@@ -55,7 +55,7 @@ class Target:
                "FAKE_PROVIDER_PREFILL_MS": "1.0", "ONEBIT_KV_SHARE": None}
         if shared:
             env.update({"ONEBIT_KV_SHARE": "1", "FAKE_DECODER_SHARE_HEADER": HEADER})
-        self.serve = Serve(SERVE, ["-m", MODEL, "--device", "hybrid", "--port", "0", "--backend", FAKE_DECODER,
+        self.serve = Serve(SERVE, ["-m", MODEL, "--device", "hybrid", "--handoff", "always", "--port", "0", "--backend", FAKE_DECODER,
                                    "--prefill-provider", FAKE_PROVIDER], env, timeout=60)
         start = events(self.decoder_log, "start")[0]
         self.decoder_pid = start["pid"]

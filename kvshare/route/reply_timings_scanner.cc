@@ -1,33 +1,37 @@
-#include "kvshare/route/prompt_n_scanner.h"
+#include "kvshare/route/reply_timings_scanner.h"
 
 #include <nlohmann/json.hpp>
 
 namespace kvshare::route {
 namespace {
 
-std::optional<int64_t> prompt_n_of(std::string_view json_text) {
+// The timings of one JSON document, or nullopt when it has none (not JSON, no object).
+std::optional<ReplyTimings> timings_of(std::string_view json_text) {
   const nlohmann::json json = nlohmann::json::parse(json_text, nullptr, false);
   if (!json.is_object()) return std::nullopt;
   auto timings = json.find("timings");
   if (timings == json.end() || !timings->is_object()) return std::nullopt;
-  auto prompt_n = timings->find("prompt_n");
-  if (prompt_n == timings->end() || !prompt_n->is_number_integer()) return std::nullopt;
-  return prompt_n->get<int64_t>();
+  ReplyTimings found;
+  if (auto n = timings->find("prompt_n"); n != timings->end() && n->is_number_integer()) found.prompt_n = n->get<int64_t>();
+  if (auto ms = timings->find("prompt_ms"); ms != timings->end() && ms->is_number()) found.prompt_ms = ms->get<double>();
+  if (auto n = timings->find("predicted_n"); n != timings->end() && n->is_number_integer())
+    found.predicted_n = n->get<int64_t>();
+  return found;
 }
 
 }  // namespace
 
-void PromptNScanner::scan_line(std::string_view line) {
+void ReplyTimingsScanner::scan_line(std::string_view line) {
   if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
   if (line.substr(0, 5) != "data:") return;
   line.remove_prefix(5);
   while (!line.empty() && line.front() == ' ') line.remove_prefix(1);
   // Only a chunk that mentions timings is worth parsing: most chunks are one token.
   if (line.find("\"prompt_n\"") == std::string_view::npos) return;
-  if (auto found = prompt_n_of(line)) prompt_n_ = found;
+  if (auto found = timings_of(line)) timings_ = *found;
 }
 
-void PromptNScanner::feed(std::string_view bytes) {
+void ReplyTimingsScanner::feed(std::string_view bytes) {
   if (overflowed_) return;
   if (!is_event_stream_) {
     if (held_.size() + bytes.size() > kMaxHeldBytes) {
@@ -58,14 +62,14 @@ void PromptNScanner::feed(std::string_view bytes) {
   held_.append(bytes.substr(start));
 }
 
-std::optional<int64_t> PromptNScanner::finish() {
-  if (overflowed_) return std::nullopt;
-  if (!is_event_stream_) return prompt_n_of(held_);
+ReplyTimings ReplyTimingsScanner::finish() {
+  if (overflowed_) return {};
+  if (!is_event_stream_) return timings_of(held_).value_or(ReplyTimings{});
   if (!held_.empty()) {
     scan_line(held_);
     held_.clear();
   }
-  return prompt_n_;
+  return timings_;
 }
 
 }  // namespace kvshare::route

@@ -1,0 +1,78 @@
+#include "bench_serve.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <regex>
+#include <thread>
+
+#include "bench_files.h"
+#include "kvshare/route/decoder_process.h"
+
+namespace kvshare::bench {
+
+namespace fs = std::filesystem;
+
+ServeUnderTest::~ServeUnderTest() { process.terminate(std::chrono::seconds(10)); }
+
+std::unique_ptr<ServeUnderTest> start_serve(const ServeLaunch& launch, const fs::path& dir, std::string& why) {
+  auto serve = std::make_unique<ServeUnderTest>();
+  auto port = route::pick_free_loopback_port();
+  if (!port) {
+    why = port.error().what();
+    return nullptr;
+  }
+  serve->port = *port;
+  serve->stderr_path = dir / ("serve-" + launch.name + ".log");
+  std::vector<std::string> argv = {bin("kvshare-serve").string(), "--port", std::to_string(serve->port)};
+  argv.insert(argv.end(), launch.args.begin(), launch.args.end());
+  // The child takes serve's environment: ONEBIT_KV_SHARE only where asked for.
+  if (launch.kv_share) ::setenv("ONEBIT_KV_SHARE", "1", 1);
+  else ::unsetenv("ONEBIT_KV_SHARE");
+  SpawnOptions options;
+  options.stderr_path = serve->stderr_path.string();
+  options.die_with_parent = true;
+  options.env = launch.env;
+  auto child = ChildProcess::spawn(argv, options);
+  ::unsetenv("ONEBIT_KV_SHARE");
+  if (!child) {
+    why = child.error().what();
+    return nullptr;
+  }
+  serve->process = std::move(*child);
+  const std::regex decoder_re(R"(decoder \S+ on 127\.0\.0\.1:(\d+))");
+  for (int i = 0; i < 2400; ++i) {
+    std::smatch match;
+    const std::string log = read_all(serve->stderr_path);
+    if (std::regex_search(log, match, decoder_re)) {
+      serve->decoder_port = std::stoi(match[1]);
+      return serve;
+    }
+    if (serve->process.poll_exit()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  why = fmt::format("kvshare-serve {} did not report its decoder (log {})", launch.name, serve->stderr_path.string());
+  return nullptr;
+}
+
+std::string prompt_of(const route::DecoderClient& decoder, int n_tokens, int salt) {
+  std::string text = fmt::format("{} ", salt);
+  const char* words[] = {"alpha ", "beta ", "gamma ", "delta ", "x", "y "};
+  size_t w = 0;
+  while (true) {
+    auto ids = decoder.tokenize(text);
+    if (!ids || static_cast<int>(ids->size()) >= n_tokens) break;
+    const size_t missing = static_cast<size_t>(n_tokens) - ids->size();
+    // Add many words at once while far away, one at a time near the target.
+    for (size_t k = 0; k < std::max<size_t>(1, missing / 3); ++k) text += words[w++ % 6];
+  }
+  while (true) {
+    auto ids = decoder.tokenize(text);
+    if (!ids || static_cast<int>(ids->size()) <= n_tokens) break;
+    text.pop_back();
+  }
+  return text;
+}
+
+}  // namespace kvshare::bench

@@ -1,0 +1,39 @@
+// A kvshare-serve a kvshare-bench group runs against (route, conversation): started on a
+// free loopback port with its stderr in a file, ready once it names its decoder's port,
+// stopped when it goes out of scope; and prompt texts of an exact token count.
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvshare/route/decoder_client.h"
+#include "kvshare/share/spawn.h"
+
+namespace kvshare::bench {
+
+struct ServeUnderTest {
+  ChildProcess process;
+  std::filesystem::path stderr_path;
+  int port = 0;
+  int decoder_port = 0;
+  ~ServeUnderTest();
+};
+
+struct ServeLaunch {
+  std::string name;               // the log file is DIR/serve-NAME.log
+  std::vector<std::string> args;  // after kvshare-serve --port P
+  bool kv_share = false;          // ONEBIT_KV_SHARE=1 for serve and its decoder
+  std::vector<std::string> env;   // NAME=VALUE added to what serve inherits
+};
+
+// nullptr with `why` set when serve did not start or did not report its decoder.
+std::unique_ptr<ServeUnderTest> start_serve(const ServeLaunch& launch, const std::filesystem::path& dir,
+                                            std::string& why);
+
+// A prompt text the decoder tokenizes to exactly `n_tokens` (BOS included), starting with
+// `salt` so that no two rounds share a cached prefix.
+std::string prompt_of(const route::DecoderClient& decoder, int n_tokens, int salt);
+
+}  // namespace kvshare::bench
