@@ -5,13 +5,17 @@ One command runs the benches and redraws every plot:
 
     scripts/plot-bench.py --bench build/bin/kvshare-bench [--backend PATH-to-patched-llama-server]
 
-It runs `equal`, `handoff`, `route` (twice with --backend: kvshare-decoder and that
-llama-server), `serve`, `scatter` and `statefile` with --json, keeps their lines in
-docs/plots/bench.jsonl and writes:
+It runs `equal`, `handoff`, `route` and `conversation` (twice with --backend:
+kvshare-decoder and that llama-server), `serve`, `scatter` and `statefile` with --json,
+keeps their lines in docs/plots/bench.jsonl and writes:
 
     handoff-cost.svg   what each route adds to writing the KV, vs prompt length (log-log)
     first-byte.svg     first byte by route, split into the provider's prefill and the rest
     throughput.svg     scatter and state-file GB/s beside memcpy and plain write()/read()
+    conversation.svg   a chat's first byte turn by turn: the decoder alone, the shared and file routes
+
+`--groups route,conversation` runs only those groups and replaces their lines in the kept
+bench.jsonl (the others stay as they were measured).
 
 `--from FILE.jsonl` redraws from lines kept earlier without running anything. Needs
 Debian's python3-matplotlib (scripts/install-deps.sh installs it), hence /usr/bin/python3
@@ -193,6 +197,42 @@ def plot_throughput(lines, out, stamp):
     return save_figure(fig, out, "throughput.svg", stamp)
 
 
+def plot_conversation(lines, out, stamp):
+    rows = of(lines, "conversation")
+    if not rows:
+        return None
+    decoders = sorted({line["decoder"] for line in rows})
+    fig, axes = plt.subplots(1, len(decoders), figsize=(6.5 * len(decoders), 5), squeeze=False)
+    for ax, decoder in zip(axes[0], decoders):
+        mine = [line for line in rows if line["decoder"] == decoder]
+        labels = {"cpu": "--device cpu (the decoder alone)", "shared": "hybrid, shared route (--handoff auto)",
+                  "file": "hybrid, file route (--handoff auto)"}
+        for name in ("cpu", "shared", "file"):
+            series = sorted((line for line in mine if line["route"] == name), key=lambda line: line["turn"])
+            if not series:
+                continue
+            xs = [line["turn"] for line in series]
+            ys = [line["first_byte_ms"] for line in series]
+            lo = [line["first_byte_ms"] - line["first_byte_ms_p25"] for line in series]
+            hi = [line["first_byte_ms_p75"] - line["first_byte_ms"] for line in series]
+            ax.errorbar(xs, ys, yerr=[lo, hi], fmt="-o", color=COLORS[name], label=labels[name], capsize=3)
+            if name != "cpu":
+                for line in series:
+                    ax.annotate("H%d" % line["handed_off_rounds"] if line["handed_off_rounds"] else "F",
+                                (line["turn"], line["first_byte_ms"]),
+                                textcoords="offset points", xytext=(4, 4), fontsize=7, color=COLORS[name])
+        tokens = {line["turn"]: line["tokens"] for line in mine if line["route"] != "cpu"}
+        ax.set_xticks(sorted(tokens))
+        ax.set_xticklabels(["%d\n%d tok" % (t, tokens[t]) for t in sorted(tokens)], fontsize=7)
+        ax.set_yscale("log")
+        ax.set_xlabel("turn (prompt tokens); Hn: handed off in n rounds, F: forwarded in all")
+        ax.set_ylabel("ms to first byte (median, p25..p75 over rounds)")
+        ax.set_title("a chat, turn by turn, decoder %s" % decoder)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    return save_figure(fig, out, "conversation.svg", stamp)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
@@ -201,16 +241,27 @@ def main():
     parser.add_argument("--backend", help="also run `route` with this decoder (a patched llama-server)")
     parser.add_argument("--out", default=DEFAULT_OUT, help="where the SVGs and bench.jsonl go (default docs/plots)")
     parser.add_argument("--note", default="", help="a few words on the machine, printed on every plot")
+    parser.add_argument("--groups", help="run only these groups (comma-separated) and keep the other groups' "
+                        "lines of OUT/bench.jsonl")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.from_file:
         lines = load_lines(args.from_file)
     else:
+        all_groups = ("equal", "handoff", "route", "conversation", "serve", "scatter", "statefile")
+        groups = args.groups.split(",") if args.groups else list(all_groups)
+        unknown = [g for g in groups if g not in all_groups]
+        if unknown:
+            parser.error("--groups: %s not among %s" % (", ".join(unknown), ", ".join(all_groups)))
         lines = []
-        for group in ("equal", "handoff", "route", "serve", "scatter", "statefile"):
+        kept = os.path.join(args.out, "bench.jsonl")
+        if args.groups and os.path.exists(kept):
+            lines = [line for line in load_lines(kept) if line.get("bench", "").split("_")[0] not in groups
+                     and line.get("bench") != "meta"]
+        for group in groups:
             lines += run_group(args.bench, group)
-        if args.backend:
-            lines += run_group(args.bench, "route", ["--backend", args.backend])
+            if args.backend and group in ("route", "conversation"):
+                lines += run_group(args.bench, group, ["--backend", args.backend])
         load = os.getloadavg()[0]
         lines.append({"bench": "meta", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                       "load_before_last_group": round(load, 2), "cpus": os.cpu_count(), "note": args.note})
@@ -220,7 +271,7 @@ def main():
     meta = next((line for line in lines if line.get("bench") == "meta"), {})
     stamp = "%s, %s CPUs, load %s%s" % (meta.get("date", "?"), meta.get("cpus", "?"), meta.get("load_before_last_group", "?"),
                                         (", " + meta["note"]) if meta.get("note") else "")
-    for draw in (plot_handoff_cost, plot_first_byte, plot_throughput):
+    for draw in (plot_handoff_cost, plot_first_byte, plot_throughput, plot_conversation):
         path = draw(lines, args.out, stamp)
         if path:
             print("plot-bench: wrote %s" % path, file=sys.stderr)

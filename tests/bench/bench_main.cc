@@ -56,7 +56,7 @@ std::string flag_usage(const GroupFlag& flag) { return flag.value.empty() ? flag
 void print_usage(std::FILE* to = stderr) {
   std::fprintf(to,
                "usage: kvshare-bench GROUP [--json] [--smoke] [--tokens N[,N...]] [--benchmark_* flags] [-- group flags]\n"
-               "       kvshare-bench route [--backend PATH] [--provider PATH] ...   (another decoder, e.g. llama-server)\n"
+               "       kvshare-bench route|conversation [--backend PATH] [--provider PATH] ...   (another decoder, e.g. llama-server)\n"
                "       kvshare-bench all --smoke   (every group, tiny sizes: a check that they run)\n\n"
                "groups:\n");
   for (const auto& [name, group] : groups()) std::fprintf(to, "  %-10s %s\n", name.c_str(), group.help.c_str());
@@ -159,7 +159,7 @@ int main(int argc, char** argv) {
     } else if (arg == "--smoke") {
       args.smoke = true;
     } else if ((arg == "--backend" || arg == "--provider") && i + 1 < argc) {
-      args.rest.push_back(arg);  // the route group's decoder and provider (route_bench.cc)
+      args.rest.push_back(arg);  // route and conversation: the decoder and provider (route_bench.cc)
       args.rest.push_back(argv[++i]);
     } else if (arg == "--tokens" && i + 1 < argc) {
       std::string list = argv[++i];
