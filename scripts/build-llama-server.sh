@@ -107,9 +107,13 @@ fi
 
 # 3. The build. Everything off that llama-server does not need (no network client, no web UI
 # download, no tests or examples); static, so the binary does not depend on the tree's
-# shared libraries; native CPU flags, as the cache lives on the machine that built it.
+# shared libraries. Portable x86-64 flags (AVX2, FMA, F16C; no AVX-512, no AMX) rather than
+# native ones: on a CPU with AMX, ggml routes q8_0 weights through its AMX matmul, which
+# crashes (SIGSEGV in ggml_backend_amx_mul_mat) on the tiny generated models the tests serve
+# (seen on a Xeon with amx_int8, node-llama-cpp 3.21.1); and every machine then tests the same
+# code paths.
 flags=(
-  -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF
+  -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
   -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
 )
