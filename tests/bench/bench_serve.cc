@@ -56,6 +56,33 @@ std::unique_ptr<ServeUnderTest> start_serve(const ServeLaunch& launch, const fs:
   return nullptr;
 }
 
+std::optional<BenchModel> make_bench_model(const std::string& dir_prefix, const std::vector<fs::path>& programs,
+                                           std::string& why) {
+  for (const char* tool : {"kvshare-serve", "kvshare-mkmodel"})
+    if (!fs::exists(bin(tool))) {
+      why = fmt::format("{} not built", tool);
+      return std::nullopt;
+    }
+  for (const fs::path& program : programs)
+    if (!fs::exists(program)) {
+      why = fmt::format("{} does not exist", program.string());
+      return std::nullopt;
+    }
+  auto dir = route::make_private_dir(dir_prefix);
+  if (!dir) {
+    why = dir.error().what();
+    return std::nullopt;
+  }
+  BenchModel made{*dir, *dir / "tiny.gguf"};
+  const std::string command = fmt::format("{} {} --ctx 8192 --seed 3 > /dev/null 2>&1", bin("kvshare-mkmodel").string(),
+                                          made.model.string());
+  if (std::system(command.c_str()) != 0) {
+    why = "kvshare-mkmodel failed";
+    return std::nullopt;
+  }
+  return made;
+}
+
 std::string prompt_of(const route::DecoderClient& decoder, int n_tokens, int salt) {
   std::string text = fmt::format("{} ", salt);
   const char* words[] = {"alpha ", "beta ", "gamma ", "delta ", "x", "y "};

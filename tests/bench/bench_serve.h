@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,16 @@ struct ServeLaunch {
 // nullptr with `why` set when serve did not start or did not report its decoder.
 std::unique_ptr<ServeUnderTest> start_serve(const ServeLaunch& launch, const std::filesystem::path& dir,
                                             std::string& why);
+
+// A private scratch directory holding a generated model (-c 8192), once kvshare-serve,
+// kvshare-mkmodel and each of `programs` (the decoder, the provider) are found; nullopt with
+// `why` set otherwise.
+struct BenchModel {
+  std::filesystem::path dir;
+  std::filesystem::path model;
+};
+std::optional<BenchModel> make_bench_model(const std::string& dir_prefix,
+                                           const std::vector<std::filesystem::path>& programs, std::string& why);
 
 // A prompt text the decoder tokenizes to exactly `n_tokens` (BOS included), starting with
 // `salt` so that no two rounds share a cached prefix.

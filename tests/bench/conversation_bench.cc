@@ -70,29 +70,10 @@ Setup& setup() {
   g_setup_started = true;
   static Setup s = [] {
     Setup made;
-    for (const char* tool : {"kvshare-serve", "kvshare-mkmodel"})
-      if (!fs::exists(bin(tool))) {
-        made.why = fmt::format("{} not built", tool);
-        return made;
-      }
-    for (const fs::path& tool : {settings().backend, settings().provider})
-      if (!fs::exists(tool)) {
-        made.why = fmt::format("{} does not exist", tool.string());
-        return made;
-      }
-    auto dir = route::make_private_dir("kvshare-bench-conversation");
-    if (!dir) {
-      made.why = dir.error().what();
-      return made;
-    }
-    made.dir = *dir;
-    made.model = made.dir / "tiny.gguf";
-    const std::string command = fmt::format("{} {} --ctx 8192 --seed 3 > /dev/null 2>&1",
-                                            bin("kvshare-mkmodel").string(), made.model.string());
-    if (std::system(command.c_str()) != 0) {
-      made.why = "kvshare-mkmodel failed";
-      return made;
-    }
+    auto model = make_bench_model("kvshare-bench-conversation", {settings().backend, settings().provider}, made.why);
+    if (!model) return made;
+    made.dir = model->dir;
+    made.model = model->model;
     for (const char* name : kRoutes) {
       ServeLaunch launch;
       launch.name = name;

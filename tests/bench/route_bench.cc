@@ -91,7 +91,7 @@ struct HybridLine {
 
 std::vector<HybridLine> hybrid_lines(const fs::path& log_path) {
   const std::regex line_re(
-      R"(hybrid: \d+ prompt tokens: prefill ([\d.]+) ms, (share ([\d.]+) ms( remote)?, )?(restore ([\d.]+) ms, )?first byte)");
+      R"(hybrid: \d+ prompt tokens(?:, \d+ cached)?: prefill ([\d.]+) ms(?: of \d+ tokens)?, (share ([\d.]+) ms( remote)?, )?(restore ([\d.]+) ms, )?first byte)");
   const std::string log = read_all(log_path);
   std::vector<HybridLine> lines;
   for (std::sregex_iterator it(log.begin(), log.end(), line_re), end; it != end; ++it) {
@@ -141,29 +141,10 @@ Setup& setup() {
   g_setup_started = true;
   static Setup s = [] {
     Setup made;
-    for (const char* tool : {"kvshare-serve", "kvshare-mkmodel"})
-      if (!fs::exists(bin(tool))) {
-        made.why = fmt::format("{} not built", tool);
-        return made;
-      }
-    for (const fs::path& tool : {settings().backend, settings().provider})
-      if (!fs::exists(tool)) {
-        made.why = fmt::format("{} does not exist", tool.string());
-        return made;
-      }
-    auto dir = route::make_private_dir("kvshare-bench-route");
-    if (!dir) {
-      made.why = dir.error().what();
-      return made;
-    }
-    made.dir = *dir;
-    made.model = made.dir / "tiny.gguf";
-    const std::string command = fmt::format("{} {} --ctx 8192 --seed 3 > /dev/null 2>&1", bin("kvshare-mkmodel").string(),
-                                            made.model.string());
-    if (std::system(command.c_str()) != 0) {
-      made.why = "kvshare-mkmodel failed";
-      return made;
-    }
+    auto model = make_bench_model("kvshare-bench-route", {settings().backend, settings().provider}, made.why);
+    if (!model) return made;
+    made.dir = model->dir;
+    made.model = model->model;
     auto remote_url = start_provider_server(made);
     if (!remote_url) {
       made.why = remote_url.error().what();

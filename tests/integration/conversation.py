@@ -37,7 +37,7 @@ import stat
 import subprocess
 import sys
 
-from hybrid_common import Serve, chat_reply_of, check, run_tests, temp_dir
+from hybrid_common import llama_kvshare_prefill, Serve, chat_reply_of, check, run_tests, temp_dir
 
 BIN = os.path.abspath(sys.argv[1])
 TOOLS = {name: os.path.join(BIN, name) for name in ("kvshare-serve", "kvshare-decoder", "kvshare-prefill",
@@ -47,8 +47,7 @@ if missing:
     print("SKIP conversation: %s not built" % ", ".join(missing))
     sys.exit(77)
 LLAMA = os.environ.get("LLAMA_SERVER_KVSHARE", "")
-LLAMA_PREFILL = os.environ.get("LLAMA_KVSHARE_PREFILL") or os.path.join(os.path.dirname(LLAMA),
-                                                                          "llama-kvshare-prefill")
+LLAMA_PREFILL = llama_kvshare_prefill(LLAMA)
 PAIRS = {"reference": (TOOLS["kvshare-decoder"], TOOLS["kvshare-prefill"])}
 if LLAMA and os.access(LLAMA, os.X_OK) and os.access(LLAMA_PREFILL, os.X_OK):
     PAIRS["llama"] = (LLAMA, LLAMA_PREFILL)

@@ -261,6 +261,13 @@ def run_tests(namespace, work_dir):
     runner.finish()
 
 
+def llama_kvshare_prefill(llama_server):
+    """The provider of a patched llama.cpp build: LLAMA_KVSHARE_PREFILL, else
+    llama-kvshare-prefill beside its llama-server."""
+    return os.environ.get("LLAMA_KVSHARE_PREFILL") or os.path.join(os.path.dirname(llama_server),
+                                                                     "llama-kvshare-prefill")
+
+
 def temp_dir():
     return tempfile.mkdtemp(prefix="kvshare-serve-test-")
 

@@ -44,7 +44,7 @@ os.makedirs(SERVE_TMP)
 KV_FLAGS = ["-c", "1024", "-fa", "on", "-ctk", "f16", "-ctv", "f16"]
 # Matched anywhere in a stderr line: with LLAMA_SERVER as the decoder its log shares serve's
 # stderr and can put its timestamp before serve's line.
-SHARED_LINE = re.compile(r"hybrid: (\d+) prompt tokens: prefill \d+\.\d{3} ms, share \d+\.\d{3} ms, "
+SHARED_LINE = re.compile(r"hybrid: (\d+) prompt tokens(?:, \d+ cached)?: prefill \d+\.\d{3} ms(?: of \d+ tokens)?, share \d+\.\d{3} ms, "
                          r"first byte \d+\.\d{3} ms$")
 FILE_LINE = re.compile(r"hybrid: (\d+) prompt tokens: prefill \d+\.\d{3} ms, restore \d+\.\d{3} ms, "
                        r"first byte \d+\.\d{3} ms$")

@@ -26,9 +26,9 @@ from hybrid_common import (FAKE_DECODER, FAKE_PROVIDER, HERE, Serve, chat, check
 BIN = os.path.abspath(sys.argv[1])
 SERVE = os.path.join(BIN, "kvshare-serve")
 HEADER = os.path.join(HERE, "..", "data", "layout-example.json")
-SHARED_LINE = re.compile(r"^hybrid: (\d+) prompt tokens: prefill (\d+\.\d{3}) ms, share (\d+\.\d{3}) ms, "
+SHARED_LINE = re.compile(r"^hybrid: (\d+) prompt tokens(?:, \d+ cached)?: prefill (\d+\.\d{3}) ms(?: of \d+ tokens)?, share (\d+\.\d{3}) ms, "
                          r"first byte (\d+\.\d{3}) ms$")
-FELL_BACK_LINE = re.compile(r"^hybrid: (\d+) prompt tokens: prefill (\d+\.\d{3}) ms, share 0\.000 ms, "
+FELL_BACK_LINE = re.compile(r"^hybrid: (\d+) prompt tokens(?:, \d+ cached)?: prefill (\d+\.\d{3}) ms(?: of \d+ tokens)?, share 0\.000 ms, "
                             r"restore (\d+\.\d{3}) ms, first byte (\d+\.\d{3}) ms$")
 WORK = temp_dir()
 MODEL = os.path.join(WORK, "model.gguf")
@@ -136,9 +136,9 @@ def test_slow_provider_work_is_kept():
 
 
 def test_refused_share_takes_the_state_file_route():
-    text = "a decoder that cannot export"
     with Case("refused", env={"FAKE_DECODER_REFUSE_SHARE": "1"}) as case:
-        for _ in range(2):
+        # Two prompts: the same one again would be all cached, and forwarded.
+        for text in ("a decoder that cannot export", "another decoder that cannot export"):
             status, data = case.serve.post("/v1/chat/completions", chat(text))
             check(status == 200 and reply_of(data) == expected_reply(expected_chat_ids(text)), data)
         refusals = case.serve.wait_count(r"^hybrid: shared route not taken \(share_refused\)", 2)

@@ -343,6 +343,18 @@ def test_refused_flags():
         check(name in result.stderr and "refused" in result.stderr, "%s: message %r" % (flags, result.stderr))
 
 
+def test_handoff_flag_values_and_help():
+    for value in ("sometimes", "0", "-5", "12x", ""):
+        result = subprocess.run([SERVE, "-m", MODEL, "--backend", FAKE_DECODER, "--handoff", value],
+                                capture_output=True, timeout=20, text=True)
+        check(result.returncode == 2, "--handoff %r: exit %d, expected 2 (%s)" % (value, result.returncode,
+                                                                                 result.stderr))
+        check("--handoff" in result.stderr and "auto, always, never" in result.stderr,
+              "--handoff %r: message %r" % (value, result.stderr))
+    result = subprocess.run([SERVE, "--help"], capture_output=True, timeout=20, text=True)
+    check(result.returncode == 0 and "--handoff" in result.stdout and "auto" in result.stdout, result.stdout)
+
+
 def test_print_backend():
     result = subprocess.run([SERVE, "-m", MODEL, "--backend", FAKE_DECODER, "--print-backend", "-c", "2048",
                              "--", "--threads", "2"], capture_output=True, timeout=20, text=True)

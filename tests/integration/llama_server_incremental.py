@@ -35,7 +35,7 @@ import struct
 import subprocess
 import sys
 
-from hybrid_common import Failure, check, run_tests, temp_dir, wait_until
+from hybrid_common import llama_kvshare_prefill, Failure, check, run_tests, temp_dir, wait_until
 
 BIN = os.path.abspath(sys.argv[1])
 LLAMA = os.environ.get("LLAMA_SERVER_KVSHARE", "")
@@ -43,8 +43,7 @@ if not LLAMA or not os.access(LLAMA, os.X_OK):
     print("SKIP llama_server_incremental: set LLAMA_SERVER_KVSHARE=path of a llama-server built with "
           "scripts/build-llama-server.sh --with-kvshare")
     sys.exit(77)
-LLAMA_PREFILL = os.environ.get("LLAMA_KVSHARE_PREFILL") or os.path.join(os.path.dirname(LLAMA),
-                                                                          "llama-kvshare-prefill")
+LLAMA_PREFILL = llama_kvshare_prefill(LLAMA)
 TOOLS = {name: os.path.join(BIN, name) for name in ("kvshare-mkmodel", "kvshare-state")}
 missing = [name for name, path in TOOLS.items() if not os.access(path, os.X_OK)]
 if not os.access(LLAMA_PREFILL, os.X_OK):

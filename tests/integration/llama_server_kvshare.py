@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 
-from hybrid_common import Serve, chat_reply_of, check, run_tests, temp_dir, wait_until
+from hybrid_common import llama_kvshare_prefill, Serve, chat_reply_of, check, run_tests, temp_dir, wait_until
 
 BIN = os.path.abspath(sys.argv[1])
 LLAMA = os.environ.get("LLAMA_SERVER_KVSHARE", "")
@@ -42,8 +42,7 @@ if not LLAMA or not os.access(LLAMA, os.X_OK):
     print("SKIP llama_server_kvshare: set LLAMA_SERVER_KVSHARE=path of a llama-server built with "
           "scripts/build-llama-server.sh --with-kvshare")
     sys.exit(77)
-LLAMA_PREFILL = os.environ.get("LLAMA_KVSHARE_PREFILL") or os.path.join(os.path.dirname(LLAMA),
-                                                                          "llama-kvshare-prefill")
+LLAMA_PREFILL = llama_kvshare_prefill(LLAMA)
 TOOLS = {name: os.path.join(BIN, name) for name in ("kvshare-serve", "kvshare-prefill", "kvshare-mkmodel",
                                                     "kvshare-state")}
 missing = [name for name, path in TOOLS.items() if not os.access(path, os.X_OK)]
@@ -60,7 +59,7 @@ os.makedirs(SERVE_TMP)
 KV_FLAGS = ["-c", "1024", "-fa", "on", "-ctk", "f16", "-ctv", "f16"]
 # Not anchored at the line start: llama-server's log shares serve's stderr and writes a
 # line's timestamp before its text, so serve's own line can land after one.
-SHARED_LINE = re.compile(r"hybrid: (\d+) prompt tokens: prefill \d+\.\d{3} ms, share (\d+\.\d{3}) ms, "
+SHARED_LINE = re.compile(r"hybrid: (\d+) prompt tokens(?:, \d+ cached)?: prefill \d+\.\d{3} ms(?: of \d+ tokens)?, share (\d+\.\d{3}) ms, "
                          r"first byte \d+\.\d{3} ms$")
 FILE_LINE = re.compile(r"hybrid: (\d+) prompt tokens: prefill \d+\.\d{3} ms, (share 0\.000 ms, )?restore "
                        r"\d+\.\d{3} ms, first byte \d+\.\d{3} ms$")

@@ -47,7 +47,7 @@ KV_FLAGS = ["-c", "1024", "-fa", "on", "-ctk", "f16", "-ctv", "f16"]
 # land after one (as in llama_server_kvshare).
 FILE_LINE = re.compile(r"hybrid: (\d+) prompt tokens: prefill \d+\.\d{3} ms, restore \d+\.\d{3} ms, "
                        r"first byte \d+\.\d{3} ms$")
-SHARED_THEN_FILE_LINE = re.compile(r"hybrid: (\d+) prompt tokens: prefill \d+\.\d{3} ms, share 0\.000 ms, "
+SHARED_THEN_FILE_LINE = re.compile(r"hybrid: (\d+) prompt tokens(?:, \d+ cached)?: prefill \d+\.\d{3} ms(?: of \d+ tokens)?, share 0\.000 ms, "
                                    r"restore \d+\.\d{3} ms, first byte \d+\.\d{3} ms$")
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"
 
