@@ -256,22 +256,33 @@ def main():
         lines = []
         kept = os.path.join(args.out, "bench.jsonl")
         if args.groups and os.path.exists(kept):
-            lines = [line for line in load_lines(kept) if line.get("bench", "").split("_")[0] not in groups
-                     and line.get("bench") != "meta"]
+            # The other groups' lines stay, and so does the meta line of the run that made them.
+            lines = [line for line in load_lines(kept) if line.get("bench", "").split("_")[0] not in groups]
         for group in groups:
             lines += run_group(args.bench, group)
             if args.backend and group in ("route", "conversation"):
                 lines += run_group(args.bench, group, ["--backend", args.backend])
         load = os.getloadavg()[0]
-        lines.append({"bench": "meta", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                      "load_before_last_group": round(load, 2), "cpus": os.cpu_count(), "note": args.note})
+        meta = {"bench": "meta", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                "load_before_last_group": round(load, 2), "cpus": os.cpu_count(), "note": args.note}
+        if args.groups:
+            meta["groups"] = groups
+        lines.append(meta)
         with open(os.path.join(args.out, "bench.jsonl"), "w") as f:
             for line in lines:
                 f.write(json.dumps(line) + "\n")
-    meta = next((line for line in lines if line.get("bench") == "meta"), {})
-    stamp = "%s, %s CPUs, load %s%s" % (meta.get("date", "?"), meta.get("cpus", "?"), meta.get("load_before_last_group", "?"),
-                                        (", " + meta["note"]) if meta.get("note") else "")
-    for draw in (plot_handoff_cost, plot_first_byte, plot_throughput, plot_conversation):
+    # Each plot, the groups it draws, stamped with the run that measured them (the last meta
+    # line naming them, else the one of a whole run); a --groups run redraws only its plots.
+    plots = ((plot_handoff_cost, ["equal"]), (plot_first_byte, ["route"]), (plot_throughput, ["scatter", "statefile"]),
+             (plot_conversation, ["conversation"]))
+    metas = [line for line in lines if line.get("bench") == "meta"]
+    for draw, drawn in plots:
+        if args.groups and not args.from_file and not set(drawn) & set(groups):
+            continue
+        meta = next((m for m in reversed(metas) if set(drawn) & set(m.get("groups", drawn))), {})
+        stamp = "%s, %s CPUs, load %s%s" % (meta.get("date", "?"), meta.get("cpus", "?"),
+                                            meta.get("load_before_last_group", "?"),
+                                            (", " + meta["note"]) if meta.get("note") else "")
         path = draw(lines, args.out, stamp)
         if path:
             print("plot-bench: wrote %s" % path, file=sys.stderr)

@@ -1,6 +1,7 @@
 #include "bench_serve.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -57,7 +58,7 @@ std::unique_ptr<ServeUnderTest> start_serve(const ServeLaunch& launch, const fs:
 }
 
 std::optional<BenchModel> make_bench_model(const std::string& dir_prefix, const std::vector<fs::path>& programs,
-                                           std::string& why) {
+                                           std::string& why, const std::vector<std::string>& mkmodel_args) {
   for (const char* tool : {"kvshare-serve", "kvshare-mkmodel"})
     if (!fs::exists(bin(tool))) {
       why = fmt::format("{} not built", tool);
@@ -74,8 +75,9 @@ std::optional<BenchModel> make_bench_model(const std::string& dir_prefix, const 
     return std::nullopt;
   }
   BenchModel made{*dir, *dir / "tiny.gguf"};
-  const std::string command = fmt::format("{} {} --ctx 8192 --seed 3 > /dev/null 2>&1", bin("kvshare-mkmodel").string(),
-                                          made.model.string());
+  const std::string command = fmt::format("{} {} --ctx 8192 --seed 3 {} > /dev/null 2>&1",
+                                          bin("kvshare-mkmodel").string(), made.model.string(),
+                                          fmt::join(mkmodel_args, " "));
   if (std::system(command.c_str()) != 0) {
     why = "kvshare-mkmodel failed";
     return std::nullopt;

@@ -40,8 +40,10 @@ struct BenchModel {
   std::filesystem::path dir;
   std::filesystem::path model;
 };
+// `mkmodel_args` go to kvshare-mkmodel after the defaults (e.g. {"--layers", "8"}).
 std::optional<BenchModel> make_bench_model(const std::string& dir_prefix,
-                                           const std::vector<std::filesystem::path>& programs, std::string& why);
+                                           const std::vector<std::filesystem::path>& programs, std::string& why,
+                                           const std::vector<std::string>& mkmodel_args = {});
 
 // A prompt text the decoder tokenizes to exactly `n_tokens` (BOS included), starting with
 // `salt` so that no two rounds share a cached prefix.
