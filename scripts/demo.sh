@@ -5,8 +5,11 @@
 #   3. starts kvshare-serve --device hybrid with the reference pair (kvshare-prefill
 #      prefills, kvshare-decoder decodes) and ONEBIT_KV_SHARE=1 (the shared route: the
 #      decoder's KV cache handed over as fds, no state file) on a free loopback port;
-#   4. sends a chat request, prints the reply and serve's `hybrid:` lines;
-#   5. stops serve cleanly (SIGTERM) and removes what it made.
+#      and beside it kvshare-serve --device cpu (the same decoder alone);
+#   4. sends a two-turn chat to both (turn 2 hands over only what the decoder's cells do not
+#      hold on the shared route), prints each reply beside the decoder's own, and serve's
+#      `hybrid:` lines; exits 1 if a reply differs;
+#   5. stops both cleanly (SIGTERM) and removes what it made.
 # KVSHARE_BUILD_DIR=dir uses another build directory; KVSHARE_DEMO_ROUTE=file shows the
 # state-file route instead. KVSHARE_DEMO_DECODER=llama-server runs the same demo with the
 # real decoder: llama-server and llama-kvshare-prefill built with the patch series of
@@ -30,11 +33,14 @@ fi
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/kvshare-demo-XXXXXX")
 serve_pid=
+cpu_pid=
 cleanup() {
-  if [ -n "$serve_pid" ] && kill -0 "$serve_pid" 2>/dev/null; then
-    kill -TERM "$serve_pid" 2>/dev/null || true
-    wait "$serve_pid" 2>/dev/null || true
-  fi
+  for pid in $serve_pid $cpu_pid; do
+    if kill -0 "$pid" 2>/dev/null; then
+      kill -TERM "$pid" 2>/dev/null || true
+      wait "$pid" 2>/dev/null || true
+    fi
+  done
   rm -rf "$work"
 }
 trap cleanup EXIT INT TERM
@@ -49,47 +55,80 @@ if [ "$decoder_kind" = llama-server ]; then
 fi
 
 echo "== a tiny model (kvshare-mkmodel, random weights, byte-level BPE, ChatML template)"
-"$bin/kvshare-mkmodel" "$work/tiny.gguf" --seed 42 >/dev/null
+# --residual-gain 3: the reply depends on the whole prompt, not only its last token.
+"$bin/kvshare-mkmodel" "$work/tiny.gguf" --seed 42 --residual-gain 3 >/dev/null
 ls -l "$work/tiny.gguf" | awk '{print "   " $NF ": " $5 " bytes"}'
 
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-echo "== kvshare-serve --device hybrid on 127.0.0.1:$port (route: $route)"
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+wait_listening() {  # PID LOG
+  for _ in $(seq 1 300); do
+    grep -q "kvshare-serve: listening on" "$2" && return 0
+    kill -0 "$1" 2>/dev/null || { cat "$2"; echo "kvshare-serve exited"; exit 1; }
+    sleep 0.1
+  done
+  cat "$2"; echo "kvshare-serve is not listening"; exit 1
+}
+port=$(free_port)
+cpu_port=$(free_port)
+echo "== kvshare-serve --device hybrid on 127.0.0.1:$port (route: $route); --device cpu, the decoder alone, on 127.0.0.1:$cpu_port"
 if [ "$route" = shared ]; then export ONEBIT_KV_SHARE=1; else unset ONEBIT_KV_SHARE; fi
+# --handoff always: the demo shows the handoff itself. By default (auto) serve forwards what
+# the decoder alone would answer sooner (docs/hybrid.md, "When serve hands off").
 "$bin/kvshare-serve" -m "$work/tiny.gguf" --device hybrid --prefill-provider "$provider" --handoff always \
   --backend "$backend" --host 127.0.0.1 --port "$port" -c 1024 -fa on \
   2>"$work/serve.log" &
 serve_pid=$!
-for _ in $(seq 1 300); do
-  grep -q "kvshare-serve: listening on" "$work/serve.log" && break
-  kill -0 "$serve_pid" 2>/dev/null || { cat "$work/serve.log"; echo "kvshare-serve exited"; exit 1; }
-  sleep 0.1
-done
-grep -q "kvshare-serve: listening on" "$work/serve.log" || { cat "$work/serve.log"; echo "not listening"; exit 1; }
+unset ONEBIT_KV_SHARE
+"$bin/kvshare-serve" -m "$work/tiny.gguf" --device cpu --backend "$backend" --host 127.0.0.1 --port "$cpu_port" \
+  -c 1024 -fa on 2>"$work/cpu.log" &
+cpu_pid=$!
+wait_listening "$serve_pid" "$work/serve.log"
+wait_listening "$cpu_pid" "$work/cpu.log"
 
-request='{"messages": [{"role": "system", "content": "You are a tiny random model."},
-                       {"role": "user", "content": "Say something about the hybrid route."}],
-          "max_tokens": 16, "temperature": 0}'
-echo "== POST /v1/chat/completions"
-reply=$(python3 - "$port" "$request" <<'EOF'
+echo "== a two-turn chat (POST /v1/chat/completions), to both"
+python3 - "$port" "$cpu_port" <<'PYTHON_END'
 import http.client, json, sys
-conn = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=120)
-conn.request("POST", "/v1/chat/completions", body=sys.argv[2], headers={"Content-Type": "application/json"})
-body = json.loads(conn.getresponse().read())
-print("reply:    %r" % body["choices"][0]["message"]["content"])
-print("timings:  prompt_n %d (the decoder evaluated only the prompt's last token), cache_n %d" %
-      (body["timings"]["prompt_n"], body["timings"].get("cache_n", -1)))
-EOF
-)
-echo "$reply"
+
+def ask(port, messages):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    body = {"messages": messages, "max_tokens": 16, "temperature": 0}
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    reply = json.loads(conn.getresponse().read())
+    return reply["choices"][0]["message"]["content"], reply["timings"]
+
+hybrid_port, cpu_port = int(sys.argv[1]), int(sys.argv[2])
+messages = [{"role": "system", "content": "You are a tiny random model."},
+            {"role": "user", "content": "Say something about the hybrid route."}]
+same = True
+for turn, follow_up in ((1, "And now something about the decoder, please."), (2, None)):
+    hybrid, timings = ask(hybrid_port, messages)
+    alone, _ = ask(cpu_port, messages)
+    same = same and hybrid == alone
+    print("turn %d  hybrid:        %r" % (turn, hybrid))
+    print("        decoder alone: %r (%s)" % (alone, "the same" if hybrid == alone else "DIFFERENT"))
+    print("        timings: prompt_n %d (after the handoff the decoder evaluated only the last token)" %
+          timings["prompt_n"])
+    if follow_up:
+        messages += [{"role": "assistant", "content": alone}, {"role": "user", "content": follow_up}]
+sys.exit(0 if same else 1)
+PYTHON_END
 sleep 0.2
-echo "== serve's hybrid: lines"
+if [ "$route" = shared ]; then
+  echo "== serve's hybrid: lines (turn 2: what the decoder's cells hold is cached, the rest prefilled)"
+else
+  echo "== serve's hybrid: lines (the file route hands over whole prompts)"
+fi
 grep "^hybrid:" "$work/serve.log" | sed 's/^/   /'
 
-echo "== stopping kvshare-serve (SIGTERM)"
-kill -TERM "$serve_pid"
-wait "$serve_pid" && status=0 || status=$?
+echo "== stopping both serves (SIGTERM)"
+status=0
+for pid in $serve_pid $cpu_pid; do
+  kill -TERM "$pid"
+  wait "$pid" || status=$?
+done
 serve_pid=
+cpu_pid=
 echo "   exit status $status"
 [ "$status" = 0 ]
-grep -q "^hybrid: .* prompt tokens: " "$work/serve.log"
+grep -q "^hybrid: .* prompt tokens" "$work/serve.log"
 echo "== done"
