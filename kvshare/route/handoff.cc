@@ -538,7 +538,7 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
   if (!ids) return fall_back_unknown("tokenize_failed", ids.error().what());
   report.n_prompt_tokens = ids->size();
   if (ids->size() < 2) {
-    context.slot_record.remember_prompt(*ids);
+    report.slot_prompt_id = context.slot_record.remember_prompt(*ids);
     return fall_back("prompt_too_short", fmt::format("the prompt has {} token(s): nothing to hand off before the "
                                                      "last one", ids->size()));
   }
@@ -548,7 +548,7 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
   // Whatever happens next, the slot's prompt is this one: a handoff puts it there, and a
   // forward has the decoder evaluate it.
   const size_t n_cached_estimate = context.slot_record.estimate_cached(*ids);
-  context.slot_record.remember_prompt(*ids);
+  report.slot_prompt_id = context.slot_record.remember_prompt(*ids);
   HandoffQuestion question;
   question.n_prompt = ids->size();
   question.n_cached = n_cached_estimate;

@@ -47,6 +47,7 @@ struct HandoffReport {
   // Forwarded because a handoff was not worth it (handoff_policy.h), not because one failed:
   // `decision` is the rule's sentence for the log line.
   bool decided_forward = false;
+  uint64_t slot_prompt_id = 0;              // SlotRecord's id of this prompt (0: none recorded)
   std::string decision;
   bool handed_off() const { return route != HandoffRoute::none; }
 };

@@ -95,7 +95,8 @@ void on_relay_end(RelayState& state) {
   if (!state.is_hybrid || !state.scanner) return;
   const ReplyTimings timings = state.scanner->finish();
   // What the decoder generated stays in its slot after the prompt: the next turn's estimate.
-  if (timings.predicted_n) state.context->slot_record.remember_generated(*timings.predicted_n);
+  if (timings.predicted_n)
+    state.context->slot_record.remember_generated(state.report.slot_prompt_id, *timings.predicted_n);
   if (!state.report.handed_off()) {
     // A forward is the decoder's own prompt speed over what its slot did not hold.
     if (timings.prompt_n && timings.prompt_ms)

@@ -16,14 +16,16 @@ size_t SlotRecord::estimate_cached(std::span<const int32_t> ids) const {
   return std::min(cached, ids.size() - 1);
 }
 
-void SlotRecord::remember_prompt(std::span<const int32_t> ids) {
+uint64_t SlotRecord::remember_prompt(std::span<const int32_t> ids) {
   std::lock_guard lock(mutex_);
   prompt_.assign(ids.begin(), ids.end());
   generated_ = 0;
+  return ++prompt_id_;
 }
 
-void SlotRecord::remember_generated(int64_t n) {
+void SlotRecord::remember_generated(uint64_t prompt_id, int64_t n) {
   std::lock_guard lock(mutex_);
+  if (prompt_id != prompt_id_) return;
   generated_ = n > 0 ? static_cast<size_t>(n) : 0;
 }
 
@@ -31,6 +33,7 @@ void SlotRecord::forget() {
   std::lock_guard lock(mutex_);
   prompt_.clear();
   generated_ = 0;
+  ++prompt_id_;
 }
 
 }  // namespace kvshare::route

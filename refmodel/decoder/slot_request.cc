@@ -25,10 +25,14 @@ ApiResult<std::vector<int32_t>> parse_token_array(std::string_view action, std::
     return api_fail(ErrorType::invalid_request, fmt::format("{}: \"{}\" must be an array of token ids", action, field));
   std::vector<int32_t> tokens;
   tokens.reserve(value.size());
-  for (const auto& t : value) {
+  for (size_t i = 0; i < value.size(); ++i) {
+    const Json& t = value[i];
     // A token id outside int32 would wrap into another id; refuse it instead.
     if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > std::numeric_limits<int32_t>::max())
-      return api_fail(ErrorType::invalid_request, fmt::format("{}: \"{}\" must hold token ids only", action, field));
+      return api_fail(ErrorType::invalid_request,
+                      fmt::format("{}: \"{}\" must hold token ids only: element {} is {}, not an integer from 0 to "
+                                  "2147483647",
+                                  action, field, i, t.dump()));
     tokens.push_back(static_cast<int32_t>(t.get<int64_t>()));
   }
   return tokens;

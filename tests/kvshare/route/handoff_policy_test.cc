@@ -211,8 +211,8 @@ TEST(SlotRecord, EstimatesThePreviousPromptAndItsReplyAsCached) {
   SlotRecord record;
   const std::vector<int32_t> turn1 = {1, 2, 3, 4};
   EXPECT_EQ(record.estimate_cached(turn1), 0u);
-  record.remember_prompt(turn1);
-  record.remember_generated(3);
+  const uint64_t turn1_id = record.remember_prompt(turn1);
+  record.remember_generated(turn1_id, 3);
   const std::vector<int32_t> turn2 = {1, 2, 3, 4, 9, 9, 9, 5, 6, 7};
   EXPECT_EQ(record.estimate_cached(turn2), 7u);  // 4 prompt tokens, 3 generated
   const std::vector<int32_t> edited = {1, 2, 8, 4, 9};
@@ -221,6 +221,21 @@ TEST(SlotRecord, EstimatesThePreviousPromptAndItsReplyAsCached) {
   EXPECT_EQ(record.estimate_cached(shorter), 4u);  // never the last token
   record.forget();
   EXPECT_EQ(record.estimate_cached(turn2), 0u);
+}
+
+TEST(SlotRecord, IgnoresAReplyThatEndsAfterTheNextPromptTookTheSlot) {
+  // The slot is released at a reply's first byte: the next request may record its prompt
+  // before the earlier reply's timings arrive. Its count is not the new prompt's.
+  SlotRecord record;
+  const std::vector<int32_t> first = {1, 2, 3};
+  const std::vector<int32_t> second = {1, 2, 3, 7, 8};
+  const uint64_t first_id = record.remember_prompt(first);
+  const uint64_t second_id = record.remember_prompt(second);
+  record.remember_generated(first_id, 40);
+  const std::vector<int32_t> next = {1, 2, 3, 7, 8, 9, 9, 9, 9, 9, 9};
+  EXPECT_EQ(record.estimate_cached(next), 5u);  // second's 5 tokens, none of first's 40
+  record.remember_generated(second_id, 2);
+  EXPECT_EQ(record.estimate_cached(next), 7u);
 }
 
 }  // namespace

@@ -280,6 +280,9 @@ TEST(DecoderHttpFake, RefusesShareTokensThatAreNotIdsOfTheVocabularyWith400Befor
     const HttpReply reply = server.post("/slots/0?action=share", {{"socket", "/never"}, {"tokens", tokens}});
     expect_error(reply, 400, "invalid_request_error", "tokens");
   }
+  // The refusal names the element and what it was.
+  expect_error(server.post("/slots/0?action=share", {{"socket", "/never"}, {"tokens", Json::array({1, "a"})}}), 400,
+               "invalid_request_error", "element 1 is \"a\"");
   EXPECT_EQ(server.engine().last_socket(), "") << "a refused share reached the engine";
 }
 
