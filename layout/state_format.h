@@ -3,8 +3,8 @@
 // validating decoder. Pure: works on spans, never on descriptors. Mirrors llama_context::
 // state_seq_save_file / state_seq_load_file and the state_write* / state_read* functions of
 // llama_kv_cache, llama_kv_cache_iswa, llama_memory_recurrent and llama_memory_hybrid
-// (version 2: llama.cpp d32676d; version 3: llama.cpp 80fb11ac, the tree node-llama-cpp
-// 3.21.1 ships), and the token words llama-server's slot save packs
+// (version 2: llama.cpp d32676d; version 3: llama.cpp 80fb11ac and de3ff815, the trees
+// node-llama-cpp 3.21.1 and 3.22.1 ship), and the token words llama-server's slot save packs
 // (server_tokens::serialize). docs/state-file.md has the byte table.
 #pragma once
 

@@ -80,11 +80,12 @@ def concurrency_prompts():
 
 def start(device, kv_share=False, provider=None, extra_env=None, n_ctx=None, extra_args=None):
     kv_flags = KV_FLAGS if n_ctx is None else ["-c", str(n_ctx)] + KV_FLAGS[2:]
-    args = ["-m", MODEL, "--device", device, "--port", "0", "--backend", LLAMA] + kv_flags + (extra_args or [])
+    args = ["-m", MODEL, "--device", device, "--port", "0", "--backend", LLAMA] + kv_flags
     env = {"TMPDIR": SERVE_TMP, "ONEBIT_HYBRID_PREFILL": "", "ONEBIT_KV_SHARE": "1" if kv_share else None}
     if device == "hybrid":
         # Every prompt here is short: the test is of the handoff, which auto would skip.
         args += ["--prefill-provider", provider or TOOLS["kvshare-prefill"], "--handoff", "always"]
+    args += extra_args or []  # last: may hold "--" and the decoder's own flags
     env.update(extra_env or {})
     return Serve(TOOLS["kvshare-serve"], args, env, timeout=180)
 
@@ -418,6 +419,42 @@ def test_a_cache_of_two_chunks_is_placed_and_handed_over_through_both():
             os.close(fd)
         check(len(sizes) == 2 and max(sizes) <= 1 << 30 and sum(sizes) == shared["region_bytes"],
               "chunk sizes %s for region_bytes %s" % (sizes, shared["region_bytes"]))
+    finally:
+        serve.stop()
+
+
+def test_after_an_idle_sleep_the_resumed_cache_is_placed_and_shared_again():
+    # --sleep-idle-seconds frees the context when idle and builds a new one on the next task:
+    # the new cache must live in the exported region again (not in a private buffer while
+    # share keeps handing over the region), and a share sent before the sleep is stale.
+    provider = LLAMA_PREFILL if os.access(LLAMA_PREFILL, os.X_OK) else None
+    serve = start("hybrid", kv_share=True, provider=provider, extra_args=["--", "--sleep-idle-seconds", "1"])
+    try:
+        port = decoder_port(serve)
+        listen_dir = tempfile.mkdtemp(dir=WORK)
+        sock_path = os.path.join(listen_dir, "before-sleep.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(sock_path)
+        listener.listen(1)
+        status, shared = decoder_post(port, "/slots/0?action=share", {"socket": sock_path})
+        check(status == 200, "share before the sleep: %s %s" % (status, shared))
+        receive_the_share(listener, shared["n_fds"])
+        serve.wait_line(r"server is entering sleeping state", timeout=120)
+        status, body = decoder_post(port, "/slots/0?action=adopt", {"tokens": [1, 2, 3], "share_id": shared["share_id"]})
+        check(status == 400 and "share again" in body["error"]["message"],
+              "a share sent before the sleep was adopted into the new cache: %s %s" % (status, body))
+        for rounds in range(2):
+            if rounds == 1:  # a second sleep and resume
+                serve.wait_line(r"server is entering sleeping state", timeout=120, start=len(serve.lines))
+            for prompt, (text, prompt_n) in zip(PROMPTS, replies(serve, PROMPTS)):
+                check(text == CPU_REPLIES[prompt], "after a resume: %r, --device cpu said %r" % (text, CPU_REPLIES[prompt]))
+                check(prompt_n == 1, "after a resume: prompt_n %s" % prompt_n)
+        check(len(serve.wait_count(SHARED_LINE, 2 * len(PROMPTS))) == 2 * len(PROMPTS), "\n".join(serve.lines))
+        # (a cache left private would answer adopt 500 and every handoff would fall back)
+        fallbacks = [line for line in serve.lines if "hybrid: fallback" in line or "shared route not taken" in line]
+        check(not fallbacks, "after a resume the cache was not re-placed:\n%s" % "\n".join(fallbacks))
+        check(len([line for line in serve.lines if "server is exiting sleeping state" in line]) >= 2,
+              "fewer than two resumes:\n%s" % "\n".join(serve.lines))
     finally:
         serve.stop()
 
