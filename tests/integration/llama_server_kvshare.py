@@ -207,6 +207,16 @@ def test_a_cache_that_cannot_be_exported_degrades_to_501_and_the_file_route():
         serve.stop()
 
 
+def broker_socket(name):
+    """A listening AF_UNIX socket in a fresh directory of WORK, standing in for a broker: the
+    socket and its path."""
+    sock_path = os.path.join(tempfile.mkdtemp(dir=WORK), name)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock_path)
+    listener.listen(1)
+    return listener, sock_path
+
+
 def receive_the_share(listener, n_fds):
     """Takes the one share message the server sends to `listener` (then closed), checks it
     carries the `n_fds` descriptors the share reply announced, and closes them."""
@@ -231,10 +241,7 @@ def test_the_real_server_refuses_what_kvshare_decoder_refuses():
         check(status == 400 and "share_id" in body["error"]["message"], "adopt without share_id: %s" % body)
 
         # A share that reaches a broker: listen, share, take the message, then adopt.
-        sock_path = os.path.join(WORK, "broker.sock")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(sock_path)
-        listener.listen(1)
+        listener, sock_path = broker_socket("broker.sock")
         status, shared = decoder_post(port, "/slots/0?action=share", {"socket": sock_path})
         check(status == 200, "share: %s %s" % (status, shared))
         check(list(shared) == ["id_slot", "share_id", "backend", "n_fds", "region_bytes", "n_cached", "timings"],
@@ -291,11 +298,7 @@ def test_serves_api_key_guards_its_clients_and_the_real_servers_share():
         check(text == CPU_REPLIES[PROMPTS[0]] and prompt_n == 1, "keyed reply %r prompt_n %s" % (text, prompt_n))
         check(len(serve.wait_count(SHARED_LINE, 1)) == 1, "no shared handoff with the key:\n%s" % "\n".join(serve.lines))
 
-        sock_dir = tempfile.mkdtemp(dir=WORK)
-        sock_path = os.path.join(sock_dir, "broker.sock")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(sock_path)
-        listener.listen(1)
+        listener, sock_path = broker_socket("broker.sock")
         listener.settimeout(0.5)
         for key_given in (None, "wrong"):
             status, body = decoder_post(port, "/slots/0?action=share", {"socket": sock_path}, key=key_given)
@@ -403,11 +406,7 @@ def test_a_cache_of_two_chunks_is_placed_and_handed_over_through_both():
             check(prompt_n == 1, "two chunks: prompt_n %s" % prompt_n)
         check(len(serve.wait_count(SHARED_LINE, len(PROMPTS))) == len(PROMPTS), "\n".join(serve.lines))
         # What the decoder exports: two fds.
-        listen_dir = tempfile.mkdtemp(dir=WORK)
-        sock_path = os.path.join(listen_dir, "b.sock")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(sock_path)
-        listener.listen(1)
+        listener, sock_path = broker_socket("b.sock")
         status, shared = decoder_post(decoder_port(serve), "/slots/0?action=share", {"socket": sock_path})
         check(status == 200 and shared["n_fds"] == 2, "share: %s %s" % (status, shared))
         conn, _ = listener.accept()
@@ -431,11 +430,7 @@ def test_after_an_idle_sleep_the_resumed_cache_is_placed_and_shared_again():
     serve = start("hybrid", kv_share=True, provider=provider, extra_args=["--", "--sleep-idle-seconds", "1"])
     try:
         port = decoder_port(serve)
-        listen_dir = tempfile.mkdtemp(dir=WORK)
-        sock_path = os.path.join(listen_dir, "before-sleep.sock")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(sock_path)
-        listener.listen(1)
+        listener, sock_path = broker_socket("before-sleep.sock")
         status, shared = decoder_post(port, "/slots/0?action=share", {"socket": sock_path})
         check(status == 200, "share before the sleep: %s %s" % (status, shared))
         receive_the_share(listener, shared["n_fds"])
