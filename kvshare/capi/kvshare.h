@@ -205,7 +205,8 @@ const char *kvshare_provider_last_error(const struct kvshare_provider *provider)
 /* The KV params in the header (the decoder's): what the provider must run with. */
 int kvshare_provider_kv_params(const struct kvshare_provider *provider, struct kvshare_kv_params *out);
 
-/* Cells of the shared KV cache (kv_size of its one plain cache), 0 when not open. */
+/* Cells of the shared KV cache (kv_size of its first KV cache: the plain one, an iSWA pair's base, a
+ * hybrid's attention cache), 0 when not open or when the memory has none (recurrent only). */
 uint32_t kvshare_provider_kv_size(const struct kvshare_provider *provider);
 
 /* As the decoder's: chunk count, chunk base/size in this process's mapping, placements. */

@@ -193,10 +193,13 @@ int kvshare_decoder_open(const char* model_path, const kvshare_kv_params* params
     if (!model) return refuse(model.error());
     auto header = layout::make_share_header(model->fingerprint, model->shape, *kv_params);
     if (!header) return refuse(header.error().with_context(fmt::format("model {}", model_path)));
-    // Adopt marks cells of one plain cache; an SWA pair or recurrent state would need
-    // more than llama_kv_cells_adopt (the seed's 501 degrade until it is written).
-    if (header->memory.kind != layout::MemoryKind::kv || header->memory.kv_caches.size() != 1)
-      return refuse(Error(ENOTSUP, fmt::format("model {}: memory kind {} cannot be adopted yet (plain KV caches only)",
+    // What adopt can take (llama.cpp's glue marks each part): a plain cache, an iSWA pair,
+    // a recurrent state, or a hybrid's attention cache and recurrent state. A hybrid with
+    // an SWA attention cache would be adopted and then re-processed by llama-server's reuse
+    // gate (its recurrent part pins the first position at N-2), so it is refused here.
+    if (!kvshare::adoptable_memory_kind(header->memory.kind))
+      return refuse(Error(ENOTSUP, fmt::format("model {}: memory kind {} cannot be adopted yet (plain, iSWA, "
+                                               "recurrent and hybrid memories can)",
                                                model_path, layout::memory_kind_name(header->memory.kind))));
     auto export_options = kvshare::ExportOptions::from_env();
     if (!export_options) return refuse(export_options.error());

@@ -23,6 +23,11 @@ std::string share_unavailable_reason(bool flag_set, std::string_view backend_rea
                                             : fmt::format("cannot export ({})", backend_reason));
 }
 
+bool adoptable_memory_kind(layout::MemoryKind kind) {
+  return kind == layout::MemoryKind::kv || kind == layout::MemoryKind::kv_iswa ||
+         kind == layout::MemoryKind::recurrent || kind == layout::MemoryKind::hybrid;
+}
+
 int http_status_for(const Error& error) {
   switch (error.errno_value()) {
     case ENOTSUP: return 501;

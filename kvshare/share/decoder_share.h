@@ -39,6 +39,13 @@ std::string share_degrade_warning(bool flag_set, std::string_view backend_reason
 // The refusal a decoder that cannot export answers share with: names both causes.
 std::string share_unavailable_reason(bool flag_set, std::string_view backend_reason);
 
+// The memory kinds the patched llama-server adopts (integrations/llama.cpp, llama-kvshare.cpp
+// marks every part): plain, iSWA (cells 0..n-1 of both caches, n within the SWA cache),
+// recurrent (cell 0 as the sequence's state) and hybrid (both). Not hybrid_iswa: its
+// recurrent part pins the first position at n-1, so llama-server's reuse gate would
+// re-process every handoff; nor an embedding model (no memory to share).
+bool adoptable_memory_kind(layout::MemoryKind kind);
+
 // The HTTP status for a share/adopt refusal, by its errno: ENOTSUP 501 (cannot export),
 // EPERM 403 (the listener failed a trust check), ESTALE 409 (not the latest share, or
 // already adopted), ERANGE/EINVAL 400 (token count),

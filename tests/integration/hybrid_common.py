@@ -268,6 +268,17 @@ def llama_kvshare_prefill(llama_server):
                                                                      "llama-kvshare-prefill")
 
 
+def wrapped_provider(work, name, body, real):
+    """A provider command in `work` that runs `body` (Python, with `args` the argv it was
+    given) in front of the provider `real`, as kvshare-serve starts it."""
+    path = os.path.join(work, name)
+    with open(path, "w") as f:
+        f.write("#!%s\nimport json, mmap, os, subprocess, sys\nargs = sys.argv[1:]\nREAL = %r\n%s\n"
+                "os.execv(REAL, [REAL] + args)\n" % (sys.executable, real, body))
+    os.chmod(path, 0o700)
+    return path
+
+
 def temp_dir():
     return tempfile.mkdtemp(prefix="kvshare-serve-test-")
 

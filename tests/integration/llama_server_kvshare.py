@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 
+import hybrid_common
 from hybrid_common import llama_kvshare_prefill, Serve, chat_reply_of, check, run_tests, temp_dir, wait_until
 
 BIN = os.path.abspath(sys.argv[1])
@@ -321,14 +322,8 @@ def test_serves_api_key_guards_its_clients_and_the_real_servers_share():
 
 
 def wrapped_provider(name, body, real=None):
-    """A provider command that runs `body` (Python, with `args` the argv it was given) in
-    front of the real provider (kvshare-prefill unless `real`), as kvshare-serve starts it."""
-    path = os.path.join(WORK, name)
-    with open(path, "w") as f:
-        f.write("#!%s\nimport json, mmap, os, sys\nargs = sys.argv[1:]\nREAL = %r\n%s\n"
-                "os.execv(REAL, [REAL] + args)\n" % (sys.executable, real or TOOLS["kvshare-prefill"], body))
-    os.chmod(path, 0o700)
-    return path
+    """`body` in front of the real provider (kvshare-prefill unless `real`)."""
+    return hybrid_common.wrapped_provider(WORK, name, body, real or TOOLS["kvshare-prefill"])
 
 
 def check_forwarded_after_share(serve, reason, said_on_stderr):
