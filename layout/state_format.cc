@@ -156,6 +156,7 @@ struct ParseError {
   Error error;
   uint64_t offset = 0;
   bool is_kv_cell_value = false;  // a KV cell's pos or n_seq_id is out of range
+  bool is_recurrent_section = false;  // inspect mode: an R/S section of a recurrent block is bad
 };
 
 template <class T>
@@ -415,6 +416,87 @@ ParseResult<StateBlock> parse_kv_block(Cursor& in, std::string role, bool mrope,
   return block;
 }
 
+tl::unexpected<ParseError> recurrent_section_error(tl::unexpected<ParseError> error) {
+  error.value().is_recurrent_section = true;
+  return error;
+}
+
+// One R or S section read without the model: i32 type, u64 row size, n_rows rows. Recurrent
+// state is always f32 (llama_memory_recurrent creates r_l/s_l as GGML_TYPE_F32), so any other
+// type, or a row that is not whole f32 elements, is not a section. A row size of 0 is one:
+// LFM2 has no S state and llama.cpp still writes the S header (n_embd_s() is 0).
+ParseResult<StateSection> parse_recurrent_section(Cursor& in, uint32_t ordinal, uint32_t n_rows) {
+  StateSection section;
+  section.il = ordinal;
+  section.n_rows = n_rows;
+  section.header_offset = in.pos();
+  const std::string label = fmt::format("recurrent section {}", ordinal);
+  auto type_id = in.take<int32_t>(label + " type");
+  if (!type_id) return recurrent_section_error(tl::unexpected(type_id.error()));
+  if (*type_id != static_cast<int32_t>(GgmlType::F32)) {
+    const auto traits = ggml_type_traits(*type_id);
+    return recurrent_section_error(in.error_at(section.header_offset,
+                                               "{} type is {} ({}), llama.cpp writes recurrent state as f32 (0)",
+                                               label, *type_id, traits ? traits->name : "not a ggml type"));
+  }
+  section.type = GgmlType::F32;
+  const uint64_t row_offset = in.pos();
+  auto row_bytes = in.take<uint64_t>(label + " row size");
+  if (!row_bytes) return recurrent_section_error(tl::unexpected(row_bytes.error()));
+  if (*row_bytes % 4 != 0 || *row_bytes / 4 > std::numeric_limits<uint32_t>::max())
+    return recurrent_section_error(
+        in.error_at(row_offset, "{} row size {} bytes is not a whole number of f32 elements", label, *row_bytes));
+  section.row_bytes = *row_bytes;
+  section.n_embd = static_cast<uint32_t>(*row_bytes / 4);
+  section.data_offset = in.pos();
+  if (auto rows = in.skip(n_rows, section.row_bytes, label + " rows"); !rows)
+    return recurrent_section_error(tl::unexpected(rows.error()));
+  return section;
+}
+
+// The R and S sections of a recurrent block read without the model. llama.cpp writes one R
+// section per layer that has recurrent tensors, then one S section per such layer
+// (state_write_data skips the others), so their number is not in the file: n_layer counts
+// every trunk layer (hparams.n_layer()). Sections are read up to the end of the file (the
+// recurrent block is always the last block) or until 2 x n_layer of them, after which any
+// bytes are trailing; then the first half is R and the second S. Refused with the offset: a
+// leftover that is not a section (damage and trailing bytes cannot be told apart), an odd
+// count, or R (or S) sections of unequal row sizes (n_embd_r and n_embd_s are per model).
+// Section il are ordinals: which layers are recurrent is not in the file.
+ParseResult<std::vector<StateSection>> parse_recurrent_sections(Cursor& in, uint32_t n_layer, uint32_t n_rows) {
+  const uint64_t first_offset = in.pos();
+  const uint64_t max_sections = uint64_t{n_layer} * 2;
+  std::vector<StateSection> run;
+  // Each section takes at least its 12-byte header: bound the reservation by the file.
+  run.reserve(std::min<uint64_t>(max_sections, in.remaining() / kStateSectionHeaderBytes));
+  while (in.remaining() > 0 && run.size() < max_sections) {
+    KVS_TRY(section, parse_recurrent_section(in, static_cast<uint32_t>(run.size()), n_rows));
+    run.push_back(section);
+  }
+  if (run.size() % 2 != 0)
+    return recurrent_section_error(in.error_at(
+        first_offset,
+        "recurrent block holds {} sections from offset {} to the end of the file; R and S sections come in pairs "
+        "(one of each per recurrent layer), so a whole block has an even number",
+        run.size(), first_offset));
+  const size_t n_recurrent = run.size() / 2;
+  for (size_t i = 0; i < run.size(); ++i) {
+    StateSection& section = run[i];
+    const bool is_r = i < n_recurrent;
+    section.kind = is_r ? TensorKind::r : TensorKind::s;
+    section.il = static_cast<uint32_t>(is_r ? i : i - n_recurrent);
+    const StateSection& first = run[is_r ? 0 : n_recurrent];
+    if (section.row_bytes != first.row_bytes)
+      return recurrent_section_error(in.error_at(
+          section.header_offset + 4,
+          "recurrent section {} ({} of recurrent layer {}) row size is {} bytes, section {} has {}: llama.cpp writes "
+          "every {} row with one size ({})",
+          i, is_r ? "R" : "S", section.il, section.row_bytes, is_r ? 0 : n_recurrent, first.row_bytes,
+          is_r ? "R" : "S", is_r ? "n_embd_r" : "n_embd_s"));
+  }
+  return run;
+}
+
 ParseResult<StateBlock> parse_recurrent_block(Cursor& in, const RecurrentShape* expect) {
   StateBlock block;
   block.kind = StateBlockKind::recurrent;
@@ -469,50 +551,8 @@ ParseResult<StateBlock> parse_recurrent_block(Cursor& in, const RecurrentShape* 
     stream.sections = std::move(r_sections);
     stream.sections.insert(stream.sections.end(), s_sections.begin(), s_sections.end());
   } else {
-    // Layers without recurrent tensors write nothing, so the section count is not in the
-    // file: it is the reading with k R sections and then k S sections, k <= n_layer, that
-    // ends the file (the recurrent block is always last). Parse the run of sections once
-    // (linear, whatever the counts claim), then pick the largest k that ends the file, else
-    // the largest k that parses (trailing bytes are legal: llama.cpp ignores them).
-    std::vector<StateSection> run;
-    std::optional<ParseError> stop;
-    const uint64_t max_sections = std::min<uint64_t>(uint64_t{n_layer} * 2, in.remaining() / kStateSectionHeaderBytes);
-    std::vector<uint64_t> end_after;  // cursor position after run[i]
-    Cursor walker = in;
-    for (uint64_t i = 0; i < max_sections; ++i) {
-      auto section = parse_section(walker, "recurrent", TensorKind::r, static_cast<uint32_t>(i), false, cell_count,
-                                   nullptr);
-      if (!section) {
-        stop = section.error();
-        break;
-      }
-      run.push_back(*section);
-      end_after.push_back(walker.pos());
-    }
-    const uint64_t file_end = in.pos() + in.remaining();
-    uint64_t chosen = run.size() / 2;
-    bool exact = false;
-    for (uint64_t k = run.size() / 2; k > 0; --k)
-      if (end_after[2 * k - 1] == file_end) {
-        chosen = k;
-        exact = true;
-        break;
-      }
-    if (chosen == 0 && n_layer > 0 && in.remaining() > 0 && !exact) {
-      if (stop) return tl::unexpected(*stop);
-      return in.error_at(in.pos(), "no R/S section list fits after the recurrent header");
-    }
-    for (uint64_t i = 0; i < 2 * chosen; ++i) {
-      StateSection section = run[i];
-      section.kind = i < chosen ? TensorKind::r : TensorKind::s;
-      section.il = static_cast<uint32_t>(i < chosen ? i : i - chosen);
-      stream.sections.push_back(section);
-    }
-    if (chosen > 0) {
-      Cursor advanced = in;
-      (void)advanced.skip(1, end_after[2 * chosen - 1] - in.pos(), "recurrent sections");
-      in = advanced;
-    }
+    KVS_TRY(sections, parse_recurrent_sections(in, n_layer, cell_count));
+    stream.sections = std::move(sections);
   }
   block.streams.push_back(std::move(stream));
   block.end_offset = in.pos();
@@ -817,8 +857,11 @@ Result<StateLayout> decode_state_layout(std::span<const std::byte> file, const M
 
   // Inspect mode: try each reading; the first that accounts for every byte wins, else the
   // one leaving the fewest trailing bytes, else the error of the reading that got furthest.
+  // A bad R/S section past the end of a reading that succeeded outranks it: a hybrid file
+  // with a damaged recurrent block is not a KV file with trailing bytes.
   std::optional<StateLayout> best;
   std::optional<ParseError> furthest;
+  std::optional<ParseError> recurrent_section;
   for (MemoryKind kind : {MemoryKind::kv, MemoryKind::kv_iswa, MemoryKind::hybrid, MemoryKind::hybrid_iswa,
                           MemoryKind::recurrent, MemoryKind::none}) {
     for (bool mrope : {false, true}) {
@@ -831,12 +874,16 @@ Result<StateLayout> decode_state_layout(std::span<const std::byte> file, const M
         // reading never outranks the plain reading's error.
         const bool is_mrope_misreading = mrope && layout.error().is_kv_cell_value;
         if (!is_mrope_misreading && (!furthest || layout.error().offset > furthest->offset)) furthest = layout.error();
+        if (layout.error().is_recurrent_section &&
+            (!recurrent_section || layout.error().offset > recurrent_section->offset))
+          recurrent_section = layout.error();
         continue;
       }
       if (layout->trailing_bytes == 0) return std::move(*layout);
       if (!best || layout->trailing_bytes < best->trailing_bytes) best = std::move(*layout);
     }
   }
+  if (best && recurrent_section && recurrent_section->offset > best->content_bytes) return as_result(*recurrent_section);
   if (best && (best->memory_kind != MemoryKind::none || !furthest)) return std::move(*best);
   if (furthest) return as_result(*furthest);
   return std::move(*best);
@@ -956,20 +1003,34 @@ std::string describe_state_layout(const StateLayout& layout) {
       out += fmt::format("; {}: no cells", block.role);
       continue;
     }
-    uint32_t n_k = 0, n_v = 0;
-    std::string types;
-    for (const auto& section : stream->sections) {
-      if (section.kind == TensorKind::k || section.kind == TensorKind::r) ++n_k;
-      else ++n_v;
+    if (block.kind == StateBlockKind::recurrent) {
+      // n_layer counts every trunk layer; only the recurrent ones have sections.
+      const StateSection* r = nullptr;
+      const StateSection* s = nullptr;
+      uint32_t n_r = 0;
+      for (const auto& section : stream->sections) {
+        if (section.kind == TensorKind::r) {
+          ++n_r;
+          if (!r) r = &section;
+        } else if (!s) {
+          s = &section;
+        }
+      }
+      out += fmt::format("; {}: {} cells x {} recurrent of {} layers", block.role, stream->cell_count, n_r,
+                         stream->n_layer);
+      if (r && s)
+        out += fmt::format(" ({}, R row {} B, S row {} B)", ggml_type_name(r->type), r->row_bytes, s->row_bytes);
+      continue;
     }
+    const bool has_v = std::any_of(stream->sections.begin(), stream->sections.end(),
+                                   [](const StateSection& section) { return section.kind == TensorKind::v; });
+    std::string types;
     if (!stream->sections.empty()) {
       types = std::string(ggml_type_name(stream->sections.front().type));
-      if (n_v) types += "/" + std::string(ggml_type_name(stream->sections.back().type));
+      if (has_v) types += "/" + std::string(ggml_type_name(stream->sections.back().type));
     }
-    out += fmt::format("; {}: {} cells x {} layers ({}{})", block.role, stream->cell_count,
-                       block.kind == StateBlockKind::kv ? stream->n_layer : n_k, types,
-                       block.kind == StateBlockKind::kv ? fmt::format(", v_trans {}", stream->is_transposed ? 1 : 0)
-                                                        : std::string());
+    out += fmt::format("; {}: {} cells x {} layers ({}, v_trans {})", block.role, stream->cell_count, stream->n_layer,
+                       types, stream->is_transposed ? 1 : 0);
   }
   return out;
 }

@@ -54,7 +54,8 @@ struct StateCell {
 struct StateSection {
   TensorKind kind = TensorKind::k;
   uint32_t il = 0;              // model layer (from the shape); inspect mode: the ordinal,
-                                // counted on across KV blocks (SWA layers follow base layers)
+                                // counted on across KV blocks (SWA layers follow base layers),
+                                // and among the recurrent layers for R/S (not in the file)
   GgmlType type = GgmlType::F16;
   uint32_t n_embd = 0;          // elements per cell (n_embd_k_gqa, n_embd_v_gqa, n_embd_r, n_embd_s)
   bool is_transposed = false;   // V with v_trans: header is type, u32 element size, u32 n_embd;
@@ -174,9 +175,12 @@ std::vector<std::byte> encode_state_file(
 // exactly as llama_state_seq_load_file would require (n_stream, n_layer, v_trans, types, row
 // sizes, element sizes, cell counts within kv_size, n_seq_id rules); without it (inspect
 // mode) the structure is derived from the bytes: the memory kind and the M-RoPE cell size
-// are the reading that accounts for the file. Trailing bytes after the content are
-// accepted, as llama.cpp ignores them, and reported in trailing_bytes. Every error names
-// `name`, the field and its byte offset. Allocates only in proportion to the file size.
+// are the reading that accounts for the file, and a recurrent block's R/S sections are read
+// to the end of the file (or 2 x n_layer of them) and split in half, since how many layers
+// are recurrent is not in the file (docs/state-file.md, "Bad input"). Trailing bytes after
+// the content are accepted, as llama.cpp ignores them, and reported in trailing_bytes. Every
+// error names `name`, the field and its byte offset. Allocates only in proportion to the
+// file size.
 Result<StateLayout> decode_state_layout(std::span<const std::byte> file, const MemoryShape* expect,
                                         std::string_view name);
 

@@ -432,7 +432,9 @@ struct StateFileWriter::Impl {
           Section entry;
           entry.section = &section;
           entry.region = region_of(section.header_offset);
-          entry.is_written = section.n_rows == 0;  // nothing to hand: the header says it all
+          // Nothing to hand when the section has no row bytes: no cells, or rows of width 0
+          // (LFM2's S, whose header llama.cpp writes with row size 0): the header says it all.
+          entry.is_written = section.data_bytes() == 0;
           if (layout::is_quantized(section.type) && (section.kind == TensorKind::k || section.kind == TensorKind::v)) {
             const uint32_t head = section.kind == TensorKind::k ? options.n_embd_head_k : options.n_embd_head_v;
             entry.rotation_group =
@@ -533,9 +535,10 @@ Result<void> StateFileWriter::write_recurrent_layer(uint32_t il, const RowsView&
 }
 
 Result<void> StateFileWriter::write_section(TensorKind kind, uint32_t il, const RowsView& rows) {
-  // Sections without rows are complete at planning time; handing one is harmless.
+  // Sections without row bytes are complete at planning time; handing one (any rows, or an
+  // empty view) is harmless.
   for (const auto& entry : impl_->sections)
-    if (entry.section->kind == kind && entry.section->il == il && entry.section->n_rows == 0) return {};
+    if (entry.section->kind == kind && entry.section->il == il && entry.section->data_bytes() == 0) return {};
   return impl_->write_section(kind, il, rows);
 }
 

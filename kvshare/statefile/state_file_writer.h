@@ -103,7 +103,8 @@ class StateFileWriter {
   // K and V rows of attention layer `il` (V ignored by MLA caches: pass an empty view).
   // Layers go in ascending il per KV block; K and V may come from different buffers.
   Result<void> write_layer(uint32_t il, const RowsView& k, const RowsView& v);
-  // R and S state of recurrent layer `il`, ascending il.
+  // R and S state of recurrent layer `il` (a layer of RecurrentShape::layers, not every
+  // trunk layer), ascending il. A section of width 0 (LFM2's S) takes any view, empty too.
   Result<void> write_recurrent_layer(uint32_t il, const RowsView& r, const RowsView& s);
   // One section: kind k/v/r/s of layer `il`. write_layer is two of these.
   Result<void> write_section(layout::TensorKind kind, uint32_t il, const RowsView& rows);

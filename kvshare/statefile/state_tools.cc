@@ -118,6 +118,16 @@ Result<std::string> inspect_state_file(const std::filesystem::path& path, bool j
       } else if (stream.has_data) {
         text += fmt::format("    stream {}: no cells, n_layer {}\n", stream.index, stream.n_layer);
       }
+      if (block.kind == layout::StateBlockKind::recurrent) {
+        const auto n_r = std::count_if(stream.sections.begin(), stream.sections.end(),
+                                       [](const StateSection& section) { return section.kind == TensorKind::r; });
+        js["n_recurrent_layers"] = n_r;
+        // Without the model the file does not say which layers are recurrent (hybrid models).
+        if (static_cast<uint64_t>(n_r) < stream.n_layer)
+          text += fmt::format("    {} of the {} layers are recurrent; which ones is not in the file, so their "
+                              "sections are numbered 0..{}\n",
+                              n_r, stream.n_layer, n_r > 0 ? n_r - 1 : 0);
+      }
       js["transposed"] = stream.is_transposed;
       js["n_layer"] = stream.n_layer;
       nlohmann::json sections = nlohmann::json::array();
@@ -131,7 +141,7 @@ Result<std::string> inspect_state_file(const std::filesystem::path& path, bool j
         jsec["offset"] = section.header_offset;
         jsec["transposed"] = section.is_transposed;
         std::string stats_text;
-        if (section.n_rows > 0) {
+        if (section.data_bytes() > 0) {  // no cells, or LFM2's empty S: no values
           auto stats = section_stats(*file, section);
           if (stats) {
             jsec["max_abs"] = stats->max_abs;
@@ -291,7 +301,7 @@ Result<CommitInfo> convert_state_file(const std::filesystem::path& in, const std
       for (const auto& section : stream.sections) target_sections.push_back(&section);
   for (size_t i = 0; i < sections.size(); ++i) {
     const StateSection* section = sections[i];
-    if (section->n_rows == 0) continue;
+    if (section->data_bytes() == 0) continue;  // no cells, or LFM2's empty S: the header is all
     if (target_sections[i]->type == section->type) {
       // Unchanged type: the bytes go over as they are (no dequantize/requantize drift).
       const auto raw = source->rows(*section);

@@ -7,15 +7,20 @@
 #include <cstring>
 #include <map>
 
+#include "layout/model_shape.h"
+#include "layout/shape_fixtures.h"
 #include "layout/state_test_shapes.h"
+#include "support/test_support.h"
 
 namespace kvshare::layout {
 namespace {
 
-using testing::dense_shape;
-using testing::hybrid_shape;
-using testing::iswa_shape;
-using testing::mamba_shape;
+using kvshare::testing::dense_shape;
+using kvshare::testing::hybrid_shape;
+using kvshare::testing::iswa_shape;
+using kvshare::testing::lfm2_shape;
+using kvshare::testing::mamba2_shape;
+using kvshare::testing::mamba_shape;
 
 std::vector<int32_t> token_ids(uint32_t n) {
   std::vector<int32_t> ids(n);
@@ -283,6 +288,8 @@ std::vector<Case> round_trip_cases() {
       {"mamba", mamba_shape(), 5},
       {"hybrid", hybrid_shape(), 6},
       {"hybrid v_trans", hybrid_shape(true), 6},
+      {"lfm2", lfm2_shape(), 5},
+      {"mamba2", mamba2_shape(), 7},
   };
 }
 
@@ -594,6 +601,264 @@ TEST(StateFormat, RecomputesOffsetsAfterARetype) {
   }
   assign_state_offsets(layout);
   EXPECT_EQ(layout.content_bytes, 2876u);
+}
+
+// ---- recurrent blocks: how many R/S sections (issue 26) --------------------------------
+
+// The worked example of docs/state-file.md, built by tests/data/make_state_lfm2_vector.py.
+constexpr const char* kLfm2Vector = "state-v3-lfm2-hybrid.bin";
+constexpr uint64_t kLfm2RecurrentBlock = 2716;  // offset of the recurrent cell_count
+constexpr uint64_t kLfm2R0 = 2736, kLfm2R2 = 3260, kLfm2S0 = 3784, kLfm2S2 = 3796, kLfm2End = 3808;
+
+std::vector<std::byte> lfm2_vector() {
+  return kvshare::testing::read_file_bytes(kvshare::testing::data_path(kLfm2Vector));
+}
+
+const StateBlock* recurrent_block(const StateLayout& layout) {
+  for (const auto& block : layout.blocks)
+    if (block.kind == StateBlockKind::recurrent) return &block;
+  return nullptr;
+}
+
+// Issue 26: inspect read this file as "recurrent: 1 cells x 1 layers" with 24 trailing bytes
+// (it took the row-size-0 S headers for garbage and the second R section for an S section).
+TEST(StateFormatRecurrent, ReadsTheLfm2ExampleWithoutTheModelAsTwoRecurrentLayersOfFour) {
+  const auto file = lfm2_vector();
+  ASSERT_EQ(file.size(), kLfm2End);
+  auto decoded = decode_state_layout(file, nullptr, kLfm2Vector);
+  ASSERT_TRUE(decoded) << decoded.error().what();
+  EXPECT_EQ(decoded->memory_kind, MemoryKind::hybrid);
+  EXPECT_EQ(decoded->trailing_bytes, 0u);
+  EXPECT_EQ(decoded->content_bytes, kLfm2End);
+  ASSERT_EQ(decoded->blocks.size(), 2u);
+  EXPECT_EQ(decoded->blocks[0].streams.at(0).n_layer, 2u);
+  const StateBlock* recurrent = recurrent_block(*decoded);
+  ASSERT_NE(recurrent, nullptr);
+  EXPECT_EQ(recurrent->offset, kLfm2RecurrentBlock);
+  const StateStream& stream = recurrent->streams.at(0);
+  EXPECT_EQ(stream.n_layer, 4u);
+  ASSERT_EQ(stream.cells.size(), 1u);
+  EXPECT_EQ(stream.cells[0].pos, 4);
+  ASSERT_EQ(stream.sections.size(), 4u);
+  const TensorKind kinds[] = {TensorKind::r, TensorKind::r, TensorKind::s, TensorKind::s};
+  const uint64_t headers[] = {kLfm2R0, kLfm2R2, kLfm2S0, kLfm2S2};
+  const uint64_t rows[] = {512, 512, 0, 0};
+  for (size_t i = 0; i < 4; ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(stream.sections[i].kind, kinds[i]);
+    EXPECT_EQ(stream.sections[i].type, GgmlType::F32);
+    EXPECT_EQ(stream.sections[i].row_bytes, rows[i]);
+    EXPECT_EQ(stream.sections[i].header_offset, headers[i]);
+    EXPECT_EQ(stream.sections[i].n_rows, 1u);
+  }
+  EXPECT_NE(describe_state_layout(*decoded).find("recurrent: 1 cells x 2 recurrent of 4 layers (f32, R row 512 B, S "
+                                                 "row 0 B)"),
+            std::string::npos)
+      << describe_state_layout(*decoded);
+}
+
+TEST(StateFormatRecurrent, ReadsTheLfm2ExampleAgainstItsShapeWithTheRealLayerNumbers) {
+  const auto file = lfm2_vector();
+  const auto shape = lfm2_shape();
+  auto decoded = decode_state_layout(file, &shape, kLfm2Vector);
+  ASSERT_TRUE(decoded) << decoded.error().what();
+  EXPECT_EQ(decoded->trailing_bytes, 0u);
+  const auto& kv = decoded->blocks.at(0).streams.at(0).sections;
+  ASSERT_EQ(kv.size(), 4u);
+  EXPECT_EQ(kv[0].il, 1u);
+  EXPECT_EQ(kv[1].il, 3u);
+  const auto& sections = recurrent_block(*decoded)->streams.at(0).sections;
+  ASSERT_EQ(sections.size(), 4u);
+  EXPECT_EQ(sections[0].il, 0u);
+  EXPECT_EQ(sections[1].il, 2u);
+  EXPECT_EQ(sections[3].kind, TensorKind::s);
+  EXPECT_EQ(sections[3].il, 2u);
+  EXPECT_EQ(sections[3].n_embd, 0u);
+}
+
+TEST(StateFormatRecurrent, PlansAndReencodesTheLfm2ExampleByteForByte) {
+  const auto file = lfm2_vector();
+  const std::vector<int32_t> ids{1, 2, 3, 4, 5};
+  auto planned = plan_state_layout(lfm2_shape(), 5, 5, kStateSeqVersion3);
+  ASSERT_TRUE(planned) << planned.error().what();
+  EXPECT_EQ(planned->content_bytes, kLfm2End);
+  auto rows_of = [&](const StateSection& s) { return std::span<const std::byte>(file).subspan(s.data_offset, s.data_bytes()); };
+  EXPECT_EQ(encode_state_file(*planned, ids, rows_of), file);
+  auto decoded = decode_state_layout(file, nullptr, kLfm2Vector);
+  ASSERT_TRUE(decoded) << decoded.error().what();
+  EXPECT_EQ(encode_state_file(*decoded, ids, rows_of), file);
+}
+
+// The shape the reader checks against comes from the model's metadata: from the GGUF keys of
+// the vector's model, the recurrent block has R/S sections for layers 0 and 2 only.
+TEST(StateFormatRecurrent, ReadsTheLfm2ExampleAgainstTheShapeOfItsModelsMetadata) {
+  auto builder = layout::testing::transformer("lfm2", 4, 64, 1, 1);
+  builder.set("attention.head_count_kv", layout::testing::u32_array({0, 1, 0, 1})).u32("shortconv.l_cache", 3);
+  auto model = derive_model_shape(builder.metadata());
+  ASSERT_TRUE(model) << model.error().what();
+  KvParams params;
+  params.n_ctx = 512;
+  auto memory = derive_memory_shape(*model, params);
+  ASSERT_TRUE(memory) << memory.error().what();
+  ASSERT_TRUE(memory->recurrent);
+  EXPECT_EQ(memory->recurrent->n_layer, 4u);
+  ASSERT_EQ(memory->recurrent->layers.size(), 2u);
+  const auto file = lfm2_vector();
+  auto decoded = decode_state_layout(file, &*memory, kLfm2Vector);
+  ASSERT_TRUE(decoded) << decoded.error().what();
+  EXPECT_EQ(decoded->trailing_bytes, 0u);
+  auto planned = plan_state_layout(*memory, 5, 5, kStateSeqVersion3);
+  ASSERT_TRUE(planned) << planned.error().what();
+  EXPECT_EQ(planned->content_bytes, file.size());
+}
+
+TEST(StateFormatRecurrent, ReadsAMamba2FileWithEveryLayerRecurrentWithoutTheModel) {
+  const auto shape = mamba2_shape();
+  auto planned = plan_state_layout(shape, 7, 7);
+  ASSERT_TRUE(planned);
+  // 12 + 28 tokens, cell_count 4 + cell 8 + s_trans/n_layer 8, 3 x (12 + 1152), 3 x (12 + 4096)
+  EXPECT_EQ(planned->content_bytes, 40u + 20 + 3 * 1164 + 3 * 4108);
+  const auto file = pattern_file(*planned, token_ids(7));
+  auto decoded = decode_state_layout(file, nullptr, "mamba2.bin");
+  ASSERT_TRUE(decoded) << decoded.error().what();
+  EXPECT_EQ(decoded->memory_kind, MemoryKind::recurrent);
+  EXPECT_EQ(decoded->trailing_bytes, 0u);
+  const StateStream& stream = decoded->blocks.at(0).streams.at(0);
+  EXPECT_EQ(stream.n_layer, 3u);
+  ASSERT_EQ(stream.sections.size(), 6u);
+  for (uint32_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(stream.sections[i].kind, TensorKind::r);
+    EXPECT_EQ(stream.sections[i].il, i);  // every layer recurrent: the ordinals are the layers
+    EXPECT_EQ(stream.sections[i].n_embd, 288u);
+    EXPECT_EQ(stream.sections[3 + i].kind, TensorKind::s);
+    EXPECT_EQ(stream.sections[3 + i].n_embd, 1024u);
+  }
+}
+
+// With every layer's R and S present the block's end is known: what follows is trailing.
+TEST(StateFormatRecurrent, CountsBytesAfterAFullRecurrentBlockAsTrailing) {
+  auto planned = plan_state_layout(mamba2_shape(), 7, 7);
+  auto file = pattern_file(*planned, token_ids(7));
+  file.resize(file.size() + 13, std::byte{0});
+  auto decoded = decode_state_layout(file, nullptr, "mamba2.bin");
+  ASSERT_TRUE(decoded) << decoded.error().what();
+  EXPECT_EQ(decoded->memory_kind, MemoryKind::recurrent);
+  EXPECT_EQ(decoded->trailing_bytes, 13u);
+}
+
+TEST(StateFormatRecurrent, NamesTheByteOffsetOfATruncatedRecurrentSection) {
+  auto file = lfm2_vector();
+  file.resize(3500);  // inside the rows of layer 2's R
+  auto inspected = decode_state_layout(file, nullptr, kLfm2Vector);
+  ASSERT_FALSE(inspected);
+  EXPECT_EQ(inspected.error().message(),
+            fmt::format("state file {}: file ends at byte 3500 inside recurrent section 1 rows (1 x 512 bytes "
+                        "needed, 228 left) (offset 3272)",
+                        kLfm2Vector));
+  const auto shape = lfm2_shape();
+  auto verified = decode_state_layout(file, &shape, kLfm2Vector);
+  ASSERT_FALSE(verified);
+  EXPECT_NE(verified.error().message().find("inside recurrent layer 2 R rows"), std::string::npos)
+      << verified.error().message();
+  EXPECT_NE(verified.error().message().find("(offset 3272)"), std::string::npos) << verified.error().message();
+}
+
+TEST(StateFormatRecurrent, NamesTheOffsetOfASectionHeaderCutShort) {
+  auto file = lfm2_vector();
+  file.resize(kLfm2S2 + 6);  // half of layer 2's S header
+  auto inspected = decode_state_layout(file, nullptr, kLfm2Vector);
+  ASSERT_FALSE(inspected);
+  EXPECT_NE(inspected.error().message().find("recurrent section 3 row size"), std::string::npos)
+      << inspected.error().message();
+  EXPECT_NE(inspected.error().message().find("(offset 3800)"), std::string::npos) << inspected.error().message();
+}
+
+TEST(StateFormatRecurrent, RefusesARecurrentSectionTypeThatIsNotF32NamingTheField) {
+  auto file = lfm2_vector();
+  const int32_t f16 = 1;
+  std::memcpy(file.data() + kLfm2R2, &f16, 4);
+  // Without the model: not read as a KV file with the recurrent block as trailing bytes.
+  auto inspected = decode_state_layout(file, nullptr, kLfm2Vector);
+  ASSERT_FALSE(inspected);
+  EXPECT_EQ(inspected.error().message(),
+            fmt::format("state file {}: recurrent section 1 type is 1 (f16), llama.cpp writes recurrent state as f32 "
+                        "(0) (offset 3260)",
+                        kLfm2Vector));
+  const auto shape = lfm2_shape();
+  auto verified = decode_state_layout(file, &shape, kLfm2Vector);
+  ASSERT_FALSE(verified);
+  EXPECT_EQ(verified.error().message(),
+            fmt::format("state file {}: recurrent layer 2 R type is 1 (f16), layout says 0 (f32) (offset 3260)",
+                        kLfm2Vector));
+}
+
+TEST(StateFormatRecurrent, RefusesAnOddNumberOfRecurrentSections) {
+  auto file = lfm2_vector();
+  file.resize(kLfm2S2);  // drop layer 2's S header: R, R, S
+  auto inspected = decode_state_layout(file, nullptr, kLfm2Vector);
+  ASSERT_FALSE(inspected);
+  EXPECT_NE(inspected.error().message().find("3 sections"), std::string::npos) << inspected.error().message();
+  EXPECT_NE(inspected.error().message().find("R and S sections come in pairs"), std::string::npos)
+      << inspected.error().message();
+  EXPECT_NE(inspected.error().message().find("(offset 2736)"), std::string::npos) << inspected.error().message();
+}
+
+TEST(StateFormatRecurrent, RefusesARowSizeThatIsNotWholeF32Elements) {
+  auto file = lfm2_vector();
+  const uint64_t odd = 510;
+  std::memcpy(file.data() + kLfm2R0 + 4, &odd, 8);
+  auto inspected = decode_state_layout(file, nullptr, kLfm2Vector);
+  ASSERT_FALSE(inspected);
+  EXPECT_NE(inspected.error().message().find("recurrent section 0 row size 510 bytes is not a whole number of f32 "
+                                             "elements"),
+            std::string::npos)
+      << inspected.error().message();
+  EXPECT_NE(inspected.error().message().find("(offset 2740)"), std::string::npos) << inspected.error().message();
+}
+
+// n_embd_r and n_embd_s are one value per model (llama_hparams), so all R rows are one size
+// and all S rows another: a reading that pairs them otherwise is not llama.cpp's.
+TEST(StateFormatRecurrent, RefusesSectionsOfOneKindWithDifferentRowSizes) {
+  auto file = lfm2_vector();
+  const uint64_t four = 4;
+  std::memcpy(file.data() + kLfm2S2 + 4, &four, 8);
+  file.resize(file.size() + 4, std::byte{0});  // its one row
+  auto inspected = decode_state_layout(file, nullptr, kLfm2Vector);
+  ASSERT_FALSE(inspected);
+  EXPECT_NE(inspected.error().message().find("recurrent section 3 (S of recurrent layer 1) row size is 4 bytes, "
+                                             "section 2 has 0"),
+            std::string::npos)
+      << inspected.error().message();
+  EXPECT_NE(inspected.error().message().find("(offset 3800)"), std::string::npos) << inspected.error().message();
+}
+
+// With the model the count comes from it: a shape that took every trunk layer for recurrent
+// (n_layer R sections, what a writer must not produce) meets layer 0's S header where it
+// expects layer 2's R.
+TEST(StateFormatRecurrent, NamesLayerFieldAndOffsetWhenTheShapeExpectsOtherSections) {
+  const auto file = lfm2_vector();
+  auto every_layer = lfm2_shape();
+  every_layer.recurrent = kvshare::testing::recurrent_part(4, {0, 1, 2, 3}, 128, 0);
+  auto decoded = decode_state_layout(file, &every_layer, kLfm2Vector);
+  ASSERT_FALSE(decoded);
+  EXPECT_EQ(decoded.error().message(),
+            fmt::format("state file {}: recurrent layer 2 R row size is 0 bytes, layout says 512 (offset 3788)",
+                        kLfm2Vector));
+
+  auto with_s = lfm2_shape();
+  with_s.recurrent = kvshare::testing::recurrent_part(4, {0, 2}, 128, 16);
+  decoded = decode_state_layout(file, &with_s, kLfm2Vector);
+  ASSERT_FALSE(decoded);
+  EXPECT_EQ(decoded.error().message(),
+            fmt::format("state file {}: recurrent layer 0 S row size is 0 bytes, layout says 64 (offset 3788)",
+                        kLfm2Vector));
+
+  auto wrong_n_layer = lfm2_shape();
+  wrong_n_layer.recurrent->n_layer = 2;
+  decoded = decode_state_layout(file, &wrong_n_layer, kLfm2Vector);
+  ASSERT_FALSE(decoded);
+  EXPECT_EQ(decoded.error().message(),
+            fmt::format("state file {}: recurrent n_layer is 4, layout says 2 (offset 2732)", kLfm2Vector));
 }
 
 }  // namespace

@@ -77,4 +77,26 @@ inline layout::MemoryShape hybrid_shape(bool v_trans = false) {
   return shape;
 }
 
+// LFM2-shaped (the vector tests/data/state-v3-lfm2-hybrid.bin, docs/state-file.md): 4
+// layers, attention on 1 and 3 (1 KV head of 64, f16), short-conv layers 0 and 2 with
+// n_embd_r 128 (n_embd 64, l_cache 3) and no S state (n_embd_s 0).
+inline layout::MemoryShape lfm2_shape() {
+  layout::MemoryShape shape;
+  shape.kind = layout::MemoryKind::hybrid;
+  shape.n_ctx = shape.n_ctx_seq = 512;
+  shape.kv_caches.push_back(
+      kv_cache_shape("kv", 2, 64, layout::GgmlType::F16, layout::GgmlType::F16, false, 512, 1, 2));
+  shape.recurrent = recurrent_part(4, {0, 2}, 128, 0);
+  return shape;
+}
+
+// Mamba-2: 3 layers, every one recurrent; d_inner 64, d_state 16, 1 group, d_conv 4 ->
+// n_embd_r 3 * (64 + 2 * 16) = 288, n_embd_s 16 * 64 = 1024.
+inline layout::MemoryShape mamba2_shape() {
+  layout::MemoryShape shape;
+  shape.kind = layout::MemoryKind::recurrent;
+  shape.recurrent = recurrent_part(3, {0, 1, 2}, 288, 1024);
+  return shape;
+}
+
 }  // namespace kvshare::testing

@@ -265,5 +265,40 @@ TEST_F(StateGoldenWriter, WritesVersion3AsLlamaServerSavesItButForThePlainIds) {
   EXPECT_TRUE(std::equal(ours.begin() + 32, ours.end(), bytes.begin() + 48));
 }
 
+// ---- a hybrid (LFM2-shaped) file, constructed byte by byte -------------------------------
+// tests/data/make_state_lfm2_vector.py builds it from docs/state-file.md ("Worked example: an
+// LFM2 file") with nothing of ours: KV block of attention layers 1 and 3, then a recurrent
+// block with n_layer 4, R sections for conv layers 0 and 2, and two S headers of row size 0.
+
+// Our writer, handed the vector's rows per layer (the S state as an empty view: LFM2 has
+// none), writes the same file: it writes R/S sections for the recurrent layers only, not for
+// every one of the n_layer trunk layers, which llama.cpp would refuse.
+TEST_F(StateGoldenWriter, WritesTheLfm2ExampleFromItsRowsWithAnEmptySState) {
+  const auto bytes = kvshare::testing::read_file_bytes(kvshare::testing::data_path("state-v3-lfm2-hybrid.bin"));
+  const auto shape = testing::lfm2_shape();
+  auto theirs = parse_state_bytes(bytes, &shape, "state-v3-lfm2-hybrid.bin");
+  ASSERT_TRUE(theirs) << theirs.error().what();
+  const std::vector<int32_t> ids{1, 2, 3, 4, 5};
+  StateFileWriterOptions options;
+  options.state_version = layout::kStateSeqVersion3;
+  const auto path = dir_ / "ours-lfm2.bin";
+  auto writer = StateFileWriter::create(path, shape, ids, 5, options);
+  ASSERT_TRUE(writer) << writer.error().what();
+  for (uint32_t il : {0u, 1u, 2u, 3u}) {
+    if (il % 2 == 1) {
+      const auto k = theirs->rows(*theirs->find_section(TensorKind::k, il));
+      const auto v = theirs->rows(*theirs->find_section(TensorKind::v, il));
+      ASSERT_TRUE(writer->write_layer(il, RowsView{GgmlType::F16, k.data(), 5, 0}, RowsView{GgmlType::F16, v.data(), 5, 0}));
+    } else {
+      const auto r = theirs->rows(*theirs->find_section(TensorKind::r, il));
+      auto rc = writer->write_recurrent_layer(il, RowsView{GgmlType::F32, r.data(), 1, 0}, RowsView{});
+      ASSERT_TRUE(rc) << rc.error().what();
+    }
+  }
+  auto info = writer->commit();
+  ASSERT_TRUE(info) << info.error().what();
+  EXPECT_EQ(kvshare::testing::read_file_bytes(path), bytes);
+}
+
 }  // namespace
 }  // namespace kvshare::statefile

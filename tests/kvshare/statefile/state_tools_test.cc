@@ -9,6 +9,7 @@
 
 #include "kvshare/statefile/state_file_reader.h"
 #include "kvshare/statefile/state_file_writer.h"
+#include "layout/gguf_writer.h"
 #include "layout/state_test_shapes.h"
 #include "refmodel/model_generator.h"
 #include "support/test_support.h"
@@ -244,6 +245,62 @@ TEST_F(StateToolsTest, ConvertNeedsTheHeadSizeForAQuantizedTarget) {
   EXPECT_NE(info.error().message().find("head size"), std::string::npos) << info.error().message();
 }
 
+// Issue 26: inspect reported this LFM2 file as "recurrent: 1 cells x 1 layers" with 24
+// trailing bytes; it holds n_layer 4, two R sections of 512 bytes and two S headers of 0.
+TEST_F(StateToolsTest, InspectReadsAnLfm2FileAsTwoRecurrentLayersOfFourWithNothingTrailing) {
+  const auto vector = kvshare::testing::data_path("state-v3-lfm2-hybrid.bin");
+  auto text = inspect_state_file(vector, false);
+  ASSERT_TRUE(text) << text.error().what();
+  EXPECT_NE(text->find("recurrent: 1 cells x 2 recurrent of 4 layers (f32, R row 512 B, S row 0 B)"),
+            std::string::npos)
+      << *text;
+  EXPECT_NE(text->find("2 of the 4 layers are recurrent"), std::string::npos) << *text;
+  EXPECT_EQ(text->find("trailing"), std::string::npos) << *text;
+  auto json = inspect_state_file(vector, true);
+  ASSERT_TRUE(json) << json.error().what();
+  const auto doc = nlohmann::json::parse(*json);
+  EXPECT_EQ(doc["trailing_bytes"], 0);
+  const auto& recurrent = doc["blocks"][1]["streams"][0];
+  EXPECT_EQ(recurrent["n_layer"], 4);
+  EXPECT_EQ(recurrent["n_recurrent_layers"], 2);
+  ASSERT_EQ(recurrent["sections"].size(), 4u);
+  EXPECT_EQ(recurrent["sections"][2]["kind"], "s");
+  EXPECT_EQ(recurrent["sections"][2]["row_bytes"], 0);
+}
+
+TEST_F(StateToolsTest, DiffAndConvertKeepAnLfm2FilesRecurrentBlock) {
+  const auto vector = kvshare::testing::data_path("state-v3-lfm2-hybrid.bin");
+  auto same = diff_state_files(vector, vector, 0.0, RotationInfo{});
+  ASSERT_TRUE(same) << same.error().what();
+  EXPECT_TRUE(same->within_tolerance);
+  EXPECT_NE(same->text.find("recurrent layer 1 S"), std::string::npos) << same->text;
+
+  // Back and forth through version 2: the file llama.cpp would write comes back byte for byte.
+  ConvertOptions options;
+  options.type_k.reset();
+  options.type_v.reset();
+  options.to_version = 2;
+  const auto v2 = dir_ / "lfm2-v2.bin";
+  auto info = convert_state_file(vector, v2, options);
+  ASSERT_TRUE(info) << info.error().what();
+  options.to_version = 3;
+  const auto v3 = dir_ / "lfm2-v3.bin";
+  info = convert_state_file(v2, v3, options);
+  ASSERT_TRUE(info) << info.error().what();
+  EXPECT_EQ(kvshare::testing::read_file_bytes(v3), kvshare::testing::read_file_bytes(vector));
+
+  // To q8_0: K/V change, the recurrent block (f32 R, empty S) goes over unchanged.
+  options.type_k = options.type_v = GgmlType::Q8_0;
+  options.rotation.n_embd_head_k = options.rotation.n_embd_head_v = 64;
+  const auto q8 = dir_ / "lfm2-q8_0.bin";
+  info = convert_state_file(vector, q8, options);
+  ASSERT_TRUE(info) << info.error().what();
+  auto converted = read_state_file(q8, nullptr);
+  ASSERT_TRUE(converted) << converted.error().what();
+  EXPECT_EQ(converted->layout().trailing_bytes, 0u);
+  EXPECT_EQ(converted->sections().size(), 8u);
+}
+
 class StateVerifyTest : public StateToolsTest {
  protected:
   void SetUp() override {
@@ -315,6 +372,40 @@ TEST_F(StateVerifyTest, NamesTheVTranspositionMismatchWithFlashAttentionOff) {
   auto summary = verify_state_file(path, model_, params);
   ASSERT_FALSE(summary);
   EXPECT_NE(summary.error().message().find("v_trans is 0, layout says 1"), std::string::npos)
+      << summary.error().message();
+}
+
+// An LFM2 model (metadata only) like the vector's: 4 layers, conv on 0 and 2 with
+// shortconv.l_cache `l_cache`, attention on 1 and 3 (1 KV head of 64).
+std::filesystem::path write_lfm2_model(const std::filesystem::path& path, uint32_t l_cache) {
+  layout::GgufWriter gguf;
+  gguf.add_string("general.architecture", "lfm2");
+  gguf.add_u32("lfm2.block_count", 4);
+  gguf.add_u32("lfm2.context_length", 4096);
+  gguf.add_u32("lfm2.embedding_length", 64);
+  gguf.add_u32("lfm2.feed_forward_length", 256);
+  gguf.add_u32("lfm2.attention.head_count", 1);
+  gguf.add_u32_array("lfm2.attention.head_count_kv", {0, 1, 0, 1});
+  gguf.add_u32("lfm2.shortconv.l_cache", l_cache);
+  auto bytes = gguf.finish(layout::GgufPayload::kMetaOnly);
+  EXPECT_TRUE(bytes) << bytes.error().what();
+  kvshare::testing::write_file_bytes(path, *bytes);
+  return path;
+}
+
+TEST_F(StateToolsTest, VerifyTakesTheRecurrentSectionsOfAnLfm2FileFromTheModel) {
+  const auto vector = kvshare::testing::data_path("state-v3-lfm2-hybrid.bin");
+  layout::KvParams params;
+  params.n_ctx = 512;
+  auto summary = verify_state_file(vector, write_lfm2_model(dir_ / "lfm2.gguf", 3), params);
+  ASSERT_TRUE(summary) << summary.error().what();
+  EXPECT_NE(summary->find("ok: "), std::string::npos) << *summary;
+
+  // l_cache 4: n_embd_r 192 (768 bytes), not the file's 512.
+  summary = verify_state_file(vector, write_lfm2_model(dir_ / "lfm2-l4.gguf", 4), params);
+  ASSERT_FALSE(summary);
+  EXPECT_NE(summary.error().message().find("recurrent layer 0 R row size is 512 bytes, layout says 768 (offset 2740)"),
+            std::string::npos)
       << summary.error().message();
 }
 
