@@ -133,6 +133,26 @@ Result<void> granite_hybrid(const ArchKeys& keys, HparamsDraft& hparams) {
   return {};
 }
 
+// src/models/lfm2.cpp: short-conv layers (head_count_kv 0) are recurrent, with a conv
+// state only; with a non-zero sliding_window every attention layer is SWA and the memory
+// hybrid_iswa.
+Result<void> lfm2(const ArchKeys& keys, HparamsDraft& hparams) {
+  KVSHARE_READ_REQUIRED(keys, "shortconv.l_cache", hparams.n_shortconv_l_cache);
+  if (hparams.n_shortconv_l_cache < 2)
+    return fail(EINVAL, "key {} is {}: the conv state keeps l_cache - 1 columns, llama.cpp asserts l_cache > 1",
+                keys.key("shortconv.l_cache"), hparams.n_shortconv_l_cache);
+  recurrent_where_no_kv_heads(hparams);
+  auto window = keys.find_u32("attention.sliding_window");
+  if (!window) return fail(window.error());
+  if (window->has_value() && **window > 0) {
+    hparams.n_swa = **window;
+    hparams.swa_type = SwaType::standard;
+    for (uint32_t il = 0; il < hparams.n_layer(); ++il) hparams.is_swa[il] = !hparams.is_recr[il];
+  }
+  hparams.memory_kind = MemoryKind::hybrid;
+  return {};
+}
+
 Result<void> read_nextn(const ArchKeys& keys, HparamsDraft& hparams) {
   KVSHARE_TRY(keys.read_optional("nextn_predict_layers", hparams.n_layer_nextn));
   if (hparams.n_layer_nextn >= hparams.n_layer_all)
@@ -194,6 +214,7 @@ const std::vector<ArchEntry>& arch_table() {
       {"gemma3", gemma3},             {"mamba", mamba},               {"mamba2", mamba2},
       {"jamba", jamba},               {"granitehybrid", granite_hybrid}, {"qwen3next", qwen3next},
       {"qwen35", qwen35},             {"qwen35moe", qwen35},          {"deepseek2", deepseek2},
+      {"lfm2", lfm2},
   };
   return table;
 }

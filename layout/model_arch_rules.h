@@ -59,6 +59,7 @@ struct HparamsDraft {
   uint32_t ssm_d_inner = 0;
   uint32_t ssm_d_state = 0;
   uint32_t ssm_n_group = 0;
+  uint32_t n_shortconv_l_cache = 0;  // LFM2: conv state of l_cache - 1 columns, no ssm state
   uint32_t n_pos_per_embd = 1;
   MemoryKind memory_kind = MemoryKind::kv;
   // Hybrid Qwen3-Next/3.5: NextN blocks are in neither cache of the main context

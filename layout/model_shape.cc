@@ -161,10 +161,15 @@ Result<ModelShape> derive_model_shape(const GgufMetadata& metadata) {
   shape.n_pos_per_embd = h.n_pos_per_embd;
   shape.memory_kind = h.memory_kind;
 
-  // llama_hparams::n_embd_r / n_embd_s for the Mamba-style state (the only kind our archs use).
-  const uint64_t conv_rows = h.ssm_d_conv > 0 ? h.ssm_d_conv - 1 : 0;
-  auto n_embd_r = checked_u32(conv_rows * (uint64_t{h.ssm_d_inner} + 2ull * h.ssm_n_group * h.ssm_d_state),
-                              "n_embd_r (conv state width)", *arch);
+  // llama_hparams::n_embd_r / n_embd_s: LFM2's short conv keeps n_embd channels, the
+  // Mamba-style state (every other arch here) d_inner + 2 n_group d_state.
+  const uint64_t conv_rows = h.n_shortconv_l_cache > 0 ? h.n_shortconv_l_cache - 1
+                             : h.ssm_d_conv > 0        ? h.ssm_d_conv - 1
+                                                       : 0;
+  const uint64_t conv_channels = h.n_shortconv_l_cache > 0
+                                     ? uint64_t{h.n_embd}
+                                     : uint64_t{h.ssm_d_inner} + 2ull * h.ssm_n_group * h.ssm_d_state;
+  auto n_embd_r = checked_u32(conv_rows * conv_channels, "n_embd_r (conv state width)", *arch);
   if (!n_embd_r) return fail(n_embd_r.error());
   auto n_embd_s = checked_u32(uint64_t{h.ssm_d_state} * h.ssm_d_inner, "n_embd_s (ssm state width)", *arch);
   if (!n_embd_s) return fail(n_embd_s.error());
