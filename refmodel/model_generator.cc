@@ -3,9 +3,9 @@
 #include <fmt/format.h>
 
 #include <cmath>
-#include <random>
 
 #include "refmodel/bpe_tokenizer.h"
+#include "refmodel/generator_parts.h"
 
 namespace kvshare::refmodel {
 namespace {
@@ -38,22 +38,6 @@ const std::vector<std::pair<std::string, std::string>>& merge_pairs() {
 
 constexpr const char* kSpecials[] = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"};
 
-uint64_t fnv1a(std::string_view s, uint64_t seed) {
-  uint64_t h = 0xcbf29ce484222325ull ^ seed;
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
-// Uniform values in [-scale, scale] from a stream keyed by seed and tensor name, so
-// adding a tensor does not change the others. Built from raw 64-bit draws: the same
-// seed gives the same model with any standard library.
-std::vector<float> random_values(uint64_t seed, const std::string& tensor, size_t n, float scale, float offset) {
-  std::mt19937_64 rng(fnv1a(tensor, seed));
-  std::vector<float> v(n);
-  for (auto& x : v) x = offset + scale * static_cast<float>(static_cast<double>(rng() >> 11) * 0x1.0p-52 - 1.0);
-  return v;
-}
-
 }  // namespace
 
 std::vector<std::string> generated_vocabulary() {
@@ -83,51 +67,29 @@ const std::string& generated_chat_template() {
   return t;
 }
 
-Result<void> validate(const GeneratorOptions& o) {
-  if (o.arch != "qwen3" && o.arch != "qwen2" && o.arch != "llama")
-    return fail(EINVAL, "--arch {}: not one of qwen3, qwen2, llama", o.arch);
-  if (o.n_layer == 0 || o.n_embd == 0 || o.n_head == 0 || o.n_head_kv == 0 || o.head_dim == 0 || o.n_ff == 0 ||
-      o.n_ctx_train == 0)
-    return fail(EINVAL, "--layers, --embd, --heads, --heads-kv, --head-dim, --ff and --ctx must be positive");
-  if (o.n_head % o.n_head_kv != 0)
-    return fail(EINVAL, "--heads {} is not a multiple of --heads-kv {}", o.n_head, o.n_head_kv);
-  if (o.head_dim % 2 != 0) return fail(EINVAL, "--head-dim {} must be even (RoPE rotates pairs)", o.head_dim);
-  if (!(o.residual_gain > 0.0f) || !std::isfinite(o.residual_gain))
-    return fail(EINVAL, "--residual-gain {}: must be a positive finite number", o.residual_gain);
-  if (o.wtype != GgmlType::F32 && o.wtype != GgmlType::F16 && o.wtype != GgmlType::BF16 && o.wtype != GgmlType::Q8_0)
-    return fail(EINVAL, "--wtype {}: not one of f32, f16, bf16, q8_0", layout::ggml_type_name(o.wtype));
-  for (auto [what, n] : {std::pair{"--embd", o.n_embd}, std::pair{"--ff", o.n_ff},
-                         std::pair{"--heads x --head-dim", o.n_head * o.head_dim}})
-    if (!layout::is_row_aligned(o.wtype, n))
-      return fail(EINVAL, "{} = {} is not a multiple of the {} block size {}", what, n,
-                  layout::ggml_type_name(o.wtype), layout::ggml_traits(o.wtype).block_size);
-  return {};
+namespace {
+
+using detail::ArchSpec;
+using detail::Resolved;
+
+const ArchSpec* find_arch(const std::string& name) {
+  for (const auto* family : {&detail::transformer_archs(), &detail::recurrent_archs()})
+    for (const ArchSpec& spec : *family)
+      if (name == spec.name) return &spec;
+  return nullptr;
 }
 
-Result<layout::GgufWriter> make_model_writer(const GeneratorOptions& o) {
-  auto ok = validate(o);
-  if (!ok) return fail(ok.error());
-  const std::string a = o.arch + ".";
-  const std::vector<std::string> vocab = generated_vocabulary();
-  const auto n_vocab = static_cast<int64_t>(vocab.size());
-  const bool tied = o.tie_embeddings.value_or(o.arch == "qwen3");
+Resolved resolve(const GeneratorOptions& o, const ArchSpec& spec) {
+  return {o, o.n_layer.value_or(spec.default_layers), o.ssm_n_group.value_or(spec.default_ssm_n_group),
+          o.attn_every.value_or(spec.default_attn_every)};
+}
 
-  layout::GgufWriter w;
-  w.add_string("general.architecture", o.arch);
-  w.add_string("general.name", o.name.empty() ? "kvshare-tiny-" + o.arch : o.name);
-  w.add_u32("general.file_type", o.wtype == GgmlType::F32 ? 0 : o.wtype == GgmlType::F16 ? 1 : o.wtype == GgmlType::Q8_0 ? 7 : 32);
-  w.add_u32(a + "block_count", o.n_layer);
-  w.add_u32(a + "context_length", o.n_ctx_train);
-  w.add_u32(a + "embedding_length", o.n_embd);
-  w.add_u32(a + "feed_forward_length", o.n_ff);
-  w.add_u32(a + "attention.head_count", o.n_head);
-  w.add_u32(a + "attention.head_count_kv", o.n_head_kv);
-  w.add_u32(a + "attention.key_length", o.head_dim);
-  w.add_u32(a + "attention.value_length", o.head_dim);
-  w.add_u32(a + "rope.dimension_count", o.head_dim);
-  w.add_f32(a + "attention.layer_norm_rms_epsilon", 1e-6f);
-  w.add_f32(a + "rope.freq_base", o.arch == "llama" ? 10000.0f : 1000000.0f);
+uint32_t file_type(GgmlType wtype) {
+  return wtype == GgmlType::F32 ? 0 : wtype == GgmlType::F16 ? 1 : wtype == GgmlType::Q8_0 ? 7 : 32;
+}
 
+// The tokenizer keys every generated model carries (docs/refmodel.md, "kvshare-mkmodel").
+void write_tokenizer(layout::GgufWriter& w, const std::vector<std::string>& vocab) {
   std::vector<int32_t> types;
   for (const std::string& t : vocab) {
     bool special = false;
@@ -151,56 +113,68 @@ Result<layout::GgufWriter> make_model_writer(const GeneratorOptions& o) {
   w.add_u32("tokenizer.ggml.padding_token_id", id_of("<|endoftext|>"));
   w.add_bool("tokenizer.ggml.add_bos_token", false);
   w.add_string("tokenizer.chat_template", generated_chat_template());
+}
 
-  // Scales: embeddings of unit size (tied logits then have a wide margin, so a greedy
-  // reply does not hinge on rounding), projections ~1/sqrt(fan-in) so the residual
-  // stream stays O(1), norm weights near 1.
-  auto add = [&](const std::string& name, std::vector<int64_t> ne, float scale, float offset, bool is_vector) -> Result<void> {
-    const GgmlType type = is_vector ? GgmlType::F32 : o.wtype;
-    if (o.shape_only) return w.add_tensor_shape(name, type, ne);
-    size_t n = 1;
-    for (int64_t d : ne) n *= static_cast<size_t>(d);
-    const uint64_t seed = o.seed;
-    return w.add_tensor_generated(name, type, ne, [=](std::span<std::byte> out) -> Result<void> {
-      auto bytes = layout::encode_f32_as(type, random_values(seed, name, n, scale, offset));
-      if (!bytes) return fail(bytes.error());
-      if (bytes->size() != out.size())
-        return fail(EINVAL, "tensor {}: encoded {} bytes, expected {}", name, bytes->size(), out.size());
-      std::copy(bytes->begin(), bytes->end(), out.begin());
-      return {};
-    });
-  };
-  const int64_t E = o.n_embd, F = o.n_ff, HD = o.head_dim;
-  const int64_t nq = o.n_head * HD, nkv = o.n_head_kv * HD;
-  const float sqrt3 = std::sqrt(3.0f);
-  auto proj = [&](int64_t fan_in) { return sqrt3 / std::sqrt(static_cast<float>(fan_in)); };
-  std::vector<Result<void>> results;
-  results.push_back(add("token_embd.weight", {E, n_vocab}, sqrt3, 0.0f, false));
-  results.push_back(add("output_norm.weight", {E}, 0.1f, 1.0f, true));
-  if (!tied) results.push_back(add("output.weight", {E, n_vocab}, 4.0f * proj(E), 0.0f, false));
-  for (uint32_t il = 0; il < o.n_layer; ++il) {
-    const std::string p = fmt::format("blk.{}.", il);
-    results.push_back(add(p + "attn_norm.weight", {E}, 0.1f, 1.0f, true));
-    results.push_back(add(p + "attn_q.weight", {E, nq}, proj(E), 0.0f, false));
-    results.push_back(add(p + "attn_k.weight", {E, nkv}, proj(E), 0.0f, false));
-    results.push_back(add(p + "attn_v.weight", {E, nkv}, proj(E), 0.0f, false));
-    if (o.arch == "qwen2") {
-      results.push_back(add(p + "attn_q.bias", {nq}, 0.1f, 0.0f, true));
-      results.push_back(add(p + "attn_k.bias", {nkv}, 0.1f, 0.0f, true));
-      results.push_back(add(p + "attn_v.bias", {nkv}, 0.1f, 0.0f, true));
-    }
-    results.push_back(add(p + "attn_output.weight", {nq, E}, o.residual_gain * proj(nq), 0.0f, false));
-    if (o.arch == "qwen3") {
-      results.push_back(add(p + "attn_q_norm.weight", {HD}, 0.1f, 1.0f, true));
-      results.push_back(add(p + "attn_k_norm.weight", {HD}, 0.1f, 1.0f, true));
-    }
-    results.push_back(add(p + "ffn_norm.weight", {E}, 0.1f, 1.0f, true));
-    results.push_back(add(p + "ffn_gate.weight", {E, F}, proj(E), 0.0f, false));
-    results.push_back(add(p + "ffn_up.weight", {E, F}, proj(E), 0.0f, false));
-    results.push_back(add(p + "ffn_down.weight", {F, E}, o.residual_gain * proj(F), 0.0f, false));
-  }
-  for (auto& r : results)
-    if (!r) return fail(r.error().with_context("generating the model"));
+std::vector<int64_t> control_token_ids(const std::vector<std::string>& vocab) {
+  std::vector<int64_t> ids;
+  for (size_t i = 0; i < vocab.size(); ++i)
+    for (const char* s : kSpecials)
+      if (vocab[i] == s) ids.push_back(static_cast<int64_t>(i));
+  return ids;
+}
+
+}  // namespace
+
+const std::vector<std::string>& generator_archs() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> out;
+    for (const auto* family : {&detail::transformer_archs(), &detail::recurrent_archs()})
+      for (const ArchSpec& spec : *family) out.emplace_back(spec.name);
+    return out;
+  }();
+  return names;
+}
+
+Result<void> validate(const GeneratorOptions& o) {
+  const ArchSpec* spec = find_arch(o.arch);
+  if (spec == nullptr) return fail(EINVAL, "--arch {}: not one of {}", o.arch, fmt::join(generator_archs(), ", "));
+  const Resolved r = resolve(o, *spec);
+  for (auto [what, n] : {std::pair{"--layers", r.n_layer}, std::pair{"--embd", o.n_embd}, std::pair{"--heads", o.n_head},
+                         std::pair{"--heads-kv", o.n_head_kv}, std::pair{"--head-dim", o.head_dim},
+                         std::pair{"--ff", o.n_ff}, std::pair{"--ctx", o.n_ctx_train},
+                         std::pair{"--conv-kernel", o.ssm_d_conv}, std::pair{"--ssm-state", o.ssm_d_state},
+                         std::pair{"--ssm-heads", o.ssm_n_head}})
+    if (n == 0) return fail(EINVAL, "{} is 0: it must be positive", what);
+  if (o.ssm_n_group == 0u) return fail(EINVAL, "--ssm-groups is 0: it must be positive");
+  if (!(o.residual_gain > 0.0f) || !std::isfinite(o.residual_gain))
+    return fail(EINVAL, "--residual-gain {}: must be a positive finite number", o.residual_gain);
+  if (o.wtype != GgmlType::F32 && o.wtype != GgmlType::F16 && o.wtype != GgmlType::BF16 && o.wtype != GgmlType::Q8_0)
+    return fail(EINVAL, "--wtype {}: not one of f32, f16, bf16, q8_0", layout::ggml_type_name(o.wtype));
+  return spec->check(r);
+}
+
+Result<layout::GgufWriter> make_model_writer(const GeneratorOptions& o) {
+  auto ok = validate(o);
+  if (!ok) return fail(ok.error());
+  const ArchSpec& spec = *find_arch(o.arch);
+  const Resolved r = resolve(o, spec);
+  const std::vector<std::string> vocab = generated_vocabulary();
+  const std::string a = o.arch + ".";
+
+  layout::GgufWriter w;
+  w.add_string("general.architecture", o.arch);
+  w.add_string("general.name", o.name.empty() ? "kvshare-tiny-" + o.arch : o.name);
+  w.add_u32("general.file_type", file_type(o.wtype));
+  w.add_u32(a + "block_count", r.n_layer);
+  w.add_u32(a + "context_length", o.n_ctx_train);
+  w.add_u32(a + "embedding_length", o.n_embd);
+  spec.write_keys(w, r);
+  write_tokenizer(w, vocab);
+
+  detail::TensorAdder adder(w, o, static_cast<int64_t>(vocab.size()), control_token_ids(vocab),
+                            o.tie_embeddings.value_or(spec.tied_by_default));
+  spec.write_tensors(adder, r);
+  if (auto status = adder.status(); !status) return fail(status.error().with_context("generating the model"));
   return w;
 }
 

@@ -285,16 +285,23 @@ def temp_dir():
 
 class LlamaServer:
     """A llama-server started directly (no kvshare-serve in between) on a free loopback port,
-    ready when constructed (its /health answers 200), stopped by stop() or `with`."""
+    ready when constructed (its /health answers 200), stopped by stop() or `with`. With
+    `log_path` its stdout and stderr go to that file (read it with log_text())."""
 
-    def __init__(self, binary, args, timeout=120):
+    def __init__(self, binary, args, timeout=120, log_path=None):
         import socket
         probe = socket.socket()
         probe.bind(("127.0.0.1", 0))
         self.port = probe.getsockname()[1]
         probe.close()
-        self.proc = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(self.port)] + args,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.log_path = log_path
+        log = open(log_path, "wb") if log_path else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(self.port)] + args,
+                                         stdout=log, stderr=subprocess.STDOUT if log_path else log)
+        finally:
+            if log_path:
+                log.close()  # the child has its own copy
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -306,8 +313,14 @@ class LlamaServer:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise Failure("llama-server %s did not come up on port %d" % (" ".join(args), self.port))
+                raise Failure("llama-server %s did not come up on port %d%s" %
+                              (" ".join(args), self.port, "; its log ends:\n" + self.log_text()[-3000:]
+                               if log_path else ""))
             time.sleep(0.1)
+
+    def log_text(self):
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
 
     def post(self, path, body):
         """POSTs JSON; returns (status, parsed body)."""

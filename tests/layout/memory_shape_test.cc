@@ -294,6 +294,25 @@ TEST(MemoryShape, SplitsHybridLayersBetweenAttentionAndRecurrentState) {
   EXPECT_EQ(memory.recurrent->rs_size, 1u);
 }
 
+TEST(MemoryShape, GivesLfm2ConvLayersAConvStateAndAnEmptySsmState) {
+  auto builder = transformer("lfm2", 4, 1024, 16, 8);
+  builder.set("attention.head_count_kv", u32_array({0, 8, 0, 8})).u32("shortconv.l_cache", 3);
+  const MemoryShape memory = memory_of(model_of(builder), params_with_ctx(4096));
+  EXPECT_EQ(memory.kind, MemoryKind::hybrid);
+  ASSERT_EQ(memory.kv_caches.size(), 1u);
+  ASSERT_EQ(memory.kv_caches[0].tensors.size(), 4u);
+  EXPECT_EQ(memory.kv_caches[0].tensors[0].name, "cache_k_l1");
+  EXPECT_EQ(memory.kv_caches[0].tensors[0].ne[0], 512);  // 8 KV heads of 1024 / 16
+  EXPECT_EQ(memory.kv_caches[0].tensors[2].name, "cache_k_l3");
+  ASSERT_TRUE(memory.recurrent.has_value());
+  ASSERT_EQ(memory.recurrent->tensors.size(), 4u);
+  EXPECT_EQ(memory.recurrent->tensors[0].name, "cache_r_l0");
+  EXPECT_EQ(memory.recurrent->tensors[0].ne[0], 2048);  // 1024 x (l_cache - 1)
+  EXPECT_EQ(memory.recurrent->tensors[1].name, "cache_s_l0");
+  EXPECT_EQ(memory.recurrent->tensors[1].nbytes, 0u);
+  EXPECT_EQ(memory.recurrent->tensors[2].name, "cache_r_l2");
+}
+
 TEST(MemoryShape, CountsBytesPerTokenOverKAndV) {
   const ModelShape model = model_of(testing::qwen3_coder_30b());
   const MemoryShape memory = memory_of(model, params_with_ctx(8192));

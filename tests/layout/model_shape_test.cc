@@ -260,6 +260,53 @@ TEST(ModelShape, Mamba1HasNoGroupsInTheConvState) {
   EXPECT_EQ(shape.n_embd_s, 16u * 1536u);
 }
 
+// LFM2-1.2B's pattern, shortened: conv layers have head_count_kv 0.
+MetadataBuilder lfm2_builder() {
+  auto builder = transformer("lfm2", 4, 2048, 32, 8);
+  builder.set("attention.head_count_kv", u32_array({0, 8, 0, 8})).u32("shortconv.l_cache", 3);
+  return builder;
+}
+
+TEST(ModelShape, Lfm2MakesLayersWithoutKvHeadsShortConvWithAConvStateOnly) {
+  const ModelShape shape = derive_ok(lfm2_builder());
+  EXPECT_EQ(shape.memory_kind, MemoryKind::hybrid);
+  EXPECT_EQ(shape.n_embd_r, 2048u * 2u);  // n_embd x (l_cache - 1)
+  EXPECT_EQ(shape.n_embd_s, 0u);
+  EXPECT_TRUE(shape.layers[0].is_recurrent);
+  EXPECT_FALSE(shape.layers[0].has_kv);
+  EXPECT_TRUE(shape.layers[1].has_kv);
+  EXPECT_FALSE(shape.layers[1].is_recurrent);
+  EXPECT_EQ(shape.layers[1].n_embd_k_gqa, 512u);  // 2048 / 32 = 64 per head, 8 KV heads
+  EXPECT_TRUE(shape.layers[2].is_recurrent);
+  EXPECT_TRUE(shape.layers[3].has_kv);
+}
+
+TEST(ModelShape, Lfm2WithASlidingWindowIsHybridIswaOverItsAttentionLayers) {
+  auto builder = lfm2_builder();
+  builder.u32("attention.sliding_window", 512);
+  const ModelShape shape = derive_ok(builder);
+  EXPECT_EQ(shape.memory_kind, MemoryKind::hybrid_iswa);
+  EXPECT_EQ(shape.n_swa, 512u);
+  EXPECT_FALSE(shape.layers[0].is_swa);
+  EXPECT_TRUE(shape.layers[1].is_swa);
+  EXPECT_TRUE(shape.layers[3].is_swa);
+}
+
+TEST(ModelShape, Lfm2NamesAMissingOrTooShortConvCache) {
+  auto missing = lfm2_builder();
+  missing.remove_by_rebuilding("shortconv.l_cache");
+  auto shape = derive_model_shape(missing.metadata());
+  ASSERT_FALSE(shape);
+  EXPECT_NE(shape.error().message().find("lfm2.shortconv.l_cache"), std::string::npos) << shape.error().what();
+
+  auto one = lfm2_builder();
+  one.u32("shortconv.l_cache", 1);
+  shape = derive_model_shape(one.metadata());
+  ASSERT_FALSE(shape);
+  EXPECT_EQ(shape.error().errno_value(), EINVAL);
+  EXPECT_NE(shape.error().message().find("l_cache > 1"), std::string::npos) << shape.error().what();
+}
+
 TEST(ModelShape, DeepSeek2WithMlaKeysIsMla) {
   auto builder = transformer("deepseek2", 3, 2048, 16, 1);
   builder.u32("attention.key_length", 576)
@@ -344,7 +391,7 @@ TEST(ModelShape, RefusesAnAttentionModelWithoutHeads) {
 TEST(ModelShape, ListsEveryRequiredArchAsSupported) {
   const auto& archs = supported_archs();
   for (std::string_view arch : {"llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "mamba2", "qwen3next",
-                                "deepseek2", "qwen2vl", "jamba", "granitehybrid"})
+                                "deepseek2", "qwen2vl", "jamba", "granitehybrid", "lfm2"})
     EXPECT_NE(std::find(archs.begin(), archs.end(), arch), archs.end()) << arch;
 }
 
