@@ -1,5 +1,7 @@
 #include "layout/share_header.h"
 
+#include <algorithm>
+
 #include <cerrno>
 #include <limits>
 #include <optional>
@@ -464,6 +466,17 @@ Result<void> check_consistency(const ShareHeader& h, std::string_view source) {
       if (t.ne[1] != h.memory.recurrent->rs_size || t.ne[2] != 1 || t.ne[3] != 1)
         return fail(EINVAL, "{} is [{}, {}, {}, {}], the recurrent state has rs_size {}", where("ne"), t.ne[0], t.ne[1], t.ne[2],
                     t.ne[3], h.memory.recurrent->rs_size);
+      // A row is one layer's state: its width is the layer's n_embd_r or n_embd_s (what a
+      // provider engine sizes its writes by), so the two fields must agree.
+      const auto& layers = h.memory.recurrent->layers;
+      const auto layer = std::find_if(layers.begin(), layers.end(), [&](const RecurrentLayer& l) { return l.il == t.layer; });
+      if (layer == layers.end())
+        return fail(EINVAL, "{} is {}, not a layer of \"memory.recurrent.layers\"", where("layer"), t.layer);
+      const bool is_r = t.kind == TensorKind::r;
+      const uint32_t width = is_r ? layer->n_embd_r : layer->n_embd_s;
+      if (t.ne[0] != width)
+        return fail(EINVAL, "{} is [{}, ...], but \"memory.recurrent.layers[{}].{}\" is {}", where("ne"), t.ne[0],
+                    layer - layers.begin(), is_r ? "n_embd_r" : "n_embd_s", width);
     }
     if (i > 0 && s.cache_index < h.layout.tensors[i - 1].cache_index)
       return fail(EINVAL, "{} is {} after cache object {}: tensors must be in fd order", where("cache_index"), s.cache_index,

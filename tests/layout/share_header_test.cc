@@ -227,6 +227,27 @@ TEST(ShareHeader, RefusesATensorWhoseShapeDisagreesWithItsCache) {
   EXPECT_NE(message.find("kv_size 512"), std::string::npos) << message;
 }
 
+// A recurrent layer's width in memory.recurrent was never checked against its tensors: a
+// header with n_embd_s altered was taken (issue 26), though a provider sizes its writes by it.
+TEST(ShareHeader, RefusesARecurrentLayerWidthThatDisagreesWithItsTensors) {
+  auto mamba2 = testing::transformer("mamba2", 2, 256, 0, 0);
+  mamba2.u32("ssm.conv_kernel", 4)
+      .u32("ssm.inner_size", 512)
+      .u32("ssm.state_size", 16)
+      .u32("ssm.time_step_rank", 8)
+      .u32("ssm.group_count", 1);
+  auto model = derive_model_shape(mamba2.metadata());
+  ASSERT_TRUE(model.has_value()) << model.error().what();
+  auto header = make_share_header(ModelFingerprint{model->arch}, *model, KvParams{});
+  ASSERT_TRUE(header.has_value()) << header.error().what();
+  Json j = Json::parse(to_json(*header));
+  ASSERT_TRUE(parse_share_header(j.dump(), "unaltered").has_value());
+  j["memory"]["recurrent"]["layers"][0]["n_embd_s"] = j["memory"]["recurrent"]["layers"][0]["n_embd_s"].get<uint32_t>() + 4;
+  const std::string message = parse_error(j.dump());
+  EXPECT_NE(message.find("memory.recurrent.layers[0].n_embd_s"), std::string::npos) << message;
+  EXPECT_NE(message.find("cache_s_l0"), std::string::npos) << message;
+}
+
 TEST(ShareHeader, RefusesAHashThatIsNotSixteenHexDigits) {
   const std::string message = parse_error(edited([](Json& j) { j["model"]["tensors_hash"] = 12345; }));
   EXPECT_NE(message.find("model.tensors_hash"), std::string::npos) << message;
