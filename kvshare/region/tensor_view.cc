@@ -11,7 +11,9 @@ Result<TensorView> tensor_view(const layout::SharedTensor& tensor, std::span<con
   const auto chunk = chunks[tensor.chunk];
   const uint64_t row_bytes = tensor.tensor.row_bytes;
   const uint64_t nbytes = tensor.tensor.nbytes;
-  if (row_bytes == 0 || nbytes % row_bytes != 0)
+  // A row of 0 bytes is a state of width 0 (LFM2's cache_s_l<il>: no SSM state), a tensor of
+  // no bytes; any other tensor holds whole rows.
+  if (row_bytes == 0 ? nbytes != 0 : nbytes % row_bytes != 0)
     return fail(EINVAL, "tensor {}: {} bytes is not a whole number of {}-byte rows", name, nbytes, row_bytes);
   if (tensor.offset > chunk.size() || nbytes > chunk.size() - tensor.offset)
     return fail(EINVAL, "tensor {}: bytes [{}, {}) lie outside chunk {} ({} bytes)", name, tensor.offset,
@@ -20,7 +22,7 @@ Result<TensorView> tensor_view(const layout::SharedTensor& tensor, std::span<con
   view.placement = &tensor;
   view.base = chunk.data() + tensor.offset;
   view.row_bytes = row_bytes;
-  view.rows = nbytes / row_bytes;
+  view.rows = static_cast<uint64_t>(tensor.tensor.ne[1] * tensor.tensor.ne[2] * tensor.tensor.ne[3]);
   view.type = tensor.tensor.type;
   return view;
 }

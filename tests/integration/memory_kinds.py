@@ -80,13 +80,13 @@ def request(text, stream=False):
     return {"messages": [{"role": "user", "content": text}], "max_tokens": 8, "temperature": 0, "stream": stream}
 
 
-def start(model, device, kv_share=False, provider=LLAMA_PREFILL):
+def start(model, device, kv_share=False, provider=LLAMA_PREFILL, decoder_args=None):
     args = ["-m", model, "--device", device, "--port", "0", "--backend", LLAMA] + KV_FLAGS
     if device == "hybrid":
         # The prompts are short: the test is of the handoff, which auto would skip.
         args += ["--prefill-provider", provider, "--handoff", "always"]
     env = {"TMPDIR": SERVE_TMP, "ONEBIT_HYBRID_PREFILL": "", "ONEBIT_KV_SHARE": "1" if kv_share else None}
-    return Serve(TOOLS["kvshare-serve"], args, env, timeout=180)
+    return Serve(TOOLS["kvshare-serve"], args + (decoder_args or []), env, timeout=180)
 
 
 def replies(serve, stream=False):
@@ -123,7 +123,9 @@ def baseline(arch):
     request (the last id and the reply). Recurrent state and the attention over a batch are
     not bit-identical across batch splits, so the split is the same on both sides; what
     differs is only who computed the first batch (llama-kvshare-prefill or the decoder)."""
-    serve = start(make_model(arch), "cpu")
+    # Without context checkpoints: llama-server otherwise ends a prompt's batch 4 tokens
+    # early to checkpoint there (PR #20288), a split the provider does not make.
+    serve = start(make_model(arch), "cpu", decoder_args=["--", "--ctx-checkpoints", "0"])
     try:
         out = [text for text, _ in replies(serve)]
         decoder_post(serve, "/slots/0?action=erase", {})

@@ -11,6 +11,8 @@
 
 #include "kvshare/share/broker.h"
 #include "kvshare/share/decoder_share.h"
+#include "layout/model_shape.h"
+#include "layout/shape_fixtures.h"
 #include "share_fixtures.h"
 #include "support/test_support.h"
 
@@ -75,6 +77,27 @@ TEST_F(ShareAdopt, DecoderReadsTheProvidersWritesThroughItsOwnMappingAfterAdopt)
       EXPECT_EQ(view.row(kTokens)[0], std::byte{0}) << "row past the prompt was touched in " << view.name();
     }
   }
+}
+
+// LFM2's short-conv layers have a conv state and no SSM state: cache_s_l<il> is 0 wide and
+// 0 bytes. The decoder refused such a tensor ("0 bytes is not a whole number of 0-byte
+// rows"), so llama-server declined the region after placing the attention cache in it.
+TEST_F(ShareAdopt, ADecoderViewsAStateOfWidthZeroAsNoBytes) {
+  auto lfm2 = layout::testing::transformer("lfm2", 2, 256, 4, 2);
+  lfm2.set("attention.head_count_kv", layout::testing::u32_array({0, 2})).u32("shortconv.l_cache", 3);
+  auto shape = layout::derive_model_shape(lfm2.metadata());
+  ASSERT_TRUE(shape) << shape.error().what();
+  auto header = layout::make_share_header(layout::ModelFingerprint{"lfm2"}, *shape, layout::KvParams{});
+  ASSERT_TRUE(header) << header.error().what();
+  auto decoder = DecoderShare::start(*header, true, memfd_only());
+  ASSERT_TRUE(decoder.can_share()) << decoder.startup_warning();
+  auto s0 = decoder.view("cache_s_l0");
+  ASSERT_TRUE(s0) << s0.error().what();
+  EXPECT_EQ(s0->size_bytes(), 0u);
+  EXPECT_EQ(s0->rows, 1u);
+  auto r0 = decoder.view("cache_r_l0");
+  ASSERT_TRUE(r0) << r0.error().what();
+  EXPECT_EQ(r0->row_bytes, 256u * 2u * 4u);  // n_embd x (l_cache - 1) f32
 }
 
 TEST_F(ShareAdopt, ParsesADecodersHeaderOnceAndKnowsItsBytesAfterwards) {
