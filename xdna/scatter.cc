@@ -8,6 +8,7 @@
 #include <cstring>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -283,7 +284,81 @@ Result<void> scatter_range(const CachePlan& plan, const LayerPlan& layer, const 
   return {};
 }
 
+// The cache_r_l<il> or cache_s_l<il> placement, or an error with `missing_errno` when the
+// layer has no recurrent state (state_width's ENOENT, write_state's EINVAL).
+Result<const layout::SharedTensor*> find_state_tensor(const layout::ShareLayout& layout,
+                                                      const layout::MemoryShape& memory, uint32_t il,
+                                                      TensorKind kind, int missing_errno) {
+  if (kind != TensorKind::r && kind != TensorKind::s)
+    return fail(EINVAL, "layer {}: state kind {} is not r (conv history) or s (SSM state)", il,
+                layout::tensor_kind_name(kind));
+  if (!memory.recurrent)
+    return fail(missing_errno, "layer {}: the memory ({}) has no recurrent state", il,
+                layout::memory_kind_name(memory.kind));
+  const auto& layers = memory.recurrent->layers;
+  if (std::none_of(layers.begin(), layers.end(), [&](const layout::RecurrentLayer& l) { return l.il == il; })) {
+    std::string recurrent;
+    for (const auto& l : layers) recurrent += fmt::format("{}{}", recurrent.empty() ? "" : ", ", l.il);
+    return fail(missing_errno, "layer {} has no cache_{}_l{}: it is not one of the {} recurrent layer(s) ({})", il,
+                layout::tensor_kind_name(kind), il, layers.size(), recurrent);
+  }
+  const auto cache_index = static_cast<uint32_t>(memory.kv_caches.size());  // the recurrent cache object
+  const layout::SharedTensor* placed = layout.find(cache_index, il, kind);
+  if (placed == nullptr)
+    return fail(missing_errno, "layer {}: the share layout has no cache_{}_l{} in cache {} (recurrent)", il,
+                layout::tensor_kind_name(kind), il, cache_index);
+  return placed;
+}
+
 }  // namespace
+
+Result<uint64_t> state_width(const layout::ShareLayout& layout, const layout::MemoryShape& memory, uint32_t il,
+                             TensorKind kind) {
+  auto placed = find_state_tensor(layout, memory, il, kind, ENOENT);
+  if (!placed) return fail(placed.error());
+  return static_cast<uint64_t>((*placed)->tensor.ne[0]);
+}
+
+Result<void> write_state(const ScatterTarget& target, const StateRow& row) {
+  auto found = find_state_tensor(target.layout, target.memory, row.il, row.kind, EINVAL);
+  if (!found) return fail(found.error().with_context("write_state"));
+  const layout::SharedTensor& placed = **found;
+  const CacheTensor& tensor = placed.tensor;
+  const uint32_t rs_size = target.memory.recurrent->rs_size;
+  if (tensor.type != GgmlType::F32)
+    return fail(EINVAL, "write_state: layer {} {} is {}, but recurrent state rows are written as f32", row.il,
+                tensor.name, layout::ggml_type_name(tensor.type));
+  if (tensor.ne[1] != rs_size)
+    return fail(EINVAL, "write_state: layer {} {}: {} rows, but rs_size is {}", row.il, tensor.name, tensor.ne[1],
+                rs_size);
+  if (row.cell >= rs_size)
+    return fail(ERANGE, "write_state: layer {} {}: cell {} is past rs_size {} (one cell per sequence)", row.il,
+                tensor.name, row.cell, rs_size);
+  const auto width = static_cast<uint64_t>(tensor.ne[0]);
+  if (row.values.size() != width)
+    return fail(EINVAL, "write_state: layer {} {} cell {}: the provider's row carries {} values, the tensor's row "
+                "holds {} (n_embd_{})",
+                row.il, tensor.name, row.cell, row.values.size(), width, layout::tensor_kind_name(row.kind));
+  auto base = tensor_base(target, placed);
+  if (!base) return fail(base.error().with_context("write_state"));
+  auto file = tensor_file(target, placed);
+  if (!file) return fail(file.error().with_context("write_state"));
+  if (width == 0) return {};  // LFM2's S: nothing to hold
+
+  const uint64_t row_offset = static_cast<uint64_t>(row.cell) * tensor.row_bytes;
+  if (*file != nullptr) {
+    auto written = write_chunk_file(**file, placed.offset + row_offset, std::as_bytes(row.values));
+    if (!written)
+      return fail(written.error().with_context(fmt::format("write_state of layer {} {} cell {}", row.il, tensor.name,
+                                                           row.cell)));
+    return {};
+  }
+  // f32 to f32 is a copy; streaming stores for the reason scatter_range gives.
+  layout::convert_row_streaming(GgmlType::F32, row.values.data(), GgmlType::F32, *base + row_offset,
+                                static_cast<int64_t>(width));
+  layout::convert_stream_fence();
+  return {};
+}
 
 Result<void> scatter(const ScatterTarget& target, const ScatterBatch& batch) {
   auto plan = plan_scatter(target, batch);

@@ -12,6 +12,12 @@
 // Quantized caches are rotated first, as llama.cpp does (layout::kv_rotation_group).
 // The per-row conversion is layout::convert_row; the state-file writer calls that same
 // function, so both routes produce the same bytes.
+//
+// A recurrent or hybrid memory also holds, per recurrent layer, cache_r_l<il> (the conv
+// history, [n_embd_r, rs_size] f32) and cache_s_l<il> (the SSM / delta state,
+// [n_embd_s, rs_size] f32; 0 wide for LFM2), one row per cell (llama_memory_recurrent).
+// write_state puts one such row in place; the element order inside it is the model's
+// graph's (spec llama-memory-kinds.md section 3.1, docs/provider.md) and is not checked.
 #pragma once
 
 #include <cstddef>
@@ -80,6 +86,30 @@ Result<void> scatter(const ScatterTarget& target, const ScatterBatch& batch);
 
 // The checks scatter makes, without writing (for planners such as plan_layer_dma).
 Result<void> validate_scatter(const ScatterTarget& target, const ScatterBatch& batch);
+
+// One recurrent layer's state row for one cell, as the provider computed it.
+struct StateRow {
+  uint32_t il = 0;                                   // model layer index (the L of cache_r_l<L>)
+  layout::TensorKind kind = layout::TensorKind::r;  // r: conv history, s: SSM / delta state
+  uint32_t cell = 0;                                 // the row of the tensor; 0 with one sequence
+  std::span<const float> values;                     // n_embd_r or n_embd_s f32 values
+};
+
+// The width in f32 values of layer il's R or S row (n_embd_r / n_embd_s; 0 for LFM2's S).
+// Fails with ENOENT for a layer without recurrent state (or a memory without any) and
+// EINVAL for a kind other than r or s; the message names the layer.
+Result<uint64_t> state_width(const layout::ShareLayout& layout, const layout::MemoryShape& memory, uint32_t il,
+                             layout::TensorKind kind);
+
+// Writes `row` into row `row.cell` of cache_r_l<il> or cache_s_l<il> of `target` (its
+// cache_index and head sizes are not used: the recurrent state is its own cache object).
+// The values are f32, as the tensors are: copied, not converted. Like scatter, a chunk
+// with a writable ChunkFile is written with pwrite(), others through `chunks`. Checks
+// everything before writing anything: EINVAL for a layer without recurrent state, a kind
+// other than r or s, a value count that differs from the row width, or a chunk span
+// shorter than the layout says; ERANGE for a cell >= rs_size. Messages name the layer,
+// tensor, cell and both widths. Only the row's bytes are written.
+Result<void> write_state(const ScatterTarget& target, const StateRow& row);
 
 // What gather reads back for one layer.
 struct GatherRequest {

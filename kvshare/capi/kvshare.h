@@ -220,7 +220,8 @@ int kvshare_provider_tensor(const struct kvshare_provider *provider, const char 
 /*
  * Brackets CPU writes into dma-buf regions (DMA_BUF_IOCTL_SYNC; memfd regions need none):
  * call begin before writing through the mapping or scattering, end when done.
- * kvshare_provider_close ends an open bracket.
+ * kvshare_provider_close ends an open bracket. kvshare_provider_write_state refuses to
+ * write outside one, whatever the backend.
  */
 int kvshare_provider_begin_write(struct kvshare_provider *provider);
 int kvshare_provider_end_write(struct kvshare_provider *provider);
@@ -253,11 +254,71 @@ int kvshare_provider_import_npu(struct kvshare_provider *provider, const char *a
 
 /*
  * Since KVSHARE_1.1. The NPU's address of tensor `name`'s first byte (its chunk's buffer
- * address plus the tensor's offset), after kvshare_provider_import_npu. Errors: -ENOENT
+ * address plus the tensor's offset), after kvshare_provider_import_npu. Any tensor the
+ * layout places answers by name: cache_k_l3 and cache_v_l3, and a recurrent model's
+ * cache_r_l0 and cache_s_l0 (see KVSHARE_1.2 below). Errors: -ENOENT
  * (no such tensor), -ENXIO (not imported into an NPU yet), -ENODATA (the driver gave the
  * buffer no device address).
  */
 int kvshare_provider_device_address(const struct kvshare_provider *provider, const char *name, uint64_t *address);
+
+/* ------------------------------------------------------------------------------------
+ * Since KVSHARE_1.2: the recurrent state of a recurrent or hybrid model (mamba2; qwen35's
+ * Gated DeltaNet layers; lfm2's short convolutions). Besides any K/V cache, the region
+ * holds per recurrent layer il cache_r_l<il> (the conv history, f32 [n_embd_r, rs_size])
+ * and cache_s_l<il> (the SSM / delta state, f32 [n_embd_s, rs_size]; n_embd_s is 0 for
+ * LFM2), one row per cell; with one sequence (-np 1) rs_size is 1 and the provider writes
+ * cell 0: the state after tokens 0..n-1 of what it prefilled. The element order inside a
+ * row is the model graph's; kvshare's docs/provider.md "What an engine writes, per memory
+ * kind" spells it out per architecture. Nothing checks it, here or at adopt.
+ *
+ * An NPU that DMAs the rows itself: after kvshare_provider_import_npu,
+ * kvshare_provider_device_address(p, "cache_r_l0", &addr) gives the tensor's address by
+ * name like any cache tensor's; row `cell` starts at addr + cell * row_bytes
+ * (kvshare_provider_tensor). cache_s_l<il> of LFM2 has 0 bytes: nothing to DMA.
+ * ------------------------------------------------------------------------------------ */
+
+/* Which row of a recurrent layer a call is about. */
+enum kvshare_state_kind {
+    KVSHARE_STATE_R = 1, /* cache_r_l<il>: the conv history, n_embd_r values per cell */
+    KVSHARE_STATE_S = 2  /* cache_s_l<il>: the SSM / delta state, n_embd_s values per cell */
+};
+
+/* Since KVSHARE_1.2. Cells of the recurrent state (rs_size, max(1, n_seq_max)), 0 when not
+ * open or when the memory has no recurrent state (a plain or iSWA KV cache). */
+uint32_t kvshare_provider_rs_size(const struct kvshare_provider *provider);
+
+/*
+ * Since KVSHARE_1.2. Stores in *n_values the number of f32 values of one row of layer il's
+ * state of `kind` (a kvshare_state_kind): n_embd_r for KVSHARE_STATE_R, n_embd_s for
+ * KVSHARE_STATE_S (0 for LFM2, whose layers hold no S). What kvshare_provider_write_state
+ * takes; lets an engine size its buffers without reading the layout header.
+ * Errors: -ENOENT (layer il has no recurrent state: an attention layer, a layer past the
+ * model, a memory without recurrent state; the message names the layer), -EINVAL (NULL
+ * arguments, a kind that is not a kvshare_state_kind), -EBADFD (the handle is not open).
+ * *n_values is untouched on failure.
+ */
+int kvshare_provider_state_width(const struct kvshare_provider *provider, uint32_t il, int kind,
+                                 uint64_t *n_values);
+
+/*
+ * Since KVSHARE_1.2. Writes one recurrent state row: the n_values f32 `values` (the
+ * caller's, only read) become row `cell` of cache_r_l<il> (kind KVSHARE_STATE_R) or
+ * cache_s_l<il> (KVSHARE_STATE_S), byte for byte; no other byte of the region changes.
+ * Must be called inside the write bracket (kvshare_provider_begin_write .. end_write).
+ * Checks everything before writing anything:
+ *   -EINVAL  not inside a write bracket; a kind that is not a kvshare_state_kind; a layer
+ *            without recurrent state; n_values differing from the row width
+ *            (kvshare_provider_state_width); values NULL with n_values > 0;
+ *   -ERANGE  cell >= rs_size (kvshare_provider_rs_size);
+ *   -EBADFD  the handle is not open.
+ * The message names the layer, the tensor (cache_r_l3), the cell and both widths. A
+ * 0-wide row (LFM2's S) with n_values 0 is accepted and writes nothing. A failing write
+ * to the region itself returns its errno (the row may then be partly written).
+ * Blocks only for the copy (a few hundred KiB at most per row).
+ */
+int kvshare_provider_write_state(struct kvshare_provider *provider, uint32_t il, int kind, uint32_t cell,
+                                 const float *values, uint64_t n_values);
 
 #ifdef __cplusplus
 }

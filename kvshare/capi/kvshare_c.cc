@@ -152,6 +152,7 @@ struct kvshare_decoder {
 struct kvshare_provider {
   std::optional<kvshare::ProviderShare> share;
   std::vector<kvshare::DmaBufCpuAccess> write_access;
+  bool in_write = false;  // between begin_write and end_write (write_access is empty for memfd)
   std::optional<kvshare::xdna::NpuShare> npu;  // after kvshare_provider_import_npu
   uint32_t n_embd_head_k = 0;  // every layer's head size when all agree, for scatter's rotation
   uint32_t n_embd_head_v = 0;
@@ -163,6 +164,34 @@ namespace {
 int provider_not_open(kvshare_provider* p) {
   p->last_error = fmt::format("provider: not open ({})", p->last_error.empty() ? "open failed" : p->last_error);
   return -EBADFD;
+}
+
+// Where scatter and write_state write: the header's layout, this handle's mappings and,
+// for memfd chunks, its descriptors.
+kvshare::xdna::ScatterTarget provider_target(const kvshare_provider& p) {
+  const auto& header = p.share->header();
+  const auto chunks = p.share->imported().chunk_bytes();
+  const bool heads_agree = p.n_embd_head_k != UINT32_MAX && p.n_embd_head_v != UINT32_MAX;
+  return kvshare::xdna::ScatterTarget{header.layout,
+                                      header.memory,
+                                      std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
+                                      0,
+                                      heads_agree ? p.n_embd_head_k : 0,
+                                      heads_agree ? p.n_embd_head_v : 0,
+                                      p.share->imported().chunk_files()};
+}
+
+// A kvshare_state_kind as the tensor kind it names.
+Result<layout::TensorKind> to_state_kind(int kind, uint32_t il) {
+  if (kind == KVSHARE_STATE_R) return layout::TensorKind::r;
+  if (kind == KVSHARE_STATE_S) return layout::TensorKind::s;
+  return kvshare::fail(EINVAL, "layer {}: state kind {} is not KVSHARE_STATE_R ({}) or KVSHARE_STATE_S ({})", il, kind,
+                       static_cast<int>(KVSHARE_STATE_R), static_cast<int>(KVSHARE_STATE_S));
+}
+
+int fail_with(const Error& error, std::string& last_error) {
+  last_error = error.what();
+  return negative_errno(error);
 }
 
 }  // namespace
@@ -421,6 +450,7 @@ int kvshare_provider_begin_write(kvshare_provider* provider) {
       return negative_errno(access.error());
     }
     p.write_access = std::move(*access);
+    p.in_write = true;
     return 0;
   });
 }
@@ -428,6 +458,7 @@ int kvshare_provider_begin_write(kvshare_provider* provider) {
 int kvshare_provider_end_write(kvshare_provider* provider) {
   if (provider == nullptr) return -EINVAL;
   provider->write_access.clear();  // each guard's destructor issues SYNC_END
+  provider->in_write = false;
   return 0;
 }
 
@@ -442,13 +473,8 @@ int kvshare_provider_scatter(kvshare_provider* provider, uint32_t il, uint32_t p
       p.last_error = fmt::format("scatter of layer {}: source type {} is not a ggml type id", il, src_type);
       return -EINVAL;
     }
-    const auto& header = p.share->header();
-    const auto chunks = p.share->imported().chunk_bytes();
     const bool heads_agree = p.n_embd_head_k != UINT32_MAX && p.n_embd_head_v != UINT32_MAX;
-    kvshare::xdna::ScatterTarget target{header.layout, header.memory,
-                                        std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()), 0,
-                                        heads_agree ? p.n_embd_head_k : 0, heads_agree ? p.n_embd_head_v : 0,
-                                        p.share->imported().chunk_files()};
+    const kvshare::xdna::ScatterTarget target = provider_target(p);
     kvshare::xdna::ScatterBatch batch;
     batch.layers.push_back({il, rows, n_embd_k_gqa, n_embd_v_gqa});
     batch.pos0 = pos0;
@@ -505,6 +531,57 @@ int kvshare_provider_device_address(const kvshare_provider* provider, const char
       return negative_errno(found.error());
     }
     *address = *found;
+    return 0;
+  });
+}
+
+uint32_t kvshare_provider_rs_size(const kvshare_provider* provider) {
+  if (provider == nullptr || !provider->share || !provider->share->header().memory.recurrent) return 0;
+  return provider->share->header().memory.recurrent->rs_size;
+}
+
+int kvshare_provider_state_width(const kvshare_provider* provider, uint32_t il, int kind, uint64_t* n_values) {
+  if (provider == nullptr) return -EINVAL;
+  auto* p = const_cast<kvshare_provider*>(provider);
+  if (!p->share) return provider_not_open(p);
+  return guarded(p->last_error, "kvshare_provider_state_width", [&] {
+    if (n_values == nullptr) return fail_with(Error(EINVAL, fmt::format("state width of layer {}: n_values is NULL", il)),
+                                              p->last_error);
+    auto tensor_kind = to_state_kind(kind, il);
+    if (!tensor_kind) return fail_with(tensor_kind.error(), p->last_error);
+    const auto& header = p->share->header();
+    auto width = kvshare::xdna::state_width(header.layout, header.memory, il, *tensor_kind);
+    if (!width) return fail_with(width.error(), p->last_error);
+    *n_values = *width;
+    return 0;
+  });
+}
+
+int kvshare_provider_write_state(kvshare_provider* provider, uint32_t il, int kind, uint32_t cell, const float* values,
+                                 uint64_t n_values) {
+  if (provider == nullptr) return -EINVAL;
+  kvshare_provider& p = *provider;
+  if (!p.share) return provider_not_open(&p);
+  return guarded(p.last_error, "kvshare_provider_write_state", [&] {
+    auto tensor_kind = to_state_kind(kind, il);
+    if (!tensor_kind) return fail_with(tensor_kind.error(), p.last_error);
+    const std::string tensor = fmt::format("cache_{}_l{}", layout::tensor_kind_name(*tensor_kind), il);
+    if (!p.in_write)
+      return fail_with(Error(EINVAL, fmt::format("write_state of layer {} {} cell {}: not inside a write bracket (call "
+                                                 "kvshare_provider_begin_write first)",
+                                                 il, tensor, cell)),
+                       p.last_error);
+    if (values == nullptr && n_values > 0)
+      return fail_with(Error(EINVAL, fmt::format("write_state of layer {} {} cell {}: values is NULL for {} values", il,
+                                                 tensor, cell, n_values)),
+                       p.last_error);
+    kvshare::xdna::StateRow row;
+    row.il = il;
+    row.kind = *tensor_kind;
+    row.cell = cell;
+    row.values = std::span<const float>(values, static_cast<size_t>(n_values));
+    auto written = kvshare::xdna::write_state(provider_target(p), row);
+    if (!written) return fail_with(written.error(), p.last_error);
     return 0;
   });
 }

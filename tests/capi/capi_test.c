@@ -399,6 +399,13 @@ static void provider_scatter_lands_in_the_decoders_cells(void) {
         CHECK_CONTAINS(kvshare_provider_last_error(p), "no accel<N> node in");
         CHECK(address == 1); /* untouched by every failure */
         rmdir(accel_dir);
+
+        /* KVSHARE_1.2 on a plain KV cache: there is no recurrent state to write. */
+        CHECK(kvshare_provider_rs_size(p) == 0);
+        uint64_t n_values = 5;
+        CHECK_RC(kvshare_provider_state_width(p, 0, KVSHARE_STATE_R, &n_values), -ENOENT);
+        CHECK_CONTAINS(kvshare_provider_last_error(p), "has no recurrent state");
+        CHECK(n_values == 5);
     } else {
         fprintf(stderr, "provider open: %s\n", kvshare_provider_last_error(p));
     }
@@ -449,6 +456,145 @@ static void provider_refuses_another_models_layout_and_bad_fds(void) {
     kvshare_decoder_close(d);
 }
 
+/* A decoder with a share sent to a broker and a provider that imported it: what the
+ * provider-side tests of KVSHARE_1.2 start from. */
+struct handoff {
+    struct kvshare_decoder *d;
+    struct kvshare_provider *p;
+    uint64_t share_id;
+    int listener;
+    int n_fds;
+    char socket_path[4096];
+    char layout_path[4096];
+};
+
+static int open_handoff(const char *model, const char *name, struct handoff *h) {
+    struct kvshare_kv_params params = small_params();
+    char socket_name[128], fd_list[256] = "";
+    int fds[16];
+    memset(h, 0, sizeof *h);
+    CHECK_RC(kvshare_decoder_open(model, &params, &h->d), 0);
+    snprintf(socket_name, sizeof socket_name, "%s.sock", name);
+    h->listener = listen_at(socket_name, h->socket_path, sizeof h->socket_path);
+    CHECK_RC(kvshare_decoder_share(h->d, h->socket_path, 2000, &h->share_id), 0);
+    char *message = receive_share(h->listener, fds, 16, &h->n_fds);
+    snprintf(h->layout_path, sizeof h->layout_path, "%s/%s.json", work_dir, name);
+    write_layout_file(message, h->layout_path);
+    free(message);
+    for (int i = 0; i < h->n_fds; ++i)
+        snprintf(fd_list + strlen(fd_list), sizeof fd_list - strlen(fd_list), "%s%d", i ? "," : "", fds[i]);
+    const int rc = kvshare_provider_open(h->layout_path, fd_list, model, &h->p);
+    CHECK_RC(rc, 0);
+    if (rc != 0) fprintf(stderr, "provider open: %s\n", kvshare_provider_last_error(h->p));
+    return rc == 0 && failures == 0;
+}
+
+static void close_handoff(struct handoff *h) {
+    kvshare_provider_close(h->p);
+    close(h->listener);
+    unlink(h->socket_path);
+    unlink(h->layout_path);
+    kvshare_decoder_close(h->d);
+}
+
+/* KVSHARE_1.2 on qwen35 (Gated DeltaNet layers 0-2, attention layer 3): the widths, every
+ * refusal, and the rows landing in the decoder's cache_r_l0 / cache_s_l0. */
+static void provider_writes_recurrent_state_rows_into_the_decoders_region(void) {
+    struct handoff h;
+    if (!open_handoff(model_path("qwen35", 5), "capi-state", &h)) {
+        close_handoff(&h);
+        return;
+    }
+    struct kvshare_provider *p = h.p;
+    CHECK(kvshare_provider_rs_size(p) == 1);
+    CHECK(kvshare_provider_kv_size(p) == 256); /* the hybrid's attention cache */
+
+    uint64_t n_r = 0, n_s = 0, untouched = 77;
+    CHECK_RC(kvshare_provider_state_width(p, 0, KVSHARE_STATE_R, &n_r), 0);
+    CHECK_RC(kvshare_provider_state_width(p, 0, KVSHARE_STATE_S, &n_s), 0);
+    struct kvshare_tensor_info r = {.struct_size = sizeof r}, s = {.struct_size = sizeof s};
+    CHECK_RC(kvshare_provider_tensor(p, "cache_r_l0", &r), 0);
+    CHECK_RC(kvshare_provider_tensor(p, "cache_s_l0", &s), 0);
+    CHECK(n_r > 0 && n_r == (uint64_t)r.ne[0] && r.ne[1] == 1 && r.type == 0 /* F32 */);
+    CHECK(n_s > 0 && n_s == (uint64_t)s.ne[0]);
+    CHECK_RC(kvshare_provider_state_width(p, 3, KVSHARE_STATE_R, &untouched), -ENOENT);
+    CHECK_CONTAINS(kvshare_provider_last_error(p), "layer 3 has no cache_r_l3");
+    CHECK_RC(kvshare_provider_state_width(p, 0, 7, &untouched), -EINVAL);
+    CHECK_CONTAINS(kvshare_provider_last_error(p), "state kind 7");
+    CHECK_RC(kvshare_provider_state_width(p, 0, KVSHARE_STATE_R, NULL), -EINVAL);
+    CHECK(untouched == 77);
+
+    float *r_row = malloc(n_r * sizeof(float)), *s_row = malloc(n_s * sizeof(float));
+    for (uint64_t i = 0; i < n_r; ++i) r_row[i] = (float)i + 0.25f;
+    for (uint64_t i = 0; i < n_s; ++i) s_row[i] = -(float)i;
+    CHECK_RC(kvshare_provider_write_state(p, 0, KVSHARE_STATE_R, 0, r_row, n_r), -EINVAL);
+    CHECK_CONTAINS(kvshare_provider_last_error(p), "kvshare_provider_begin_write");
+    CHECK_RC(kvshare_provider_begin_write(p), 0);
+    CHECK_RC(kvshare_provider_write_state(p, 0, KVSHARE_STATE_R, 0, r_row, n_r), 0);
+    CHECK_RC(kvshare_provider_write_state(p, 0, KVSHARE_STATE_S, 0, s_row, n_s), 0);
+    /* Refused before anything is written, each naming what is wrong. */
+    CHECK_RC(kvshare_provider_write_state(p, 1, KVSHARE_STATE_R, 1, r_row, n_r), -ERANGE);
+    CHECK_CONTAINS(kvshare_provider_last_error(p), "layer 1 cache_r_l1: cell 1 is past rs_size 1");
+    CHECK_RC(kvshare_provider_write_state(p, 1, KVSHARE_STATE_S, 0, s_row, n_s - 1), -EINVAL);
+    CHECK_CONTAINS(kvshare_provider_last_error(p), "cache_s_l1 cell 0");
+    char widths[128];
+    snprintf(widths, sizeof widths, "carries %llu values, the tensor's row holds %llu", (unsigned long long)(n_s - 1),
+             (unsigned long long)n_s);
+    CHECK_CONTAINS(kvshare_provider_last_error(p), widths);
+    CHECK_RC(kvshare_provider_write_state(p, 3, KVSHARE_STATE_R, 0, r_row, n_r), -EINVAL);
+    CHECK_CONTAINS(kvshare_provider_last_error(p), "layer 3 has no cache_r_l3");
+    CHECK_RC(kvshare_provider_write_state(p, 1, 0, 0, r_row, n_r), -EINVAL);
+    CHECK_CONTAINS(kvshare_provider_last_error(p), "KVSHARE_STATE_R");
+    CHECK_RC(kvshare_provider_write_state(p, 1, KVSHARE_STATE_R, 0, NULL, n_r), -EINVAL);
+    CHECK_CONTAINS(kvshare_provider_last_error(p), "NULL");
+    CHECK_RC(kvshare_provider_end_write(p), 0);
+    CHECK_RC(kvshare_provider_write_state(p, 1, KVSHARE_STATE_R, 0, r_row, n_r), -EINVAL);
+    CHECK_CONTAINS(kvshare_provider_last_error(p), "not inside a write bracket");
+
+    /* The decoder's own mapping holds the rows; layer 1's stayed as exported (zeros). */
+    struct kvshare_tensor_info dr = {.struct_size = sizeof dr}, ds = {.struct_size = sizeof ds},
+                               dr1 = {.struct_size = sizeof dr1};
+    CHECK_RC(kvshare_decoder_tensor(h.d, "cache_r_l0", &dr), 0);
+    CHECK_RC(kvshare_decoder_tensor(h.d, "cache_s_l0", &ds), 0);
+    CHECK_RC(kvshare_decoder_tensor(h.d, "cache_r_l1", &dr1), 0);
+    CHECK(memcmp(dr.data, r_row, n_r * sizeof(float)) == 0);
+    CHECK(memcmp(ds.data, s_row, n_s * sizeof(float)) == 0);
+    const float *r1 = dr1.data;
+    int r1_zero = 1;
+    for (uint64_t i = 0; i < n_r; ++i) r1_zero &= r1[i] == 0.0f;
+    CHECK(r1_zero);
+    free(r_row);
+    free(s_row);
+
+    /* The NPU address of a state tensor is asked by name like any other's. */
+    uint64_t address = 1;
+    CHECK_RC(kvshare_provider_device_address(p, "cache_r_l0", &address), -ENXIO);
+    CHECK_RC(kvshare_provider_device_address(p, "cache_r_l3", &address), -ENOENT);
+    CHECK(address == 1);
+    CHECK_RC(kvshare_decoder_adopt(h.d, 8, h.share_id), 0);
+    close_handoff(&h);
+}
+
+/* KVSHARE_1.2 on lfm2, whose conv layers hold no S: a 0-wide row is written as nothing. */
+static void provider_state_of_lfm2_has_a_zero_wide_s(void) {
+    struct handoff h;
+    if (!open_handoff(model_path("lfm2", 6), "capi-lfm2", &h)) {
+        close_handoff(&h);
+        return;
+    }
+    uint64_t n_r = 0, n_s = 99;
+    CHECK_RC(kvshare_provider_state_width(h.p, 0, KVSHARE_STATE_R, &n_r), 0);
+    CHECK_RC(kvshare_provider_state_width(h.p, 0, KVSHARE_STATE_S, &n_s), 0);
+    CHECK(n_r > 0 && n_s == 0);
+    CHECK_RC(kvshare_provider_begin_write(h.p), 0);
+    CHECK_RC(kvshare_provider_write_state(h.p, 0, KVSHARE_STATE_S, 0, NULL, 0), 0);
+    float one = 1.0f;
+    CHECK_RC(kvshare_provider_write_state(h.p, 0, KVSHARE_STATE_S, 0, &one, 1), -EINVAL);
+    CHECK_CONTAINS(kvshare_provider_last_error(h.p), "holds 0 (n_embd_s)");
+    CHECK_RC(kvshare_provider_end_write(h.p), 0);
+    close_handoff(&h);
+}
+
 static void share_requested_reads_set_and_non_empty(void) {
     unsetenv("ONEBIT_KV_SHARE");
     CHECK(kvshare_share_requested() == 0);
@@ -473,6 +619,9 @@ static const struct test tests[] = {
     {"ProviderScatterLandsInTheDecodersCells", provider_scatter_lands_in_the_decoders_cells},
     {"ProviderRefusesAnotherModelsLayoutAndBadFds", provider_refuses_another_models_layout_and_bad_fds},
     {"ShareRequestedReadsSetAndNonEmpty", share_requested_reads_set_and_non_empty},
+    {"ProviderWritesRecurrentStateRowsIntoTheDecodersRegion",
+     provider_writes_recurrent_state_rows_into_the_decoders_region},
+    {"ProviderStateOfLfm2HasAZeroWideS", provider_state_of_lfm2_has_a_zero_wide_s},
 };
 
 static void remove_work_dir(void) {
@@ -518,6 +667,8 @@ int main(int argc, char **argv) {
         if (strcmp(argv[1], tests[i].name) != 0) continue;
         model_path("llama", 3); /* made before counting: system() is not the code under test */
         model_path("qwen2", 4);
+        model_path("qwen35", 5);
+        model_path("lfm2", 6);
         const int before = count_open_fds();
         tests[i].run();
         const int after = count_open_fds();

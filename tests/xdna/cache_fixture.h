@@ -70,8 +70,10 @@ inline layout::MemoryShape make_memory(const CacheSpec& spec) {
 // The decoder's cache in ordinary memory, pre-filled with a sentinel byte so a test can
 // see what a scatter did not touch.
 struct Region {
-  explicit Region(const CacheSpec& spec, std::byte fill = std::byte{0xAB})
-      : memory(make_memory(spec)), layout(layout::share_layout(memory)) {
+  explicit Region(const CacheSpec& spec, std::byte fill = std::byte{0xAB}) : Region(make_memory(spec), fill) {}
+  // Any memory, such as a recurrent or hybrid one derived from GGUF metadata.
+  explicit Region(layout::MemoryShape shape, std::byte fill = std::byte{0xAB})
+      : memory(std::move(shape)), layout(layout::share_layout(memory)) {
     for (const auto& chunk : layout.chunks) storage.emplace_back(chunk.size_bytes, fill);
   }
   ScatterTarget target(uint32_t head_k = 0, uint32_t head_v = 0) {

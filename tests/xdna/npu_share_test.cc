@@ -7,6 +7,7 @@
 
 #include "cache_fixture.h"
 #include "fake_amdxdna.h"
+#include "recurrent_fixture.h"
 #include "kvshare/region/exporter.h"
 #include "support/test_support.h"
 
@@ -22,14 +23,19 @@ using kvshare::xdna::testing::make_memory;
 
 class NpuShare_ : public FdLeakCheck {
  protected:
-  // The decoder's side: a one-chunk memfd region for a two-layer cache; the provider's
-  // side: the same region imported from duplicated fds.
+  // A two-layer KV cache unless a test shares another memory.
   void SetUp() override {
     FdLeakCheck::SetUp();
     CacheSpec spec;
     spec.n_embd_k = {64, 64};
     spec.n_embd_v = {64, 64};
-    layout_ = layout::share_layout(make_memory(spec));
+    share_memory(make_memory(spec));
+  }
+  // The decoder's side: a one-chunk memfd region for `memory`; the provider's side: the
+  // same region imported from duplicated fds.
+  void share_memory(const layout::MemoryShape& memory) {
+    share_.reset();
+    layout_ = layout::share_layout(memory);
     ASSERT_EQ(layout_.chunks.size(), 1u);
     ExportOptions options;
     options.forced = RegionBackend::memfd;
@@ -69,6 +75,21 @@ TEST_F(NpuShare_, AddressesEachTensorAtItsChunksBufferAddressPlusItsOffset) {
     EXPECT_NE(none.error().message().find("cache_k_l9"), std::string::npos) << none.error().message();
   }
   EXPECT_EQ(FakeDriver::gem_closes, 1);  // the buffer objects went with the NpuShare
+}
+
+TEST_F(NpuShare_, AddressesARecurrentModelsStateTensorsByName) {
+  share_memory(testing::mamba2_memory());
+  ScopedFakeDriver fake_driver;
+  auto npu = NpuShare::import(fake_device(), *share_);
+  ASSERT_TRUE(npu) << npu.error().what();
+  for (const char* name : {"cache_r_l0", "cache_s_l0", "cache_r_l1", "cache_s_l1"}) {
+    const layout::SharedTensor* placed = layout_.find(name);
+    ASSERT_NE(placed, nullptr) << name;
+    auto address = npu->device_address(*share_, name);
+    ASSERT_TRUE(address) << address.error().what();
+    EXPECT_EQ(*address, 0x40000u + placed->offset) << name;
+  }
+  EXPECT_NE(*npu->device_address(*share_, "cache_r_l0"), *npu->device_address(*share_, "cache_s_l1"));
 }
 
 TEST_F(NpuShare_, NamesTheDeviceAndChunkWhenTheDriverRefusesTheImport) {
