@@ -101,5 +101,28 @@ TEST(LayoutDumpTool, PrintsHelpAndExits0) {
   EXPECT_NE(result.out.find("qwen3moe"), std::string::npos) << result.out;
 }
 
+TEST(LayoutDumpTool, ShowsBothIswaCachesAndTheRecurrentStateOfMkmodelModels) {
+  TempDir dir;
+  const auto gemma3 = dir / "gemma3.gguf";
+  const auto lfm2 = dir / "lfm2.gguf";
+  ASSERT_EQ(run_command(tool_path("kvshare-mkmodel").string() + " " + gemma3.string() + " --arch gemma3").exit_code, 0);
+  ASSERT_EQ(run_command(tool_path("kvshare-mkmodel").string() + " " + lfm2.string() + " --arch lfm2").exit_code, 0);
+  const CommandResult iswa = run_command(tool() + " " + gemma3.string() + " -c 1024");
+  ASSERT_EQ(iswa.exit_code, 0) << iswa.err;
+  EXPECT_NE(iswa.out.find("cache 0 (base): kv_size 1024, n_stream 1, K f16, V f16, v_trans no, n_swa 0, layers [1]"),
+            std::string::npos)
+      << iswa.out;
+  EXPECT_NE(iswa.out.find("cache 1 (swa): kv_size 768, n_stream 1, K f16, V f16, v_trans no, n_swa 32, layers [0]"),
+            std::string::npos)
+      << iswa.out;
+  const CommandResult hybrid = run_command(tool() + " " + lfm2.string() + " -c 512");
+  ASSERT_EQ(hybrid.exit_code, 0) << hybrid.err;
+  EXPECT_NE(hybrid.out.find("cache 1 (recurrent): rs_size 1 (cells, one per sequence), f32 r/s state, layers [0], "
+                            "n_embd_r 384 (1536 bytes per cell), n_embd_s 0 (empty tensors: 0 bytes in the region)"),
+            std::string::npos)
+      << hybrid.out;
+  EXPECT_NE(hybrid.out.find("recurrent bytes per sequence: 1536"), std::string::npos) << hybrid.out;
+}
+
 }  // namespace
 }  // namespace kvshare
