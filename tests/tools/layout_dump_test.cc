@@ -101,6 +101,33 @@ TEST(LayoutDumpTool, PrintsHelpAndExits0) {
   EXPECT_NE(result.out.find("qwen3moe"), std::string::npos) << result.out;
 }
 
+// The memory-kind vectors of docs/layout.md are what the two tools print for a model
+// kvshare-mkmodel writes: rerun them, so a change to either tool (or to the generator's
+// tensor list, which the fingerprint hashes) that would change a vector shows here.
+struct KindVector {
+  const char* arch;
+  const char* n_ctx;
+  const char* file;
+};
+
+class LayoutDumpToolKinds : public ::testing::TestWithParam<KindVector> {};
+
+TEST_P(LayoutDumpToolKinds, PrintsTheVectorForTheModelMkmodelWrites) {
+  TempDir dir;
+  const auto model = dir / (std::string(GetParam().arch) + ".gguf");
+  const CommandResult made =
+      run_command(tool_path("kvshare-mkmodel").string() + " " + model.string() + " --arch " + GetParam().arch);
+  ASSERT_EQ(made.exit_code, 0) << made.err;
+  const CommandResult dump = run_command(tool() + " " + model.string() + " -c " + GetParam().n_ctx + " --json");
+  ASSERT_EQ(dump.exit_code, 0) << dump.err;
+  const auto vector = testing::read_file_bytes(testing::data_path(GetParam().file));
+  EXPECT_EQ(dump.out, std::string(reinterpret_cast<const char*>(vector.data()), vector.size()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, LayoutDumpToolKinds,
+                         ::testing::Values(KindVector{"mamba2", "512", "layout-recurrent-mamba2.json"}),
+                         [](const ::testing::TestParamInfo<KindVector>& info) { return std::string(info.param.arch); });
+
 TEST(LayoutDumpTool, ShowsBothIswaCachesAndTheRecurrentStateOfMkmodelModels) {
   TempDir dir;
   const auto gemma3 = dir / "gemma3.gguf";

@@ -1,0 +1,153 @@
+// The worked examples of docs/layout.md beyond the plain KV cache, one per memory kind:
+// tests/data/layout-<kind>-<arch>.json is what `kvshare-layout-dump MODEL --json` printed
+// for the model `kvshare-mkmodel --arch <arch>` writes with its defaults. Each is decoded
+// field by field, re-encoded to the same bytes, and built again from the model's metadata
+// (tests/layout/shape_fixtures.h, the generator's keys) and the params.
+//
+// The model fingerprint's tensors_hash hashes the GGUF's tensor infos, which only the
+// generator knows (layout_tests must not link refmodel): it is taken from the vector here,
+// and every other byte of the rebuilt header is compared.
+#include "layout/share_header.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "layout/shape_fixtures.h"
+#include "support/test_support.h"
+
+namespace kvshare::layout {
+namespace {
+
+using Ne = std::array<int64_t, 4>;
+
+std::string read_vector(const std::string& name) {
+  const auto bytes = kvshare::testing::read_file_bytes(kvshare::testing::data_path(name));
+  return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+}
+
+ShareHeader parse_vector(const std::string& name) {
+  auto header = parse_share_header(read_vector(name), name);
+  EXPECT_TRUE(header.has_value()) << header.error().what();
+  return header ? *header : ShareHeader{};
+}
+
+// What kvshare-mkmodel writes into the fingerprint: general.name "kvshare-tiny-<arch>",
+// embedding_length 128, 134 tokens.
+ModelFingerprint mkmodel_fingerprint(const std::string& arch, uint32_t n_layer, uint64_t tensors_hash) {
+  return {arch, "kvshare-tiny-" + arch, n_layer, 128, testing::kMkmodelVocab, tensors_hash};
+}
+
+// The dump's flags: -c N, and llama-server's defaults for the rest (-np 1, f16, -fa on, -ub 512).
+KvParams dump_params(uint32_t n_ctx) {
+  KvParams params;
+  params.n_ctx = n_ctx;
+  return params;
+}
+
+struct KindVector {
+  const char* file;
+  testing::MetadataBuilder (*metadata)();
+  uint32_t n_ctx;  // the dump's -c
+};
+
+const KindVector kVectors[] = {
+    {"layout-recurrent-mamba2.json", testing::mkmodel_mamba2, 512},
+};
+
+class LayoutKindVector : public ::testing::TestWithParam<KindVector> {};
+
+TEST_P(LayoutKindVector, ReencodesToTheSameBytes) {
+  const std::string bytes = read_vector(GetParam().file);
+  auto header = parse_share_header(bytes, GetParam().file);
+  ASSERT_TRUE(header.has_value()) << header.error().what();
+  EXPECT_EQ(to_json(*header), bytes);
+}
+
+TEST_P(LayoutKindVector, IsWhatMakeShareHeaderBuildsFromTheModelMetadata) {
+  const ShareHeader vector = parse_vector(GetParam().file);
+  const GgufMetadata metadata = GetParam().metadata().metadata();
+  auto shape = derive_model_shape(metadata);
+  ASSERT_TRUE(shape.has_value()) << shape.error().what();
+  // Everything but tensors_hash comes from the metadata (no tensor infos here).
+  ModelFingerprint model = model_fingerprint(metadata, {});
+  EXPECT_EQ(model.arch, vector.model.arch);
+  EXPECT_EQ(model.n_layer, vector.model.n_layer);
+  EXPECT_EQ(model.n_embd, vector.model.n_embd);
+  model.name = vector.model.name;  // general.name and the token count: not shape keys
+  model.n_vocab = testing::kMkmodelVocab;
+  model.tensors_hash = vector.model.tensors_hash;
+  auto header = make_share_header(model, *shape, dump_params(GetParam().n_ctx));
+  ASSERT_TRUE(header.has_value()) << header.error().what();
+  EXPECT_EQ(to_json(*header), read_vector(GetParam().file));
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, LayoutKindVector, ::testing::ValuesIn(kVectors),
+                         [](const ::testing::TestParamInfo<KindVector>& info) {
+                           std::string name = info.param.file;
+                           name = name.substr(7, name.size() - 7 - 5);  // drop "layout-" and ".json"
+                           for (char& c : name)
+                             if (c == '-') c = '_';
+                           return name;
+                         });
+
+void expect_tensor(const SharedTensor& s, const std::string& name, uint32_t cache_index, uint32_t il, TensorKind kind,
+                   GgmlType type, Ne ne, uint64_t row_bytes, uint32_t chunk, uint64_t offset, uint64_t padded_bytes) {
+  SCOPED_TRACE(name);
+  EXPECT_EQ(s.tensor.name, name);
+  EXPECT_EQ(s.cache_index, cache_index);
+  EXPECT_EQ(s.tensor.layer, il);
+  EXPECT_EQ(s.tensor.kind, kind);
+  EXPECT_EQ(s.tensor.type, type);
+  EXPECT_EQ(s.tensor.ne, ne);
+  EXPECT_EQ(s.tensor.row_bytes, row_bytes);
+  EXPECT_EQ(s.tensor.nbytes, row_bytes * static_cast<uint64_t>(ne[1] * ne[2] * ne[3]));
+  EXPECT_EQ(s.chunk, chunk);
+  EXPECT_EQ(s.offset, offset);
+  EXPECT_EQ(s.padded_bytes, padded_bytes);
+}
+
+void expect_chunk(const ShareChunk& chunk, uint32_t cache_index, uint64_t size_bytes, uint64_t layout_hash) {
+  EXPECT_EQ(chunk.cache_index, cache_index);
+  EXPECT_EQ(chunk.size_bytes, size_bytes);
+  EXPECT_EQ(chunk.layout_hash, layout_hash);
+}
+
+void expect_dump_params(const KvParams& params, uint32_t n_ctx) {
+  EXPECT_EQ(params, dump_params(n_ctx));
+}
+
+TEST(LayoutKinds, DecodesTheRecurrentMamba2VectorFieldByField) {
+  const ShareHeader h = parse_vector("layout-recurrent-mamba2.json");
+  EXPECT_EQ(h.format_version, 1u);
+  EXPECT_EQ(h.model, mkmodel_fingerprint("mamba2", 2, 0xf27e1aa18047ef5aull));
+  expect_dump_params(h.params, 512);
+  EXPECT_EQ(h.memory.kind, MemoryKind::recurrent);
+  EXPECT_EQ(h.memory.n_ctx, 512u);
+  EXPECT_EQ(h.memory.n_pos_per_embd, 1u);
+  EXPECT_TRUE(h.memory.kv_caches.empty());
+  ASSERT_TRUE(h.memory.recurrent.has_value());
+  const RecurrentShape& rs = *h.memory.recurrent;
+  EXPECT_EQ(rs.rs_size, 1u);
+  EXPECT_EQ(rs.n_layer, 2u);
+  ASSERT_EQ(rs.layers.size(), 2u);
+  for (uint32_t il = 0; il < 2; ++il) {
+    EXPECT_EQ(rs.layers[il].il, il);
+    EXPECT_EQ(rs.layers[il].n_embd_r, 864u);   // (d_conv - 1) x (d_inner + 2 n_group d_state) = 3 x 288
+    EXPECT_EQ(rs.layers[il].n_embd_s, 4096u);  // d_state x d_inner = 16 x 256
+  }
+  // The recurrent state is cache object 0: there is no KV cache before it.
+  ASSERT_EQ(h.layout.chunks.size(), 1u);
+  expect_chunk(h.layout.chunks[0], 0, 40960, 0x2da3e95b6de5c84full);
+  ASSERT_EQ(h.layout.tensors.size(), 4u);
+  expect_tensor(h.layout.tensors[0], "cache_r_l0", 0, 0, TensorKind::r, GgmlType::F32, {864, 1, 1, 1}, 3456, 0, 0, 4096);
+  expect_tensor(h.layout.tensors[1], "cache_s_l0", 0, 0, TensorKind::s, GgmlType::F32, {4096, 1, 1, 1}, 16384, 0, 4096,
+                16384);
+  expect_tensor(h.layout.tensors[2], "cache_r_l1", 0, 1, TensorKind::r, GgmlType::F32, {864, 1, 1, 1}, 3456, 0, 20480,
+                4096);
+  expect_tensor(h.layout.tensors[3], "cache_s_l1", 0, 1, TensorKind::s, GgmlType::F32, {4096, 1, 1, 1}, 16384, 0, 24576,
+                16384);
+}
+
+}  // namespace
+}  // namespace kvshare::layout
