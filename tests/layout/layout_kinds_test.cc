@@ -53,6 +53,7 @@ struct KindVector {
 
 const KindVector kVectors[] = {
     {"layout-recurrent-mamba2.json", testing::mkmodel_mamba2, 512},
+    {"layout-kv_iswa-gemma3.json", testing::mkmodel_gemma3, 1024},
 };
 
 class LayoutKindVector : public ::testing::TestWithParam<KindVector> {};
@@ -147,6 +148,53 @@ TEST(LayoutKinds, DecodesTheRecurrentMamba2VectorFieldByField) {
                 4096);
   expect_tensor(h.layout.tensors[3], "cache_s_l1", 0, 1, TensorKind::s, GgmlType::F32, {4096, 1, 1, 1}, 16384, 0, 24576,
                 16384);
+}
+
+void expect_kv_cache(const KvCacheShape& c, const std::string& role, uint32_t kv_size, uint32_t n_swa, SwaType swa_type,
+                     uint32_t il, uint32_t n_embd_gqa) {
+  SCOPED_TRACE(role);
+  EXPECT_EQ(c.role, role);
+  EXPECT_EQ(c.kv_size, kv_size);
+  EXPECT_EQ(c.n_stream, 1u);
+  EXPECT_EQ(c.type_k, GgmlType::F16);
+  EXPECT_EQ(c.type_v, GgmlType::F16);
+  EXPECT_FALSE(c.v_trans);
+  EXPECT_EQ(c.v_width, 0u);
+  EXPECT_EQ(c.n_swa, n_swa);
+  EXPECT_EQ(c.swa_type, swa_type);
+  ASSERT_EQ(c.layers.size(), 1u);
+  EXPECT_EQ(c.layers[0].il, il);
+  EXPECT_EQ(c.layers[0].n_embd_k_gqa, n_embd_gqa);
+  EXPECT_EQ(c.layers[0].n_embd_v_gqa, n_embd_gqa);
+  EXPECT_TRUE(c.layers[0].has_v);
+}
+
+TEST(LayoutKinds, DecodesTheIswaGemma3VectorFieldByField) {
+  const ShareHeader h = parse_vector("layout-kv_iswa-gemma3.json");
+  EXPECT_EQ(h.format_version, 1u);
+  EXPECT_EQ(h.model, mkmodel_fingerprint("gemma3", 2, 0xa1c4cdc877684332ull));
+  expect_dump_params(h.params, 1024);
+  EXPECT_EQ(h.memory.kind, MemoryKind::kv_iswa);
+  EXPECT_EQ(h.memory.n_ctx, 1024u);
+  EXPECT_EQ(h.memory.n_ctx_seq, 1024u);
+  EXPECT_EQ(h.memory.n_pos_per_embd, 1u);
+  EXPECT_FALSE(h.memory.recurrent.has_value());
+  ASSERT_EQ(h.memory.kv_caches.size(), 2u);
+  // Base: the full-attention layer 1, kv_size cells. SWA: layer 0, pad256(min(1024, 32 + 512)) = 768 cells.
+  expect_kv_cache(h.memory.kv_caches[0], "base", 1024, 0, SwaType::none, 1, 128);
+  expect_kv_cache(h.memory.kv_caches[1], "swa", 768, 32, SwaType::standard, 0, 128);
+  ASSERT_EQ(h.layout.chunks.size(), 2u);
+  expect_chunk(h.layout.chunks[0], 0, 524288, 0x77ffed82cc84afa1ull);
+  expect_chunk(h.layout.chunks[1], 1, 393216, 0xa9f62cca6f8ceba1ull);
+  ASSERT_EQ(h.layout.tensors.size(), 4u);
+  // Creation order: the base cache's tensors first, so layer 1 before layer 0.
+  expect_tensor(h.layout.tensors[0], "cache_k_l1", 0, 1, TensorKind::k, GgmlType::F16, {128, 1024, 1, 1}, 256, 0, 0,
+                262144);
+  expect_tensor(h.layout.tensors[1], "cache_v_l1", 0, 1, TensorKind::v, GgmlType::F16, {128, 1024, 1, 1}, 256, 0, 262144,
+                262144);
+  expect_tensor(h.layout.tensors[2], "cache_k_l0", 1, 0, TensorKind::k, GgmlType::F16, {128, 768, 1, 1}, 256, 1, 0, 196608);
+  expect_tensor(h.layout.tensors[3], "cache_v_l0", 1, 0, TensorKind::v, GgmlType::F16, {128, 768, 1, 1}, 256, 1, 196608,
+                196608);
 }
 
 }  // namespace
