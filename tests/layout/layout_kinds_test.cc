@@ -54,6 +54,7 @@ struct KindVector {
 const KindVector kVectors[] = {
     {"layout-recurrent-mamba2.json", testing::mkmodel_mamba2, 512},
     {"layout-kv_iswa-gemma3.json", testing::mkmodel_gemma3, 1024},
+    {"layout-hybrid-qwen35.json", testing::mkmodel_qwen35, 512},
 };
 
 class LayoutKindVector : public ::testing::TestWithParam<KindVector> {};
@@ -195,6 +196,42 @@ TEST(LayoutKinds, DecodesTheIswaGemma3VectorFieldByField) {
   expect_tensor(h.layout.tensors[2], "cache_k_l0", 1, 0, TensorKind::k, GgmlType::F16, {128, 768, 1, 1}, 256, 1, 0, 196608);
   expect_tensor(h.layout.tensors[3], "cache_v_l0", 1, 0, TensorKind::v, GgmlType::F16, {128, 768, 1, 1}, 256, 1, 196608,
                 196608);
+}
+
+TEST(LayoutKinds, DecodesTheHybridQwen35VectorFieldByField) {
+  const ShareHeader h = parse_vector("layout-hybrid-qwen35.json");
+  EXPECT_EQ(h.format_version, 1u);
+  EXPECT_EQ(h.model, mkmodel_fingerprint("qwen35", 4, 0xe3856525d7b7b363ull));
+  expect_dump_params(h.params, 512);
+  EXPECT_EQ(h.memory.kind, MemoryKind::hybrid);
+  EXPECT_EQ(h.memory.n_ctx, 512u);
+  EXPECT_EQ(h.memory.n_pos_per_embd, 4u);  // M-RoPE: cell records, not the region
+  ASSERT_EQ(h.memory.kv_caches.size(), 1u);
+  expect_kv_cache(h.memory.kv_caches[0], "kv", 512, 0, SwaType::none, 3, 128);
+  ASSERT_TRUE(h.memory.recurrent.has_value());
+  const RecurrentShape& rs = *h.memory.recurrent;
+  EXPECT_EQ(rs.rs_size, 1u);
+  EXPECT_EQ(rs.n_layer, 4u);
+  ASSERT_EQ(rs.layers.size(), 3u);
+  for (uint32_t il = 0; il < 3; ++il) {
+    EXPECT_EQ(rs.layers[il].il, il);
+    EXPECT_EQ(rs.layers[il].n_embd_r, 384u);   // (d_conv - 1) x (2 x 2 key heads x 16 + 4 value heads x 16)
+    EXPECT_EQ(rs.layers[il].n_embd_s, 1024u);  // 16 x 16 x 4 value heads
+  }
+  ASSERT_EQ(h.layout.chunks.size(), 2u);
+  // The plain example's running hash after two [128, 512] f16 tensors: names are not hashed.
+  expect_chunk(h.layout.chunks[0], 0, 262144, 0x05b423ba98441fa1ull);
+  expect_chunk(h.layout.chunks[1], 1, 24576, 0xe219213eb239adfdull);
+  ASSERT_EQ(h.layout.tensors.size(), 8u);
+  expect_tensor(h.layout.tensors[0], "cache_k_l3", 0, 3, TensorKind::k, GgmlType::F16, {128, 512, 1, 1}, 256, 0, 0, 131072);
+  expect_tensor(h.layout.tensors[1], "cache_v_l3", 0, 3, TensorKind::v, GgmlType::F16, {128, 512, 1, 1}, 256, 0, 131072,
+                131072);
+  for (uint32_t il = 0; il < 3; ++il) {
+    expect_tensor(h.layout.tensors[2 + 2 * il], "cache_r_l" + std::to_string(il), 1, il, TensorKind::r, GgmlType::F32,
+                  {384, 1, 1, 1}, 1536, 1, 8192 * il, 4096);
+    expect_tensor(h.layout.tensors[3 + 2 * il], "cache_s_l" + std::to_string(il), 1, il, TensorKind::s, GgmlType::F32,
+                  {1024, 1, 1, 1}, 4096, 1, 8192 * il + 4096, 4096);
+  }
 }
 
 }  // namespace
