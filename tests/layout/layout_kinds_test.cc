@@ -55,6 +55,7 @@ const KindVector kVectors[] = {
     {"layout-recurrent-mamba2.json", testing::mkmodel_mamba2, 512},
     {"layout-kv_iswa-gemma3.json", testing::mkmodel_gemma3, 1024},
     {"layout-hybrid-qwen35.json", testing::mkmodel_qwen35, 512},
+    {"layout-hybrid-lfm2.json", testing::mkmodel_lfm2, 512},
 };
 
 class LayoutKindVector : public ::testing::TestWithParam<KindVector> {};
@@ -232,6 +233,36 @@ TEST(LayoutKinds, DecodesTheHybridQwen35VectorFieldByField) {
     expect_tensor(h.layout.tensors[3 + 2 * il], "cache_s_l" + std::to_string(il), 1, il, TensorKind::s, GgmlType::F32,
                   {1024, 1, 1, 1}, 4096, 1, 8192 * il + 4096, 4096);
   }
+}
+
+TEST(LayoutKinds, DecodesTheHybridLfm2VectorWithItsZeroWidthState) {
+  const ShareHeader h = parse_vector("layout-hybrid-lfm2.json");
+  EXPECT_EQ(h.format_version, 1u);
+  EXPECT_EQ(h.model, mkmodel_fingerprint("lfm2", 2, 0x1cebcc261569d082ull));
+  expect_dump_params(h.params, 512);
+  EXPECT_EQ(h.memory.kind, MemoryKind::hybrid);
+  EXPECT_EQ(h.memory.n_pos_per_embd, 1u);
+  ASSERT_EQ(h.memory.kv_caches.size(), 1u);
+  expect_kv_cache(h.memory.kv_caches[0], "kv", 512, 0, SwaType::none, 1, 64);
+  ASSERT_TRUE(h.memory.recurrent.has_value());
+  const RecurrentShape& rs = *h.memory.recurrent;
+  EXPECT_EQ(rs.rs_size, 1u);
+  EXPECT_EQ(rs.n_layer, 2u);
+  ASSERT_EQ(rs.layers.size(), 1u);
+  EXPECT_EQ(rs.layers[0].il, 0u);
+  EXPECT_EQ(rs.layers[0].n_embd_r, 384u);  // n_embd x (l_cache - 1)
+  EXPECT_EQ(rs.layers[0].n_embd_s, 0u);    // a short conv keeps no SSM state
+  ASSERT_EQ(h.layout.chunks.size(), 2u);
+  expect_chunk(h.layout.chunks[0], 0, 131072, 0xdef47d354c70c8a1ull);
+  expect_chunk(h.layout.chunks[1], 1, 4096, 0x45d5aa0169942991ull);
+  ASSERT_EQ(h.layout.tensors.size(), 4u);
+  expect_tensor(h.layout.tensors[0], "cache_k_l1", 0, 1, TensorKind::k, GgmlType::F16, {64, 512, 1, 1}, 128, 0, 0, 65536);
+  expect_tensor(h.layout.tensors[1], "cache_v_l1", 0, 1, TensorKind::v, GgmlType::F16, {64, 512, 1, 1}, 128, 0, 65536,
+                65536);
+  expect_tensor(h.layout.tensors[2], "cache_r_l0", 1, 0, TensorKind::r, GgmlType::F32, {384, 1, 1, 1}, 1536, 1, 0, 4096);
+  // Listed and hashed, but 0 bytes: it sits at the end of its chunk and takes nothing.
+  expect_tensor(h.layout.tensors[3], "cache_s_l0", 1, 0, TensorKind::s, GgmlType::F32, {0, 1, 1, 1}, 0, 1, 4096, 0);
+  EXPECT_EQ(h.layout.total_bytes(), 131072u + 4096u);
 }
 
 }  // namespace

@@ -127,7 +127,8 @@ TEST_P(LayoutDumpToolKinds, PrintsTheVectorForTheModelMkmodelWrites) {
 INSTANTIATE_TEST_SUITE_P(Kinds, LayoutDumpToolKinds,
                          ::testing::Values(KindVector{"mamba2", "512", "layout-recurrent-mamba2.json"},
                                            KindVector{"gemma3", "1024", "layout-kv_iswa-gemma3.json"},
-                                           KindVector{"qwen35", "512", "layout-hybrid-qwen35.json"}),
+                                           KindVector{"qwen35", "512", "layout-hybrid-qwen35.json"},
+                                           KindVector{"lfm2", "512", "layout-hybrid-lfm2.json"}),
                          [](const ::testing::TestParamInfo<KindVector>& info) { return std::string(info.param.arch); });
 
 TEST(LayoutDumpTool, ShowsBothIswaCachesAndTheRecurrentStateOfMkmodelModels) {
