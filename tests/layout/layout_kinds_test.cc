@@ -11,6 +11,7 @@
 
 #include <gtest/gtest.h>
 
+#include <ostream>
 #include <string>
 
 #include "layout/shape_fixtures.h"
@@ -50,6 +51,9 @@ struct KindVector {
   testing::MetadataBuilder (*metadata)();
   uint32_t n_ctx;  // the dump's -c
 };
+
+// Names the vector in test listings instead of the struct's bytes.
+void PrintTo(const KindVector& vector, std::ostream* os) { *os << vector.file; }
 
 const KindVector kVectors[] = {
     {"layout-recurrent-mamba2.json", testing::mkmodel_mamba2, 512},

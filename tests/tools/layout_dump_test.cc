@@ -1,6 +1,7 @@
 // Runs build/bin/kvshare-layout-dump as a user would, on shape-only GGUFs written here.
 #include <gtest/gtest.h>
 
+#include <ostream>
 #include <string>
 
 #include "layout/gguf_writer.h"
@@ -109,6 +110,9 @@ struct KindVector {
   const char* n_ctx;
   const char* file;
 };
+
+// Names the vector in test listings instead of the struct's bytes.
+void PrintTo(const KindVector& vector, std::ostream* os) { *os << vector.file; }
 
 class LayoutDumpToolKinds : public ::testing::TestWithParam<KindVector> {};
 
