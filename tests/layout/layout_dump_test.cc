@@ -81,5 +81,67 @@ TEST(LayoutDump, ChecksAHeaderDocument) {
   EXPECT_FALSE(render_header_check("{}", "layout.json").has_value());
 }
 
+// The report once named only how many layers a cache had and said nothing of the
+// recurrent widths: which layer sat in which iSWA cache, and what a recurrent row held,
+// could only be read from the JSON (issue 26).
+TEST(LayoutDump, ShowsBothIswaCachesWithTheLayersEachOwns) {
+  const ParsedModel model = shape_only(testing::mkmodel_gemma3().metadata());
+  auto report = render_layout_dump(model.file, ctx(1024), false);
+  ASSERT_TRUE(report.has_value()) << report.error().what();
+  EXPECT_NE(report->find("cache 0 (base): kv_size 1024, n_stream 1, K f16, V f16, v_trans no, n_swa 0, layers [1]\n"),
+            std::string::npos)
+      << *report;
+  EXPECT_NE(report->find("cache 1 (swa): kv_size 768, n_stream 1, K f16, V f16, v_trans no, n_swa 32, layers [0]\n"),
+            std::string::npos)
+      << *report;
+  EXPECT_NE(report->find("cache_k_l0       f16    [128, 768, 1, 1]               1            0       196608  1 swa\n"),
+            std::string::npos)
+      << *report;
+}
+
+TEST(LayoutDump, SaysWhenAnIswaCacheOwnsNoLayer) {
+  // gemma3's default pattern (period 6) makes both layers of a 2-layer model SWA.
+  auto gemma3 = testing::mkmodel_gemma3().remove_by_rebuilding("attention.sliding_window_pattern");
+  const ParsedModel model = shape_only(gemma3.metadata());
+  auto report = render_layout_dump(model.file, ctx(1024), false);
+  ASSERT_TRUE(report.has_value()) << report.error().what();
+  EXPECT_NE(report->find("cache 0 (base): kv_size 1024, n_stream 1, K f16, V f16, v_trans no, n_swa 0, no layers (no "
+                         "tensors, no chunk)\n"),
+            std::string::npos)
+      << *report;
+  EXPECT_NE(report->find("layers [0, 1]\n"), std::string::npos) << *report;
+}
+
+TEST(LayoutDump, ShowsTheRecurrentLayersWidthsAndTensors) {
+  const ParsedModel model = shape_only(testing::mkmodel_qwen35().metadata());
+  auto report = render_layout_dump(model.file, ctx(512), false);
+  ASSERT_TRUE(report.has_value()) << report.error().what();
+  EXPECT_NE(report->find("cache 1 (recurrent): rs_size 1 (cells, one per sequence), f32 r/s state, layers [0, 1, 2], "
+                         "n_embd_r 384 (1536 bytes per cell), n_embd_s 1024 (4096 bytes per cell)\n"),
+            std::string::npos)
+      << *report;
+  EXPECT_NE(report->find("cache_s_l2       f32    [1024, 1, 1, 1]                1        20480         4096  1 recurrent\n"),
+            std::string::npos)
+      << *report;
+  EXPECT_NE(report->find("recurrent bytes per sequence: 16896\n"), std::string::npos) << *report;
+}
+
+TEST(LayoutDump, SaysAZeroWidthStateTakesNoBytes) {
+  const ParsedModel model = shape_only(testing::mkmodel_lfm2().metadata());
+  auto report = render_layout_dump(model.file, ctx(512), false);
+  ASSERT_TRUE(report.has_value()) << report.error().what();
+  EXPECT_NE(report->find("n_embd_s 0 (empty tensors: 0 bytes in the region)\n"), std::string::npos) << *report;
+  EXPECT_NE(report->find("cache_s_l0       f32    [0, 1, 1, 1]                   1         4096            0  1 recurrent\n"),
+            std::string::npos)
+      << *report;
+}
+
+TEST(LayoutDump, PrintsNoRecurrentLineForAKvOnlyModel) {
+  const ParsedModel model = shape_only(testing::worked_example_model().metadata());
+  auto report = render_layout_dump(model.file, ctx(512), false);
+  ASSERT_TRUE(report.has_value()) << report.error().what();
+  EXPECT_EQ(report->find("recurrent"), std::string::npos) << *report;
+}
+
 }  // namespace
 }  // namespace kvshare::layout

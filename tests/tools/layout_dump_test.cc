@@ -1,6 +1,7 @@
 // Runs build/bin/kvshare-layout-dump as a user would, on shape-only GGUFs written here.
 #include <gtest/gtest.h>
 
+#include <ostream>
 #include <string>
 
 #include "layout/gguf_writer.h"
@@ -99,6 +100,62 @@ TEST(LayoutDumpTool, PrintsHelpAndExits0) {
   EXPECT_EQ(result.exit_code, 0);
   EXPECT_NE(result.out.find("--header"), std::string::npos) << result.out;
   EXPECT_NE(result.out.find("qwen3moe"), std::string::npos) << result.out;
+}
+
+// The memory-kind vectors of docs/layout.md are what the two tools print for a model
+// kvshare-mkmodel writes: rerun them, so a change to either tool (or to the generator's
+// tensor list, which the fingerprint hashes) that would change a vector shows here.
+struct KindVector {
+  const char* arch;
+  const char* n_ctx;
+  const char* file;
+};
+
+// Names the vector in test listings instead of the struct's bytes.
+void PrintTo(const KindVector& vector, std::ostream* os) { *os << vector.file; }
+
+class LayoutDumpToolKinds : public ::testing::TestWithParam<KindVector> {};
+
+TEST_P(LayoutDumpToolKinds, PrintsTheVectorForTheModelMkmodelWrites) {
+  TempDir dir;
+  const auto model = dir / (std::string(GetParam().arch) + ".gguf");
+  const CommandResult made =
+      run_command(tool_path("kvshare-mkmodel").string() + " " + model.string() + " --arch " + GetParam().arch);
+  ASSERT_EQ(made.exit_code, 0) << made.err;
+  const CommandResult dump = run_command(tool() + " " + model.string() + " -c " + GetParam().n_ctx + " --json");
+  ASSERT_EQ(dump.exit_code, 0) << dump.err;
+  const auto vector = testing::read_file_bytes(testing::data_path(GetParam().file));
+  EXPECT_EQ(dump.out, std::string(reinterpret_cast<const char*>(vector.data()), vector.size()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, LayoutDumpToolKinds,
+                         ::testing::Values(KindVector{"mamba2", "512", "layout-recurrent-mamba2.json"},
+                                           KindVector{"gemma3", "1024", "layout-kv_iswa-gemma3.json"},
+                                           KindVector{"qwen35", "512", "layout-hybrid-qwen35.json"},
+                                           KindVector{"lfm2", "512", "layout-hybrid-lfm2.json"}),
+                         [](const ::testing::TestParamInfo<KindVector>& info) { return std::string(info.param.arch); });
+
+TEST(LayoutDumpTool, ShowsBothIswaCachesAndTheRecurrentStateOfMkmodelModels) {
+  TempDir dir;
+  const auto gemma3 = dir / "gemma3.gguf";
+  const auto lfm2 = dir / "lfm2.gguf";
+  ASSERT_EQ(run_command(tool_path("kvshare-mkmodel").string() + " " + gemma3.string() + " --arch gemma3").exit_code, 0);
+  ASSERT_EQ(run_command(tool_path("kvshare-mkmodel").string() + " " + lfm2.string() + " --arch lfm2").exit_code, 0);
+  const CommandResult iswa = run_command(tool() + " " + gemma3.string() + " -c 1024");
+  ASSERT_EQ(iswa.exit_code, 0) << iswa.err;
+  EXPECT_NE(iswa.out.find("cache 0 (base): kv_size 1024, n_stream 1, K f16, V f16, v_trans no, n_swa 0, layers [1]"),
+            std::string::npos)
+      << iswa.out;
+  EXPECT_NE(iswa.out.find("cache 1 (swa): kv_size 768, n_stream 1, K f16, V f16, v_trans no, n_swa 32, layers [0]"),
+            std::string::npos)
+      << iswa.out;
+  const CommandResult hybrid = run_command(tool() + " " + lfm2.string() + " -c 512");
+  ASSERT_EQ(hybrid.exit_code, 0) << hybrid.err;
+  EXPECT_NE(hybrid.out.find("cache 1 (recurrent): rs_size 1 (cells, one per sequence), f32 r/s state, layers [0], "
+                            "n_embd_r 384 (1536 bytes per cell), n_embd_s 0 (empty tensors: 0 bytes in the region)"),
+            std::string::npos)
+      << hybrid.out;
+  EXPECT_NE(hybrid.out.find("recurrent bytes per sequence: 1536"), std::string::npos) << hybrid.out;
 }
 
 }  // namespace
