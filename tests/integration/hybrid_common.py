@@ -22,6 +22,14 @@ sys.path.insert(0, HERE)
 import fake_decoder  # noqa: E402  (tokenizer, template and replies, to compute expectations)
 
 
+# serve's per-request lines and its startup line naming the decoder child. Not anchored at
+# the line start: llama-server's log shares serve's stderr and writes a line's timestamp
+# before its text, so serve's own line can land after one.
+SHARED_LINE = re.compile(r"hybrid: (\d+) prompt tokens(?:, \d+ cached)?: prefill \d+\.\d{3} ms(?: of \d+ tokens)?, "
+                         r"share (\d+\.\d{3}) ms, first byte \d+\.\d{3} ms$")
+DECODER_RE = re.compile(r"decoder \S+ on 127\.0\.0\.1:(\d+)")
+
+
 class Failure(Exception):
     pass
 

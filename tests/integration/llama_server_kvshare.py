@@ -35,7 +35,8 @@ import sys
 import tempfile
 
 import hybrid_common
-from hybrid_common import llama_kvshare_prefill, Serve, chat_reply_of, check, run_tests, temp_dir, wait_until
+from hybrid_common import (DECODER_RE, SHARED_LINE, llama_kvshare_prefill, Serve, chat_reply_of, check, run_tests,
+                           temp_dir, wait_until)
 
 BIN = os.path.abspath(sys.argv[1])
 LLAMA = os.environ.get("LLAMA_SERVER_KVSHARE", "")
@@ -58,13 +59,8 @@ subprocess.run([TOOLS["kvshare-mkmodel"], MODEL, "--seed", "7", "--residual-gain
 SERVE_TMP = os.path.join(WORK, "serve-tmp")
 os.makedirs(SERVE_TMP)
 KV_FLAGS = ["-c", "1024", "-fa", "on", "-ctk", "f16", "-ctv", "f16"]
-# Not anchored at the line start: llama-server's log shares serve's stderr and writes a
-# line's timestamp before its text, so serve's own line can land after one.
-SHARED_LINE = re.compile(r"hybrid: (\d+) prompt tokens(?:, \d+ cached)?: prefill \d+\.\d{3} ms(?: of \d+ tokens)?, share (\d+\.\d{3}) ms, "
-                         r"first byte \d+\.\d{3} ms$")
 FILE_LINE = re.compile(r"hybrid: (\d+) prompt tokens: prefill \d+\.\d{3} ms, (share 0\.000 ms, )?restore "
                        r"\d+\.\d{3} ms, first byte \d+\.\d{3} ms$")
-DECODER_RE = re.compile(r"decoder \S+ on 127\.0\.0\.1:(\d+)")
 PROMPTS = ["Tell me about the sea.", "Write one line of code.",
            "A longer prompt, so that the handoff carries a few dozen tokens of KV: " + "words " * 20]
 CPU_REPLIES = {}

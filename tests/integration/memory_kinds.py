@@ -34,8 +34,8 @@ import shutil
 import subprocess
 import sys
 
-from hybrid_common import (Serve, chat_reply_of, check, llama_kvshare_prefill, run_tests, temp_dir, wait_until,
-                           wrapped_provider)
+from hybrid_common import (DECODER_RE, SHARED_LINE, Serve, chat_reply_of, check, llama_kvshare_prefill, run_tests,
+                           temp_dir, wait_until, wrapped_provider)
 
 BIN = os.path.abspath(sys.argv[1])
 LLAMA = os.environ.get("LLAMA_SERVER_KVSHARE", "")
@@ -56,11 +56,8 @@ WORK = temp_dir()
 SERVE_TMP = os.path.join(WORK, "serve-tmp")
 os.makedirs(SERVE_TMP)
 KV_FLAGS = ["-c", "1024", "-fa", "on", "-ctk", "f16", "-ctv", "f16"]
-SHARED_LINE = re.compile(r"hybrid: (\d+) prompt tokens(?:, \d+ cached)?: prefill \d+\.\d{3} ms(?: of \d+ tokens)?, "
-                         r"share (\d+\.\d{3}) ms, first byte \d+\.\d{3} ms$")
 FILE_LINE = re.compile(r"hybrid: (\d+) prompt tokens: prefill \d+\.\d{3} ms, restore \d+\.\d{3} ms, "
                        r"first byte \d+\.\d{3} ms$")
-DECODER_RE = re.compile(r"decoder \S+ on 127\.0\.0\.1:(\d+)")
 # Longer than gemma3's window (kvshare-mkmodel's default 32) plus two: the shortest prompt an
 # iSWA handoff can be reused for (docs/hybrid.md). Two prompts, so no request repeats the
 # slot's cached prompt (serve forwards a prompt it holds).
@@ -131,7 +128,8 @@ def baseline(arch):
         decoder_post(serve, "/slots/0?action=erase", {})
         messages = request(PROMPTS[-1])["messages"]
         prompt = decoder_post(serve, "/apply-template", {"messages": messages})["prompt"]
-        ids = decoder_post(serve, "/tokenize", {"content": prompt, "add_special": True, "parse_special": True})["tokens"]
+        ids = decoder_post(serve, "/tokenize",
+                           {"content": prompt, "add_special": True, "parse_special": True})["tokens"]
         decoder_post(serve, "/completion", {"prompt": ids[:-1], "n_predict": 0, "id_slot": 0, "cache_prompt": True})
         text, prompt_n = chat_reply_of(*serve.post("/v1/chat/completions", request(PROMPTS[-1]), timeout=180), False)
         check(text == out[-1] and prompt_n == 1, "%s: the split prefill said %r (prompt_n %s), the whole one %r" %
@@ -151,7 +149,8 @@ def check_route(arch, kv_share):
             for prompt, want, (text, prompt_n) in zip(PROMPTS, expected, replies(serve, stream)):
                 check(text == want, "%s %s route: reply %r differs from --device cpu %r (stream=%s)" %
                       (arch, route, text, want, stream))
-                check(prompt_n == 1, "%s %s route: prompt_n %s, expected 1 (stream=%s)" % (arch, route, prompt_n, stream))
+                check(prompt_n == 1, "%s %s route: prompt_n %s, expected 1 (stream=%s)" %
+                      (arch, route, prompt_n, stream))
         line = SHARED_LINE if kv_share else FILE_LINE
         lines = serve.wait_count(line, 2 * len(PROMPTS))
         check(len(lines) == 2 * len(PROMPTS), "%s %s route: handoff lines:\n%s" % (arch, route, "\n".join(serve.lines)))
