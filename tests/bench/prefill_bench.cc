@@ -52,7 +52,7 @@ Setup& setup(bool smoke) {
   if (!model) throw std::runtime_error(model.error().what());
   uint64_t params = 0;
   for (const auto& t : (*model)->tensor_infos()) params += static_cast<uint64_t>(t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3]);
-  s = std::make_unique<Setup>(Setup{*model, fmt::format("{} layers, embd {}, {:.1f}M parameters, {} weights", o.n_layer,
+  s = std::make_unique<Setup>(Setup{*model, fmt::format("{} layers, embd {}, {:.1f}M parameters, {} weights", (*model)->shape().n_layer,
                                                         o.n_embd, params / 1e6, layout::ggml_type_name(o.wtype))});
   return *s;
 }
