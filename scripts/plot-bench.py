@@ -112,7 +112,8 @@ def plot_handoff_cost(lines, out, stamp):
 
 
 def plot_first_byte(lines, out, stamp):
-    route = of(lines, "route")
+    # The plain KV cache (qwen3, the default arch); other memory kinds are a table in docs/hybrid.md.
+    route = [line for line in of(lines, "route") if line.get("arch", "qwen3") == "qwen3"]
     if not route:
         return None
     decoders = sorted({line.get("decoder", "kvshare-decoder") for line in route})

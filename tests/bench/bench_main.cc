@@ -95,9 +95,18 @@ std::string check_group_flags(const Group& group, const std::vector<std::string>
     if (known->value.empty()) continue;
     if (i + 1 >= rest.size()) return known->name + " needs " + known->value;
     const std::string& value = rest[++i];
-    const bool is_choice = known->value.find('|') != std::string::npos;
-    if (is_choice && ("|" + known->value + "|").find("|" + value + "|") == std::string::npos)
-      return known->name + " \"" + value + "\": not one of " + known->value;
+    // "a|b[,...]": a comma list of the choices ("--arch qwen3,gemma3").
+    const std::string list_mark = "[,...]";
+    const bool is_list = known->value.size() > list_mark.size() && known->value.ends_with(list_mark);
+    const std::string choices = is_list ? known->value.substr(0, known->value.size() - list_mark.size()) : known->value;
+    const bool is_choice = choices.find('|') != std::string::npos;
+    for (size_t from = 0; is_choice && from <= value.size();) {
+      const size_t comma = is_list ? std::min(value.find(',', from), value.size()) : value.size();
+      const std::string item = value.substr(from, comma - from);
+      if (("|" + choices + "|").find("|" + item + "|") == std::string::npos)
+        return known->name + " \"" + item + "\": not one of " + choices;
+      from = comma + 1;
+    }
     if (known->value == "N" && (value.find_first_not_of("0123456789") != std::string::npos || std::atoi(value.c_str()) < 1))
       return known->name + " \"" + value + "\": not a positive count";
   }

@@ -17,11 +17,20 @@
 // --backend PATH names another, such as a llama-server built with the patch series of
 // integrations/llama.cpp; its provider is then llama-kvshare-prefill beside it (or
 // --provider PATH), so that both run the same llama.cpp.
+//
+// --arch A[,A...] (issue 26: the handoff figures per memory kind) runs the whole group once
+// per kvshare-mkmodel arch, one after the other, on the same prompts: qwen3 (the default),
+// qwen2 and llama hold one plain KV cache, mamba2 a recurrent state, lfm2 and qwen35 a
+// hybrid memory, gemma3 a base and an SWA cache. Only the patched llama-server holds the
+// other kinds; the remote route runs for plain KV only (kvshare-provider-server's reference
+// model computes one plain KV cache), and the output says which routes were not run, and why.
 // Group flags (after --, or before it for these two): --backend PATH, --provider PATH;
-// --rounds N (default 9).
+// --arch A[,A...]; --rounds N (default 9, 5 with more than one arch).
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -31,7 +40,9 @@
 #include <optional>
 #include <regex>
 #include <sstream>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "bench_files.h"
 #include "bench_registry.h"
@@ -54,11 +65,19 @@ const char* const kRoutes[] = {"cpu", "file", "shared", "remote"};
 // The remote route's provider server and its deployment key (the same for the run).
 constexpr const char* kRemoteKey = "kvshare-bench-route-key";
 
+// gemma3's SWA cache, as llama.cpp sizes it for the decoder serve starts here (no -ub: its
+// default 512): pad256(n_swa + n_ubatch) cells (docs/layout.md), n_swa being
+// kvshare-mkmodel's default --swa-window.
+constexpr int kGemma3Window = 32;
+constexpr int kDecoderUbatch = 512;
+constexpr int kGemma3SwaCells = (kGemma3Window + kDecoderUbatch + 255) / 256 * 256;  // 768
+
 struct Settings {
   fs::path backend;   // the decoder binary
   fs::path provider;  // the prefill provider
   bool is_llama_server = false;
   int rounds = 9;
+  std::vector<std::string> archs;  // kvshare-mkmodel --arch, in run order
 };
 
 Settings& settings() {
@@ -66,7 +85,62 @@ Settings& settings() {
   return s;
 }
 
-// One kvshare-serve per route, started once per run and stopped at exit.
+// The memory llama.cpp builds for each kvshare-mkmodel arch (docs/refmodel.md), by
+// llama.cpp's names for it.
+std::string memory_of(const std::string& arch) {
+  if (arch == "mamba2") return "recurrent";
+  if (arch == "lfm2" || arch == "qwen35") return "hybrid";
+  if (arch == "gemma3") return "kv_iswa";
+  return "kv";  // qwen3, qwen2, llama
+}
+
+// Why nothing is measured for `arch`, at any length; "" when it is.
+std::string kind_not_run(const std::string& arch) {
+  if (memory_of(arch) != "kv" && !settings().is_llama_server)
+    return fmt::format("kvshare-decoder and kvshare-prefill hold one plain KV cache; a {} memory needs --backend, a "
+                       "llama-server built with the patch series",
+                       memory_of(arch));
+  return "";
+}
+
+// Why nothing is measured for `arch` at `n_tokens` when the kind is; "" when it is.
+std::string length_not_run(const std::string& arch, int n_tokens) {
+  // llama-server reuses an iSWA handoff only when the prompt has n_swa + 2 tokens or more
+  // (docs/hybrid.md, "Memory kinds"); a shorter one it re-processes, and the figure would be
+  // the decoder's prefill, not the handoff's.
+  if (arch == "gemma3" && n_tokens < kGemma3Window + 2)
+    return fmt::format("below {} tokens (the window + 2) the decoder re-processes an iSWA handoff", kGemma3Window + 2);
+  return "";
+}
+
+// Why `route` is not measured for `arch` at `n_tokens` when the arch is; "" when it is.
+std::string route_not_run(const std::string& arch, int n_tokens, const std::string& route) {
+  if (route == "remote" && memory_of(arch) != "kv")
+    return "the remote route covers one plain KV cache (kvshare-provider-server runs the reference model)";
+  // gemma3's shared route is measured only where the prompt fits the SWA cache. Past it the
+  // provider's ring would have wrapped, adopt refuses and serve forwards the request: a
+  // figure of that fallback, not of a handoff. A larger -ub cannot make 4096 tokens fit
+  // (n_ubatch is at most -b, 2048 by default) and would run gemma3 with other batches than
+  // the other archs; --swa-full must not be used on the file route (docs/hybrid.md). So
+  // the file route keeps the long prompt (its restore keeps n_swa + 1 SWA positions,
+  // whatever the length) and the shared route is reported as not run there. A released
+  // gemma3 (window 1024: 1536 cells at -ub 512) meets the same limit at longer prompts.
+  if (arch == "gemma3" && route == "shared" && n_tokens - 1 > kGemma3SwaCells)
+    return fmt::format("the handoff of {} cells does not fit gemma3's SWA cache of {} cells (pad256(n_swa {} + "
+                       "n_ubatch {})): adopt would refuse and serve forward the request",
+                       n_tokens - 1, kGemma3SwaCells, kGemma3Window, kDecoderUbatch);
+  return "";
+}
+
+// The routes measured for `arch` at `n_tokens`, in kRoutes order.
+std::vector<std::string> routes_of(const std::string& arch, int n_tokens) {
+  std::vector<std::string> routes;
+  for (const char* route_name : kRoutes)
+    if (route_not_run(arch, n_tokens, route_name).empty()) routes.push_back(route_name);
+  return routes;
+}
+
+// One kvshare-serve per route, started once per arch and stopped before the next arch.
 std::unique_ptr<ServeUnderTest> start_serve(const std::string& route, const fs::path& model, const fs::path& dir,
                                             const std::string& remote_url, std::string& why) {
   ServeLaunch launch;
@@ -89,10 +163,9 @@ struct HybridLine {
   std::string route;  // "file", "shared" or "remote"
 };
 
-std::vector<HybridLine> hybrid_lines(const fs::path& log_path) {
+std::vector<HybridLine> hybrid_lines(const std::string& log) {
   const std::regex line_re(
       R"(hybrid: \d+ prompt tokens(?:, \d+ cached)?: prefill ([\d.]+) ms(?: of \d+ tokens)?, (share ([\d.]+) ms( remote)?, )?(restore ([\d.]+) ms, )?first byte)");
-  const std::string log = read_all(log_path);
   std::vector<HybridLine> lines;
   for (std::sregex_iterator it(log.begin(), log.end(), line_re), end; it != end; ++it) {
     HybridLine line;
@@ -104,15 +177,27 @@ std::vector<HybridLine> hybrid_lines(const fs::path& log_path) {
   return lines;
 }
 
+// The serves of one arch, with their model and (plain KV only) the remote route's provider.
 struct Setup {
+  std::string arch;
   fs::path dir;
   fs::path model;
   ChildProcess provider_server;  // the remote route's prefill host, on loopback
   std::map<std::string, std::unique_ptr<ServeUnderTest>> serves;
   std::string why;  // empty when ready
+  int salt = 0;     // the prompts' salts: the same sequence for every arch
 };
 
-bool g_setup_started = false;
+std::unique_ptr<Setup> g_setup;  // the arch being measured; one at a time
+
+void stop_setup() {
+  if (!g_setup) return;
+  g_setup->serves.clear();
+  g_setup->provider_server.terminate(std::chrono::seconds(10));
+  std::error_code ec;
+  if (!g_setup->dir.empty()) fs::remove_all(g_setup->dir, ec);
+  g_setup.reset();
+}
 
 // kvshare-provider-server on a free loopback port, one forward-pass thread as the other
 // providers have; its URL once it listens.
@@ -137,37 +222,47 @@ Result<std::string> start_provider_server(Setup& made) {
   return fail(EIO, "kvshare-provider-server did not start listening (log {})", log.string());
 }
 
-Setup& setup() {
-  g_setup_started = true;
-  static Setup s = [] {
-    Setup made;
-    auto model = make_bench_model("kvshare-bench-route", {settings().backend, settings().provider}, made.why);
-    if (!model) return made;
-    made.dir = model->dir;
-    made.model = model->model;
-    auto remote_url = start_provider_server(made);
-    if (!remote_url) {
-      made.why = remote_url.error().what();
+// The serves of `arch`, started on its first benchmark; those of the arch before are
+// stopped first, so two archs' decoders never share the two cores.
+Setup& setup(const std::string& arch) {
+  if (g_setup && g_setup->arch == arch) return *g_setup;
+  stop_setup();
+  g_setup = std::make_unique<Setup>();
+  Setup& made = *g_setup;
+  made.arch = arch;
+  auto model = make_bench_model("kvshare-bench-route", {settings().backend, settings().provider}, made.why,
+                                {"--arch", arch});
+  if (!model) return made;
+  made.dir = model->dir;
+  made.model = model->model;
+  std::string remote_url;
+  if (memory_of(arch) == "kv") {
+    auto url = start_provider_server(made);
+    if (!url) {
+      made.why = url.error().what();
       return made;
     }
-    for (const char* route_name : kRoutes) {
-      auto serve = start_serve(route_name, made.model, made.dir, *remote_url, made.why);
-      if (!serve) return made;
-      made.serves[route_name] = std::move(serve);
-    }
-    return made;
-  }();
-  return s;
+    remote_url = *url;
+  }
+  for (const char* route_name : kRoutes) {
+    if (route_name == std::string("remote") && remote_url.empty()) continue;
+    auto serve = start_serve(route_name, made.model, made.dir, remote_url, made.why);
+    if (!serve) return made;
+    made.serves[route_name] = std::move(serve);
+  }
+  return made;
 }
 
 struct Request {
   double first_byte_ms = 0;
   double prefill_ms = 0;
   double handoff_ms = 0;
+  std::string taken;     // the route serve's line names ("forwarded" when it forwarded); "cpu" for cpu
+  std::string fallback;  // serve's line saying why it did not take the route asked for
 };
 
 Result<Request> one_request(ServeUnderTest& serve, const std::string& route_name, const std::string& prompt) {
-  const size_t lines_before = hybrid_lines(serve.stderr_path).size();
+  const size_t log_before = read_all(serve.stderr_path).size();
   route::UpstreamStream::Request request;
   request.host = "127.0.0.1";
   request.port = serve.port;
@@ -184,54 +279,81 @@ Result<Request> one_request(ServeUnderTest& serve, const std::string& route_name
   }
   stream.reset();
   if (!got) return fail(EPROTO, "no reply from kvshare-serve (route {}, log {})", route_name, serve.stderr_path.string());
+  out.taken = route_name;
   if (route_name == "cpu") return out;
+  const std::regex forwarded_re(R"(hybrid: \d+ prompt tokens(?:, \d+ cached)?: forwarded)");
+  const std::regex fallback_re(R"(hybrid: (?:shared route not taken|fallback) \([a-z_]+\)[^\n]*)");
   // Serve writes its line before the first byte goes out; the pipe to the file may lag.
   for (int i = 0; i < 200; ++i) {
-    const auto lines = hybrid_lines(serve.stderr_path);
-    if (lines.size() > lines_before) {
+    const std::string log = read_all(serve.stderr_path);
+    const std::string fresh = log.size() > log_before ? log.substr(log_before) : std::string();
+    std::smatch match;
+    if (std::regex_search(fresh, match, fallback_re)) out.fallback = match[0];
+    const auto lines = hybrid_lines(fresh);
+    if (!lines.empty()) {
       const HybridLine& line = lines.back();
-      if (line.route != route_name)
-        return fail(EPROTO, "route {}: serve's line says the {} route was taken (log {})", route_name, line.route,
-                    serve.stderr_path.string());
+      out.taken = line.route;
       out.prefill_ms = line.prefill_ms;
       out.handoff_ms = line.handoff_ms;
       return out;
     }
+    if (std::regex_search(fresh, forwarded_re)) {
+      out.taken = "forwarded";
+      return out;
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  return fail(EPROTO, "route {}: no new hybrid: line in {} (a fallback?)", route_name, serve.stderr_path.string());
+  return fail(EPROTO, "route {}: no new hybrid: line in {}", route_name, serve.stderr_path.string());
 }
 
-void bm_rounds(benchmark::State& state) {
-  Setup& s = setup();
-  if (!s.why.empty()) return state.SkipWithError(s.why.c_str());
+// The first fallback line per "arch/tokens/route" (a counter holds only numbers).
+std::map<std::string, std::string>& fallback_lines() {
+  static std::map<std::string, std::string> lines;
+  return lines;
+}
+
+void bm_rounds(benchmark::State& state, const std::string& arch) {
   const int n_tokens = static_cast<int>(state.range(0));
+  for (const std::string& why : {kind_not_run(arch), length_not_run(arch, n_tokens)})
+    if (!why.empty()) return state.SkipWithError(why.c_str());
+  Setup& s = setup(arch);
+  if (!s.why.empty()) return state.SkipWithError(s.why.c_str());
+  const std::vector<std::string> routes = routes_of(arch, n_tokens);
   const route::DecoderClient decoder("127.0.0.1", s.serves["file"]->decoder_port, std::chrono::seconds(120));
-  static int salt = 0;
+  std::map<std::string, size_t> log_start;  // where this length's requests begin in each serve's log
+  for (const auto& [name, serve] : s.serves) log_start[name] = read_all(serve->stderr_path).size();
   std::map<std::string, std::vector<Request>> done;
   std::vector<double> overhead_saved;  // file - shared, per round
   std::vector<double> remote_added;    // remote - shared, per round
   size_t turn = 0;
   for (auto _ : state) {
-    const std::string prompt = prompt_of(decoder, n_tokens, ++salt);
+    const std::string prompt = prompt_of(decoder, n_tokens, ++s.salt);
     std::map<std::string, Request> round;
-    for (size_t k = 0; k < std::size(kRoutes); ++k) {
-      const std::string route_name = kRoutes[(turn + k) % std::size(kRoutes)];
+    for (size_t k = 0; k < routes.size(); ++k) {
+      const std::string& route_name = routes[(turn + k) % routes.size()];
       auto request = one_request(*s.serves[route_name], route_name, prompt);
       if (!request) return state.SkipWithError(request.error().what().c_str());
       round[route_name] = *request;
     }
     ++turn;
     for (const auto& [name, request] : round) done[name].push_back(request);
-    overhead_saved.push_back((round["file"].first_byte_ms - round["file"].prefill_ms) -
-                             (round["shared"].first_byte_ms - round["shared"].prefill_ms));
-    remote_added.push_back((round["remote"].first_byte_ms - round["remote"].prefill_ms) -
-                           (round["shared"].first_byte_ms - round["shared"].prefill_ms));
-    state.SetIterationTime(round["shared"].first_byte_ms / 1e3);
+    // A pair counts only when both requests took the route asked for.
+    auto overhead = [&](const std::string& name) { return round[name].first_byte_ms - round[name].prefill_ms; };
+    auto took = [&](const std::string& name) { return round.count(name) && round[name].taken == name; };
+    if (took("file") && took("shared")) overhead_saved.push_back(overhead("file") - overhead("shared"));
+    if (took("remote") && took("shared")) remote_added.push_back(overhead("remote") - overhead("shared"));
+    state.SetIterationTime(round[round.count("shared") ? "shared" : "file"].first_byte_ms / 1e3);
   }
   for (const auto& [name, requests] : done) {
     std::vector<double> first_byte, prefill, handoff, overhead;
+    double fallbacks = 0;
     for (const Request& r : requests) {
+      if (r.taken != name) {
+        ++fallbacks;
+        auto& line = fallback_lines()[fmt::format("{}/{}/{}", arch, n_tokens, name)];
+        if (line.empty()) line = r.fallback.empty() ? "serve took the " + r.taken + " route" : r.fallback;
+        continue;
+      }
       first_byte.push_back(r.first_byte_ms);
       prefill.push_back(r.prefill_ms);
       handoff.push_back(r.handoff_ms);
@@ -241,9 +363,19 @@ void bm_rounds(benchmark::State& state) {
     record_spread(state, name + ".prefill_ms", prefill);
     record_spread(state, name + ".handoff_ms", handoff);
     record_spread(state, name + ".overhead_ms", overhead);
+    state.counters[name + ".fallbacks"] = fallbacks;
+    state.counters[name + ".measured"] = static_cast<double>(first_byte.size());
+    // Serve warns when the decoder evaluated more than the last token: the handoff was
+    // not reused (gemma3 below its window + 2, or a memory the decoder could not resume).
+    const std::string log = read_all(s.serves[name]->stderr_path);
+    double not_reused = 0;
+    for (size_t at = log.find("the handoff was not reused", log_start[name]); at != std::string::npos;
+         at = log.find("the handoff was not reused", at + 1))
+      ++not_reused;
+    state.counters[name + ".not_reused"] = not_reused;
   }
-  record_spread(state, "overhead_saved_ms", overhead_saved);
-  record_spread(state, "remote_added_ms", remote_added);
+  if (!overhead_saved.empty()) record_spread(state, "overhead_saved_ms", overhead_saved);
+  if (!remote_added.empty()) record_spread(state, "remote_added_ms", remote_added);
   state.counters["rounds"] = static_cast<double>(state.iterations());
   state.counters["tokens"] = n_tokens;
 }
@@ -253,100 +385,177 @@ void register_all(const BenchArgs& args) {
   s.backend = bin("kvshare-decoder");
   s.provider = bin("kvshare-prefill");
   bool provider_given = false;
+  bool rounds_given = false;
+  s.archs.clear();
   for (size_t i = 0; i + 1 < args.rest.size(); ++i) {
     if (args.rest[i] == "--backend") s.backend = args.rest[++i];
     else if (args.rest[i] == "--provider") s.provider = args.rest[++i], provider_given = true;
-    else if (args.rest[i] == "--rounds") s.rounds = std::max(1, std::atoi(args.rest[++i].c_str()));
+    else if (args.rest[i] == "--rounds") s.rounds = std::max(1, std::atoi(args.rest[++i].c_str())), rounds_given = true;
+    else if (args.rest[i] == "--arch") {
+      std::stringstream list(args.rest[++i]);
+      for (std::string arch; std::getline(list, arch, ',');)
+        if (!arch.empty() && std::find(s.archs.begin(), s.archs.end(), arch) == s.archs.end()) s.archs.push_back(arch);
+    }
   }
+  if (s.archs.empty()) s.archs = {"qwen3"};
+  // Every arch is a whole run of the group: fewer rounds keep a comparison of kinds quick.
+  if (!rounds_given && s.archs.size() > 1) s.rounds = 5;
   s.is_llama_server = s.backend.filename() != "kvshare-decoder";
   if (s.is_llama_server && !provider_given) s.provider = s.backend.parent_path() / "llama-kvshare-prefill";
   std::vector<int> tokens = args.tokens;
   if (tokens.empty()) tokens = args.smoke ? std::vector<int>{16} : std::vector<int>{307, 4096};
-  for (int n : tokens)
-    benchmark::RegisterBenchmark(fmt::format("route/{}", n).c_str(), bm_rounds)
-        ->Arg(n)
-        ->Iterations(args.smoke ? 1 : s.rounds)
-        ->UseManualTime()
-        ->Unit(benchmark::kMillisecond);
+  for (const std::string& arch : s.archs)
+    for (int n : tokens)
+      benchmark::RegisterBenchmark(fmt::format("route/{}/{}", arch, n).c_str(), bm_rounds, arch)
+          ->Arg(n)
+          ->Iterations(args.smoke ? 1 : s.rounds)
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
+}
+
+// "route/ARCH/N..." -> ARCH.
+std::string arch_of_run(const std::string& name) {
+  const size_t from = name.find('/') + 1;
+  return name.substr(from, name.find('/', from) - from);
 }
 
 int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
   const Settings& s = settings();
   if (!args.json)
-    fmt::print("\nroute (decoder {}, provider {}; generated model, -c 8192 -fa on f16; rounds of cpu, file, shared, "
-               "remote with the order rotating)\n{:<7} {:>6} {:>26} {:>26} {:>22} {:>22} {:>7}\n",
-               s.backend.filename().string(), s.provider.filename().string(), "route", "tokens",
+    fmt::print("\nroute (decoder {}, provider {}; generated model per arch, -c 8192 -fa on f16; rounds of cpu, file, "
+               "shared, remote with the order rotating)\n{:<7} {:<9} {:<7} {:>6} {:>26} {:>26} {:>22} {:>22} {:>7}\n",
+               s.backend.filename().string(), s.provider.filename().string(), "arch", "memory", "route", "tokens",
                "first_byte_ms [p25..p75]", "overhead_ms [p25..p75]", "prefill_ms", "handoff_ms", "rounds");
-  std::map<int, double> file_handoff, shared_overhead, saved, remote_added;
+  struct Paired {
+    std::string arch;
+    int tokens = 0;
+    double file_handoff = 0, shared_overhead = 0, saved = 0, remote_added = 0;
+    bool has_saved = false, has_remote = false;
+  };
+  std::vector<Paired> paired;
+  std::vector<std::string> notes;
   for (const RunResult* run : runs_with_prefix(runs, "route/")) {
     auto c = [&](const std::string& key) { return run->counters.count(key) ? run->counters.at(key) : 0.0; };
     const int tokens = static_cast<int>(c("tokens"));
     if (tokens == 0) continue;  // skipped: nothing measured
-    for (const char* name : kRoutes) {
-      const std::string p = std::string(name) + ".";
+    const std::string arch = arch_of_run(run->name);
+    for (const std::string& name : routes_of(arch, tokens)) {
+      const std::string p = name + ".";
+      const std::string fell_back =
+          c(p + "fallbacks") > 0 ? fmt::format("{} of {} fell back: {}", c(p + "fallbacks"), c("rounds"),
+                                               fallback_lines()[fmt::format("{}/{}/{}", arch, tokens, name)])
+                                 : "";
       if (args.json) {
-        fmt::print("{{\"bench\":\"route\",\"route\":\"{}\",\"tokens\":{},\"rounds\":{},\"decoder\":\"{}\"", name, tokens,
-                   c("rounds"), s.backend.filename().string());
+        fmt::print("{{\"bench\":\"route\",\"arch\":\"{}\",\"memory\":\"{}\",\"route\":\"{}\",\"tokens\":{},\"rounds\":{},"
+                   "\"decoder\":\"{}\"",
+                   arch, memory_of(arch), name, tokens, c("rounds"), s.backend.filename().string());
         for (const char* key : {"first_byte_ms", "overhead_ms", "prefill_ms", "handoff_ms"})
           fmt::print(",\"{0}\":{1:.3f},\"{0}_p25\":{2:.3f},\"{0}_p75\":{3:.3f}", key, c(p + key),
                      c(p + key + "_p25"), c(p + key + "_p75"));
+        fmt::print(",\"fallbacks\":{},\"not_reused\":{}", c(p + "fallbacks"), c(p + "not_reused"));
+        if (!fell_back.empty()) fmt::print(",\"fallback\":{}", nlohmann::json(fell_back).dump());
         fmt::print("}}\n");
       } else {
+        const bool is_cpu = name == "cpu";
         auto cell = [&](const std::string& key) {
+          if (is_cpu || c(p + "measured") == 0) return std::string("-");
           return fmt::format("{:.1f} [{:.1f}..{:.1f}]", c(p + key), c(p + key + "_p25"), c(p + key + "_p75"));
         };
-        fmt::print("{:<7} {:>6} {:>26} {:>26} {:>22} {:>22} {:>7}\n", name, tokens, cell("first_byte_ms"),
-                   name == std::string("cpu") ? std::string("-") : cell("overhead_ms"),
-                   name == std::string("cpu") ? std::string("-") : cell("prefill_ms"),
-                   name == std::string("cpu") ? std::string("-") : cell("handoff_ms"), c("rounds"));
+        fmt::print("{:<7} {:<9} {:<7} {:>6} {:>26} {:>26} {:>22} {:>22} {:>7}{}\n", arch, memory_of(arch), name,
+                   tokens,
+                   c(p + "measured") == 0 ? std::string("-")
+                                          : fmt::format("{:.1f} [{:.1f}..{:.1f}]", c(p + "first_byte_ms"),
+                                                        c(p + "first_byte_ms_p25"), c(p + "first_byte_ms_p75")),
+                   cell("overhead_ms"), cell("prefill_ms"), cell("handoff_ms"), c("rounds"),
+                   fell_back.empty() ? "" : "  (" + fell_back + ")");
       }
+      if (c(p + "not_reused") > 0)
+        notes.push_back(fmt::format("{} {} at {} tokens: serve warned {} time(s) that the decoder evaluated more than "
+                                    "the last token (the handoff was not reused)",
+                                    arch, name, tokens, c(p + "not_reused")));
     }
-    file_handoff[tokens] = c("file.handoff_ms");
-    shared_overhead[tokens] = c("shared.overhead_ms");
-    saved[tokens] = c("overhead_saved_ms");
-    remote_added[tokens] = c("remote_added_ms");
-    if (args.json)
-      fmt::print("{{\"bench\":\"route_paired\",\"tokens\":{},\"overhead_saved_ms\":{:.3f},\"overhead_saved_ms_p25\":{:.3f},"
-                 "\"overhead_saved_ms_p75\":{:.3f},\"file_handoff_ms\":{:.3f}}}\n",
-                 tokens, saved[tokens], c("overhead_saved_ms_p25"), c("overhead_saved_ms_p75"), file_handoff[tokens]);
-    if (args.json)
-      fmt::print("{{\"bench\":\"route_remote_paired\",\"tokens\":{},\"remote_added_ms\":{:.3f},"
+    Paired pair{arch, tokens, c("file.handoff_ms"), c("shared.overhead_ms"), c("overhead_saved_ms"),
+                c("remote_added_ms"), run->counters.count("overhead_saved_ms") > 0,
+                run->counters.count("remote_added_ms") > 0};
+    paired.push_back(pair);
+    if (args.json && pair.has_saved)
+      fmt::print("{{\"bench\":\"route_paired\",\"arch\":\"{}\",\"tokens\":{},\"overhead_saved_ms\":{:.3f},"
+                 "\"overhead_saved_ms_p25\":{:.3f},\"overhead_saved_ms_p75\":{:.3f},\"file_handoff_ms\":{:.3f}}}\n",
+                 arch, tokens, pair.saved, c("overhead_saved_ms_p25"), c("overhead_saved_ms_p75"), pair.file_handoff);
+    if (args.json && pair.has_remote)
+      fmt::print("{{\"bench\":\"route_remote_paired\",\"arch\":\"{}\",\"tokens\":{},\"remote_added_ms\":{:.3f},"
                  "\"remote_added_ms_p25\":{:.3f},\"remote_added_ms_p75\":{:.3f}}}\n",
-                 tokens, remote_added[tokens], c("remote_added_ms_p25"), c("remote_added_ms_p75"));
+                 arch, tokens, pair.remote_added, c("remote_added_ms_p25"), c("remote_added_ms_p75"));
   }
-  if (!args.json)
-    for (const auto& [tokens, value] : saved)
-      fmt::print("{} tokens: file - shared overhead_ms per round, median {:.1f} ms; target >= half the file handoff "
-                 "({:.1f} ms): {}\n",
-                 tokens, value, file_handoff[tokens] / 2, value >= file_handoff[tokens] / 2 ? "met" : "missed");
-  if (!args.json)
-    for (const auto& [tokens, value] : remote_added)
-      fmt::print("{} tokens: remote - shared overhead_ms per round, median {:.1f} ms (what the receiver process, the "
-                 "provider server's HTTP hop and UCX tcp add to the shared route)\n",
-                 tokens, value);
-  if (!args.json && shared_overhead.size() >= 2 && shared_overhead.begin()->second > 0)
-    fmt::print("shared overhead_ms {} / {} tokens: {:.2f}x (target <= 1.5)\n", shared_overhead.rbegin()->first,
-               shared_overhead.begin()->first, shared_overhead.rbegin()->second / shared_overhead.begin()->second);
-  if (g_setup_started) {
-    Setup& made = setup();
-    made.serves.clear();
-    made.provider_server.terminate(std::chrono::seconds(10));
-    std::error_code ec;
-    if (!made.dir.empty()) fs::remove_all(made.dir, ec);
+  // What was not run, and why: one line per reason, naming the archs (and lengths) it hit.
+  std::vector<int> tokens = args.tokens;
+  if (tokens.empty()) tokens = args.smoke ? std::vector<int>{16} : std::vector<int>{307, 4096};
+  std::vector<std::pair<std::string, std::vector<std::string>>> not_run;  // why, what
+  auto add_not_run = [&](const std::string& why, const std::string& what) {
+    auto it = std::find_if(not_run.begin(), not_run.end(), [&](const auto& entry) { return entry.first == why; });
+    if (it == not_run.end()) it = not_run.insert(not_run.end(), {why, {}});
+    if (std::find(it->second.begin(), it->second.end(), what) == it->second.end()) it->second.push_back(what);
+  };
+  for (const std::string& arch : s.archs)
+    for (int n : tokens) {
+      const std::string kind_why = kind_not_run(arch);
+      if (const std::string why = kind_why.empty() ? length_not_run(arch, n) : kind_why; !why.empty()) {
+        if (args.json)
+          fmt::print("{{\"bench\":\"route_not_run\",\"arch\":\"{}\",\"tokens\":{},\"why\":{}}}\n", arch, n,
+                     nlohmann::json(why).dump());
+        add_not_run(why, kind_why.empty() ? fmt::format("{} at {} tokens", arch, n) : arch);
+        continue;
+      }
+      for (const char* name : kRoutes)
+        if (const std::string why = route_not_run(arch, n, name); !why.empty()) {
+          if (args.json)
+            fmt::print("{{\"bench\":\"route_not_run\",\"arch\":\"{}\",\"tokens\":{},\"route\":\"{}\",\"why\":{}}}\n",
+                       arch, n, name, nlohmann::json(why).dump());
+          // The remote route's reason holds at every length: name the arch alone.
+          add_not_run(fmt::format("{} route not run: {}", name, why),
+                      name == std::string("remote") ? arch : fmt::format("{} at {} tokens", arch, n));
+        }
+    }
+  if (!args.json) {
+    for (const auto& [why, what] : not_run) fmt::print("{}: {}\n", fmt::join(what, ", "), why);
+    for (const std::string& note : notes) fmt::print("{}\n", note);
+    for (const Paired& p : paired)
+      if (p.has_saved)
+        fmt::print("{} {} tokens: file - shared overhead_ms per round, median {:.1f} ms; target >= half the file "
+                   "handoff ({:.1f} ms): {}\n",
+                   p.arch, p.tokens, p.saved, p.file_handoff / 2, p.saved >= p.file_handoff / 2 ? "met" : "missed");
+    for (const Paired& p : paired)
+      if (p.has_remote)
+        fmt::print("{} {} tokens: remote - shared overhead_ms per round, median {:.1f} ms (what the receiver process, "
+                   "the provider server's HTTP hop and UCX tcp add to the shared route)\n",
+                   p.arch, p.tokens, p.remote_added);
+    for (const std::string& arch : s.archs) {
+      std::map<int, double> shared_overhead;  // tokens -> median, lengths the shared route ran at
+      for (const Paired& p : paired)
+        if (p.arch == arch && p.has_saved) shared_overhead[p.tokens] = p.shared_overhead;
+      if (shared_overhead.size() >= 2 && shared_overhead.begin()->second > 0)
+        fmt::print("{} shared overhead_ms {} / {} tokens: {:.2f}x (target <= 1.5)\n", arch,
+                   shared_overhead.rbegin()->first, shared_overhead.begin()->first,
+                   shared_overhead.rbegin()->second / shared_overhead.begin()->second);
+    }
   }
+  stop_setup();
   return 0;
 }
 
 const bool registered = add_group({
     "route",
     "kvshare-serve end to end, paired rounds of --device cpu / file / shared / remote on the same prompts: first byte and "
-    "overhead_ms (first byte - the provider's prefill_ms); --backend PATH for another decoder (llama-server)",
+    "overhead_ms (first byte - the provider's prefill_ms), per memory kind with --arch; --backend PATH for another "
+    "decoder (llama-server)",
     register_all,
     report,
     {
         {"--backend", "PATH", "the decoder (default kvshare-decoder; a patched llama-server)"},
         {"--provider", "PATH", "the provider (default kvshare-prefill, or llama-kvshare-prefill beside --backend)"},
-        {"--rounds", "N", "paired rounds per length (default 9)"},
+        {"--arch", "qwen3|qwen2|llama|mamba2|lfm2|qwen35|gemma3[,...]",
+         "kvshare-mkmodel archs, one memory kind each, measured one after the other (default qwen3; repeatable)"},
+        {"--rounds", "N", "paired rounds per length and arch (default 9; 5 with more than one arch)"},
     },
 });
 
