@@ -378,6 +378,7 @@ const Backend& backend() {
 
 // Source row -> f32.
 void source_to_fp32(GgmlType src_type, const void* src, float* dst, int64_t n) {
+  if (n == 0) return;  // a row of no elements (LFM2's S state) may have no address
   switch (src_type) {
     case GgmlType::F32: std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float)); return;
     case GgmlType::F16: backend().fp16_to_fp32(static_cast<const uint16_t*>(src), dst, n); return;

@@ -817,7 +817,10 @@ std::vector<std::byte> encode_state_file(const StateLayout& layout, std::span<co
     for (const auto& stream : block.streams)
       for (const auto& section : stream.sections) {
         const auto data = rows(section);
-        std::memcpy(file.data() + section.data_offset, data.data(), std::min<uint64_t>(data.size(), section.data_bytes()));
+        const uint64_t n = std::min<uint64_t>(data.size(), section.data_bytes());
+        // A section of no bytes (LFM2's 0-wide S state) may come as an empty span with no
+        // address: memcpy must not see a null pointer even for 0 bytes.
+        if (n > 0) std::memcpy(file.data() + section.data_offset, data.data(), n);
       }
   return file;
 }
