@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "layout/json_depth.h"
+#include "layout/json_reader.h"
 
 namespace kvshare::layout {
 namespace {
@@ -20,47 +21,7 @@ constexpr std::array<std::pair<ReceiverOp, std::string_view>, 5> kOps{{
 }};
 constexpr size_t kMaxSocketNameBytes = 100;  // sun_path is 108 with the directory: names stay short
 
-// Field readers that name the message and the field, and never throw.
-struct Reader {
-  const nlohmann::json& json;
-  std::string_view source;
-
-  const nlohmann::json* find(std::string_view key) const {
-    auto it = json.find(key);
-    return it == json.end() ? nullptr : &*it;
-  }
-  Result<uint64_t> u64(std::string_view key) const {
-    const auto* value = find(key);
-    if (value == nullptr) return fail(EINVAL, "{}: no \"{}\"", source, key);
-    if (!value->is_number_unsigned()) return fail(EINVAL, "{}: \"{}\" is {}, not an unsigned integer", source, key,
-                                                  value->dump());
-    return value->get<uint64_t>();
-  }
-  Result<uint32_t> u32(std::string_view key) const {
-    auto value = u64(key);
-    if (!value) return fail(value.error());
-    if (*value > UINT32_MAX) return fail(EINVAL, "{}: \"{}\" is {}, past 2^32-1", source, key, *value);
-    return static_cast<uint32_t>(*value);
-  }
-  Result<std::string> text(std::string_view key) const {
-    const auto* value = find(key);
-    if (value == nullptr) return fail(EINVAL, "{}: no \"{}\"", source, key);
-    if (!value->is_string()) return fail(EINVAL, "{}: \"{}\" is {}, not a string", source, key, value->dump());
-    return value->get<std::string>();
-  }
-  Result<bool> boolean(std::string_view key) const {
-    const auto* value = find(key);
-    if (value == nullptr) return fail(EINVAL, "{}: no \"{}\"", source, key);
-    if (!value->is_boolean()) return fail(EINVAL, "{}: \"{}\" is {}, not true or false", source, key, value->dump());
-    return value->get<bool>();
-  }
-  Result<double> number(std::string_view key) const {
-    const auto* value = find(key);
-    if (value == nullptr) return fail(EINVAL, "{}: no \"{}\"", source, key);
-    if (!value->is_number()) return fail(EINVAL, "{}: \"{}\" is {}, not a number", source, key, value->dump());
-    return value->get<double>();
-  }
-};
+using Reader = JsonReader<nlohmann::json>;
 
 // The envelope every message shares: an object of this version with a known "op".
 Result<std::pair<nlohmann::json, ReceiverOp>> parse_envelope(std::string_view text, std::string_view source) {

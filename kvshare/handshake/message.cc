@@ -156,6 +156,10 @@ Result<Message> parse_object(Json& json, std::string_view source, bool header_is
 
 }  // namespace
 
+Result<Message> parse_message_object(nlohmann::ordered_json& json, std::string_view source) {
+  return parse_object(json, source, false);
+}
+
 std::string_view message_type_name(MessageType type) { return type == MessageType::share ? "share" : "refuse"; }
 
 std::string encode_json(const Message& message) {

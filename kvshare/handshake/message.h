@@ -78,6 +78,11 @@ Result<std::vector<std::byte>> encode_frame(const Message& message);
 // (it must be a whole object without a "header" key of its own) and `header_is_known` is
 // set: the header is neither parsed nor checked again. Anything else is parsed in full.
 Result<Message> parse_json(std::string_view json, std::string_view source, std::string_view known_header = {});
+// Checks one message already parsed as JSON, as parse_json does after parsing: the resident
+// provider protocol's region request carries the decoder's share message as its "share"
+// object (kvshare/share/provider_protocol.h). The caller bounded the size and nesting. The
+// header is moved out of `json`.
+Result<Message> parse_message_object(nlohmann::ordered_json& json, std::string_view source);
 // The whole frame (prefix + JSON, nothing after): for vectors and the fuzzer.
 Result<Message> parse_frame(std::span<const std::byte> frame, std::string_view source,
                             std::string_view known_header = {});

@@ -144,6 +144,28 @@ Result<ReceivedShare> receive_share(handshake::Listener& listener, int timeout_m
   return share;
 }
 
+}  // namespace
+
+Result<ReceivedShare> check_share_message(handshake::Message message, std::vector<Fd> fds,
+                                          const handshake::PeerCredentials& peer, std::string_view what) {
+  if (message.type != handshake::MessageType::share)
+    return fail(EINVAL, "handshake from {}: a refusal, not a share", what);
+  ReceivedShare share;
+  share.share_id = message.share_id;
+  share.peer = peer;
+  share.entries = std::move(message.fds);
+  share.fds = std::move(fds);
+  if (share.fds.size() != share.entries.size())
+    return fail(EPROTO, "handshake from {}: {} fd(s) arrived, field \"fds\" lists {}", what, share.fds.size(), share.entries.size());
+  auto header = layout::parse_share_header_document(message.header, fmt::format("handshake from {}", what));
+  if (!header) return fail(header.error());
+  share.header = std::move(*header);
+  if (auto checked = check_entries(share, what); !checked) return fail(checked.error());
+  return share;
+}
+
+namespace {
+
 // The receiving thread waits until cancelled: receive() bounds the caller's wait.
 constexpr int kBackgroundReceiveMs = std::numeric_limits<int>::max();
 

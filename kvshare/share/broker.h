@@ -40,6 +40,14 @@ Result<std::vector<std::string>> expand_provider_argv(const std::vector<std::str
                                                       const std::string& layout_path,
                                                       const std::vector<handshake::FdEntry>& entries);
 
+// A share message and its fds as a decoder sent them, checked as ShareBroker::receive checks
+// them: the header parsed and validated (in full: no remembered header), the fds exactly the
+// layout's chunks (count, sizes, hashes, fd kind and size). A resident provider checks the
+// region serve forwards to it so (kvshare/share/provider_channel.h). `what` names the
+// sender in errors ("kvshare-serve (pid 4121)": "handshake from kvshare-serve (pid 4121): ..."). Every fd is closed on a failure.
+Result<ReceivedShare> check_share_message(handshake::Message message, std::vector<Fd> fds,
+                                          const handshake::PeerCredentials& peer, std::string_view what);
+
 class ShareBroker {
  public:
   // Creates the private directory and the listening socket (see handshake::Listener) and
