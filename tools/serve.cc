@@ -20,6 +20,13 @@ int main(int argc, char** argv) {
   app.add_option("--device", device, "hybrid (provider prefills, decoder decodes) or cpu (plain relay)")
       ->check(CLI::IsMember({"hybrid", "cpu"}));
   app.add_option("--prefill-provider", config.prefill_provider, "the provider program (else ONEBIT_HYBRID_PREFILL)");
+  app.add_flag("--provider-resident", config.provider_resident,
+               "start the provider once and keep it (PROG --model M --serve-fd 3): the model stays loaded and the "
+               "decoder's region mapped across requests; restarted if it exits or stops answering "
+               "(docs/provider.md, \"The resident provider\")");
+  app.add_option("--prefill-provider-socket", config.prefill_provider_socket,
+                 "a resident provider listening on this AF_UNIX socket (started elsewhere, e.g. kvshare-prefill "
+                 "--serve PATH; the directory must be 0700 and this user's)");
   app.add_option("--prefill-remote", config.prefill_remote,
                  "http://HOST:PORT of a kvshare-provider-server: prompts are prefilled there and their KV moved into "
                  "the decoder over UCX (docs/remote.md)");

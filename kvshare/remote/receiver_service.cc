@@ -42,23 +42,6 @@ void say(const std::string& line) {
   std::fflush(stderr);
 }
 
-// What makes a region the same region: the same files (device and inode of each fd) at the
-// same offsets and sizes, laid out the same. A decoder that re-exports (a restart, a new
-// cache after a resume) sends other files, so the receiver maps those and drops the old.
-using RegionKey = std::vector<std::tuple<dev_t, ino_t, uint64_t, uint64_t, uint64_t>>;
-
-Result<RegionKey> region_key(const ReceivedShare& share) {
-  RegionKey key;
-  const uint64_t hash = layout::whole_layout_hash(share.header.layout);
-  for (size_t i = 0; i < share.fds.size(); ++i) {
-    struct stat st {};
-    if (::fstat(share.fds[i].get(), &st) != 0)
-      return fail(errno, "fstat of the decoder's fd {} (chunk {})", share.fds[i].get(), i);
-    key.emplace_back(st.st_dev, st.st_ino, share.entries[i].offset, share.entries[i].size_bytes, hash);
-  }
-  return key;
-}
-
 double ms_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 }

@@ -10,6 +10,7 @@
 
 #include "kvshare/env.h"
 #include "kvshare/route/remote_receiver_process.h"
+#include "kvshare/route/resident_provider.h"
 #include "kvshare/route/state_version_probe.h"
 #include "kvshare/share/broker.h"
 
@@ -98,6 +99,21 @@ bool erase_slot(const HandoffContext& context) {
   return false;
 }
 
+// The file route's KV params, for a resident provider (the per-request one gets flags).
+ProviderKvParams provider_kv_params(const ServeConfig& config) {
+  ProviderKvParams kv;
+  kv.n_ctx = static_cast<uint32_t>(std::max(config.ctx_size, 0));
+  kv.type_k = config.cache_type_k;
+  kv.type_v = config.cache_type_v;
+  kv.flash_attn = config.flash_attn != "off";
+  return kv;
+}
+
+void note_provider_phases(HandoffReport& report, const ProviderRun& run) {
+  report.phases.provider_ms += run.wall_ms;
+  report.phases.region_ms += run.region_ms;
+}
+
 // The provider's own words belong on serve's stderr, on both routes.
 void log_provider_stderr(const HandoffContext& context, const ProviderRun& run) {
   std::string text = run.err;
@@ -108,7 +124,7 @@ void log_provider_stderr(const HandoffContext& context, const ProviderRun& run) 
 std::string version_mismatch_reason(const ServeConfig& config, uint32_t file_version, uint32_t decoder_version) {
   return fmt::format("the provider wrote state version {} ({}), the decoder restores version {} only; the provider "
                      "should follow {} or --state-version",
-                     file_version, config.prefill_provider, decoder_version, kStateVersionEnv);
+                     file_version, provider_name(config), decoder_version, kStateVersionEnv);
 }
 
 // The decoder refused a restore. When its version was unknown (the probe at start failed),
@@ -149,13 +165,19 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
   std::vector<std::string> env;
   const uint32_t decoder_version = context.decoder_state_version.load();
   if (decoder_version != 0) env.push_back(fmt::format("{}={}", kStateVersionEnv, decoder_version));
-  const ProviderRun run = run_provider(file_provider_command(config, ids_path.string(), state.path.string()), {},
-                                       provider_timeout(config), std::move(env));
+  const ProviderRun run =
+      context.resident_provider
+          ? context.resident_provider->prefill_file(handoff_ids, std::filesystem::absolute(state.path).string(),
+                                                    decoder_version, provider_kv_params(config),
+                                                    provider_timeout(config))
+          : run_provider(file_provider_command(config, ids_path.string(), state.path.string()), {},
+                         provider_timeout(config), std::move(env));
   log_provider_stderr(context, run);
+  note_provider_phases(report, run);
   report.prefill_ms = run.prefill_ms();
   if (!run.ok())
     return forward_because(run.timed_out ? "provider_timeout" : "provider_failed",
-                           fmt::format("the provider {} ({})", run.describe(), config.prefill_provider));
+                           fmt::format("the provider {} ({})", run.describe(), provider_name(config)));
   context.rates.observe_provider(0, handoff_ids.size(), run.prefill_ms(), run.wall_ms);
   report.n_prefilled = handoff_ids.size();
   std::error_code ec;
@@ -196,6 +218,7 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
                            !erased);
   }
   report.handoff_ms = restored->timings_ms().value_or(restore_wall_ms);
+  report.phases.handoff_ms = restore_wall_ms;
   return {Step::handed_off, "", ""};
 }
 
@@ -266,13 +289,18 @@ StepResult shared_route(const HandoffContext& context, std::span<const int32_t> 
                           held->dump(), handoff_ids.size())};
     n_cached = static_cast<size_t>(held->get<uint64_t>());
   }
-  if (!context.provider_takes_cached.load()) n_cached = 0;
+  if (!(context.resident_provider ? context.resident_provider->takes_cached() : context.provider_takes_cached.load()))
+    n_cached = 0;
+  report.phases.share_ms = share_wall_ms;
 
   // From here the provider may write into the region: no file route, only forwarding.
   // Cells 0..n_cached-1 are the decoder's own and stay as they are; the provider reads them
   // and writes the rest (docs/provider.md, --cached). When the slot holds every token there
   // is nothing to write and no provider runs.
   auto run_once = [&](size_t cached) {
+    if (context.resident_provider)
+      return context.resident_provider->prefill_shared(*share, handoff_ids, static_cast<uint32_t>(cached),
+                                                       provider_timeout(config));
     std::vector<std::string> argv = shared_provider_command(config, ids_path.string());
     argv.insert(argv.end(), {"--layout", "{layout}", "--fds", "{fds}"});
     if (cached > 0) argv.insert(argv.end(), {"--cached", std::to_string(cached)});
@@ -280,22 +308,24 @@ StepResult shared_route(const HandoffContext& context, std::span<const int32_t> 
   };
   if (n_cached < handoff_ids.size()) {
     ProviderRun run = run_once(n_cached);
-    if (n_cached > 0 && run.started && !run.timed_out && run.status.exited && run.status.code == 2) {
+    if (n_cached > 0 && !context.resident_provider && run.started && !run.timed_out && run.status.exited &&
+        run.status.code == 2) {
       // A usage error on the flag: an older provider. Whatever it wrote, a whole prefill
       // writes every cell again.
       context.provider_takes_cached = false;
       log_provider_stderr(context, run);
       context.log(fmt::format("hybrid: the provider ({}) exited 2 on --cached {}: it gets whole prompts from now on",
-                              config.prefill_provider, n_cached));
+                              provider_name(config), n_cached));
       n_cached = 0;
       run = run_once(0);
     }
     log_provider_stderr(context, run);
+    note_provider_phases(report, run);
     report.prefill_ms = run.prefill_ms();
     if (!run.ok()) {
       const bool erased = !run.started || erase_slot(context);
       return forward_because(run.timed_out ? "provider_timeout" : "provider_failed",
-                             fmt::format("the provider {} ({})", run.describe(), config.prefill_provider), !erased);
+                             fmt::format("the provider {} ({})", run.describe(), provider_name(config)), !erased);
     }
     context.rates.observe_provider(n_cached, handoff_ids.size() - n_cached, run.prefill_ms(), run.wall_ms);
   }
@@ -304,6 +334,7 @@ StepResult shared_route(const HandoffContext& context, std::span<const int32_t> 
   const auto adopt_start = std::chrono::steady_clock::now();
   auto adopted = adopt_cells(context, handoff_ids, share_id, adopt_start, n_cached);
   if (!adopted) return std::move(adopted.error());
+  report.phases.handoff_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - adopt_start).count();
   report.handoff_ms = shared->timings_ms().value_or(share_wall_ms) + *adopted;
   return {Step::handed_off, "", ""};
 }
@@ -468,6 +499,16 @@ std::string hybrid_line(const HandoffReport& report, double first_byte_ms) {
   }
 }
 
+std::string phases_line(const HandoffReport& report, double first_byte_ms) {
+  const auto& p = report.phases;
+  const double first_token = first_byte_ms - p.tokenize_ms - p.share_ms - p.provider_ms - p.handoff_ms;
+  return fmt::format("phases: tokenize {:.3f} ms, share {:.3f} ms, provider {:.3f} ms (region {:.3f} ms), {} {:.3f} ms, "
+                     "first token {:.3f} ms",
+                     p.tokenize_ms, p.share_ms, p.provider_ms, p.region_ms,
+                     report.route == HandoffRoute::shared || report.route == HandoffRoute::remote ? "adopt" : "restore",
+                     p.handoff_ms, first_token);
+}
+
 std::string forwarded_line(const HandoffReport& report, double first_byte_ms) {
   return fmt::format("hybrid: {}: forwarded ({}), first byte {:.3f} ms", prompt_words(report), report.decision,
                      first_byte_ms);
@@ -529,6 +570,7 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
     context.slot_record.forget();
     return fall_back(reason, why);
   };
+  const auto tokenize_start = std::chrono::steady_clock::now();
   const Json request = Json::parse(body, nullptr, false);
   if (!request.is_object()) return fall_back_unknown("no_text_prompt", "the request body is not a JSON object");
   auto text = prompt_text(context, endpoint, request);
@@ -537,6 +579,8 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
   auto ids = context.decoder->tokenize(*text);
   if (!ids) return fall_back_unknown("tokenize_failed", ids.error().what());
   report.n_prompt_tokens = ids->size();
+  report.phases.tokenize_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - tokenize_start).count();
   if (ids->size() < 2) {
     report.slot_prompt_id = context.slot_record.remember_prompt(*ids);
     return fall_back("prompt_too_short", fmt::format("the prompt has {} token(s): nothing to hand off before the "
@@ -553,8 +597,9 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
   question.n_prompt = ids->size();
   question.n_cached = n_cached_estimate;
   question.ctx_size = static_cast<size_t>(std::max(context.config->ctx_size, 0));
-  question.provider_incremental = context.config->prefill_remote.empty() && context.config->kv_share &&
-                                  context.provider_takes_cached.load();
+  question.provider_incremental =
+      context.config->prefill_remote.empty() && context.config->kv_share &&
+      (context.resident_provider ? context.resident_provider->takes_cached() : context.provider_takes_cached.load());
   const HandoffDecision decision = decide_handoff(context.config->handoff, context.rates.snapshot(), question);
   context.metrics->count_decision(decision.hand_off ? "handoff" : "forward", decision.label);
   if (!decision.hand_off) {
@@ -578,7 +623,7 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
       return report;
     }
     // No local provider: the decoder prefills the prompt itself.
-    if (remote.step == Step::forward || context.config->prefill_provider.empty()) {
+    if (remote.step == Step::forward || !has_local_provider(*context.config)) {
       context.metrics->count_handoff("remote", "forwarded");
       return fall_back(remote.reason, remote.why, remote.slot_may_be_stale);
     }

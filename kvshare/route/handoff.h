@@ -28,6 +28,7 @@
 namespace kvshare::route {
 
 class RemoteReceiverProcess;
+class ResidentProvider;
 
 enum class Endpoint { chat_completions, completions };
 std::string_view endpoint_path(Endpoint endpoint);
@@ -49,6 +50,14 @@ struct HandoffReport {
   bool decided_forward = false;
   uint64_t slot_prompt_id = 0;              // SlotRecord's id of this prompt (0: none recorded)
   std::string decision;
+  // Where a handoff's wall time went (phases_line): serve's own measurements.
+  struct Phases {
+    double tokenize_ms = 0;   // the template and /tokenize on the decoder
+    double share_ms = 0;      // POST share and the fds on the socket (shared routes)
+    double provider_ms = 0;   // the provider's wall time: a process's start to its reap, or a resident's reply
+    double region_ms = 0;     // of provider_ms: sending a resident provider the region
+    double handoff_ms = 0;    // adopt, or the restore
+  } phases;
   bool handed_off() const { return route != HandoffRoute::none; }
 };
 
@@ -63,6 +72,11 @@ std::string hybrid_line(const HandoffReport& report, double first_byte_ms);
 // A request forwarded by decision:
 //   hybrid: N prompt tokens, P cached: forwarded (WHY), first byte Z ms
 std::string forwarded_line(const HandoffReport& report, double first_byte_ms);
+
+// The phases of a handed-off request, after its hybrid line ("first token" is what is left of
+// the first byte: the decoder's evaluation of the last token and the relay):
+//   phases: tokenize T ms, share S ms, provider P ms (region R ms), adopt A ms, first token F ms
+std::string phases_line(const HandoffReport& report, double first_byte_ms);
 
 // Writes one whole line to serve's stderr (thread-safe; tests capture it instead).
 using LogSink = std::function<void(const std::string& line)>;
@@ -92,6 +106,9 @@ struct HandoffContext {
   std::chrono::milliseconds handshake_timeout{10000};
   // The resident kvshare-remote-receiver, when serve has --prefill-remote (else null).
   RemoteReceiverProcess* remote_receiver = nullptr;
+  // The resident provider, when serve has --provider-resident or --prefill-provider-socket
+  // (else null: a provider process per request).
+  ResidentProvider* resident_provider = nullptr;
   // The state-file version the decoder restores (probed at start), 0 when unknown: then a
   // provider's file goes to the restore unchecked and the decoder's refusal is the check; a
   // refused restore probes again and keeps what it learns (hence mutable, atomic).

@@ -59,6 +59,11 @@ void Metrics::count_receiver_restart() {
   ++receiver_restarts_;
 }
 
+void Metrics::count_provider_restart() {
+  std::lock_guard lock(mutex_);
+  ++provider_restarts_;
+}
+
 void Metrics::count_prompt_not_reused() {
   std::lock_guard lock(mutex_);
   ++prompt_not_reused_;
@@ -115,6 +120,9 @@ std::string Metrics::render() const {
   out += "# HELP kvshare_remote_receiver_restarts_total Times serve started the remote receiver again after it "
          "exited (a crash, a kill, a hang it was killed for).\n# TYPE kvshare_remote_receiver_restarts_total counter\n";
   out += fmt::format("kvshare_remote_receiver_restarts_total {}\n", receiver_restarts_);
+  out += "# HELP kvshare_provider_restarts_total Times serve started (or reached) a resident provider again after it "
+         "lost one (an exit, a kill, a hang it was killed for).\n# TYPE kvshare_provider_restarts_total counter\n";
+  out += fmt::format("kvshare_provider_restarts_total {}\n", provider_restarts_);
   out += "# HELP kvshare_replies_cut_total Relayed replies that ended before their last byte, by who cut them "
          "(client: it left; decoder: its stream broke).\n# TYPE kvshare_replies_cut_total counter\n";
   for (const auto& [by, count] : replies_cut_) out += fmt::format("kvshare_replies_cut_total{{by=\"{}\"}} {}\n", by, count);

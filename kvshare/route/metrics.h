@@ -44,6 +44,8 @@ class Metrics {
   void count_cached_tokens(size_t n_cached);
   // serve started kvshare-remote-receiver again after it had exited.
   void count_receiver_restart();
+  // serve started (or reached) a resident provider again after it had lost one.
+  void count_provider_restart();
   // A relayed reply that ended before its last byte; by: "client" (it left) | "decoder"
   // (its stream broke).
   void count_reply_cut(const std::string& by);
@@ -61,6 +63,7 @@ class Metrics {
   unsigned long long cached_tokens_ = 0;
   unsigned long long prompt_not_reused_ = 0;
   unsigned long long receiver_restarts_ = 0;
+  unsigned long long provider_restarts_ = 0;
   std::map<std::string, unsigned long long> replies_cut_;
   std::map<std::string, Histogram> prefill_ms_, handoff_ms_, first_byte_ms_;
 };

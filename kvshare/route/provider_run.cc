@@ -7,6 +7,7 @@ namespace kvshare::route {
 
 std::string ProviderRun::describe() const {
   if (!started) return "could not start: " + start_error.what();
+  if (!failure.empty()) return failure;
   if (timed_out) return fmt::format("timed out after {:.0f} ms (killed with its process group)", wall_ms);
   return status.describe();
 }

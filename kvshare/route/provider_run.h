@@ -1,4 +1,5 @@
-// One run of the prefill provider, as the handoff needs it: how it ended, its wall time,
+// One run of the prefill provider (a process per request, or one request to a resident
+// provider), as the handoff needs it: how it ended, its wall time,
 // what it printed, and the prefill_ms it reported on its last stdout line. The process
 // itself is started and waited for by kvshare/share/spawn.h (the file route here, the
 // shared route through ShareBroker::run_provider).
@@ -24,8 +25,15 @@ struct ProviderRun {
   double wall_ms = 0;
   std::optional<double> reported_prefill_ms;  // its last stdout line {"prefill_ms": X}
   Error start_error;
+  // A resident provider (resident_provider.h) that answered with an error, or was lost
+  // during the request: the sentence that says so. Empty for a per-request run.
+  std::string failure;
+  // A resident provider was sent the decoder's region for this request (a new share
+  // generation, a restarted provider, or its ESTALE), taking region_ms of the wall time.
+  bool region_sent = false;
+  double region_ms = 0;
 
-  bool ok() const { return started && !timed_out && status.ok(); }
+  bool ok() const { return started && !timed_out && status.ok() && failure.empty(); }
   // The log line's X: the provider's own figure when it gave one, else the wall time.
   double prefill_ms() const { return reported_prefill_ms.value_or(wall_ms); }
   // "exit code 3", "signal 9 (Killed)", "timed out after 2000 ms (killed with its process

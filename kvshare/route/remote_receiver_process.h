@@ -3,7 +3,8 @@
 // decoder's region live as long as it does), and supervised. Its death is never serve's:
 // a receiver that exits, breaks the protocol or stops answering is killed and reaped, the
 // request in flight falls back with its exit status as the reason, and the next request
-// starts another after a bounded back-off (said on the log, counted in /metrics).
+// starts another after a bounded back-off (said on the log, counted in /metrics): the
+// supervision is kvshare/route/resident_process.h's.
 //
 // Killing it is the safe end of any grant: the receiver's mappings of the decoder's cache
 // go with the process, so once it is reaped no peer write can land.
@@ -14,22 +15,14 @@
 #include <chrono>
 #include <filesystem>
 #include <functional>
-#include <mutex>
-#include <optional>
 #include <string>
 
-#include "kvshare/fd.h"
 #include "kvshare/route/metrics.h"
-#include "kvshare/share/spawn.h"
+#include "kvshare/route/resident_process.h"
 #include "layout/error.h"
 #include "layout/receiver_message.h"
 
 namespace kvshare::route {
-
-// After a death the next start waits kFirstReceiverBackoff, doubling per death in a row up to
-// kMaxReceiverBackoff; a handoff that completes resets it.
-inline constexpr std::chrono::milliseconds kFirstReceiverBackoff{100};
-inline constexpr std::chrono::milliseconds kMaxReceiverBackoff{5000};
 
 class RemoteReceiverProcess {
  public:
@@ -66,22 +59,7 @@ class RemoteReceiverProcess {
   unsigned long long restarts() const;
 
  private:
-  Result<void> start_locked();
-  // The receiver is unusable: kill what is left, reap it, remember the death. Returns the
-  // sentence that says how it ended.
-  std::string lose_locked(const std::string& what_happened);
-  std::chrono::milliseconds backoff_locked() const;
-
-  Options options_;
-  mutable std::mutex mutex_;
-  ChildProcess child_;
-  Fd channel_;
-  pid_t pid_ = -1;
-  int deaths_in_a_row_ = 0;
-  bool ever_started_ = false;
-  unsigned long long restarts_ = 0;
-  std::optional<std::chrono::steady_clock::time_point> last_death_;
-  std::string last_end_;  // how the last receiver ended, for EAGAIN's message
+  ResidentProcess process_;  // the supervision: start, hello, calls, losses, back-off
 };
 
 }  // namespace kvshare::route

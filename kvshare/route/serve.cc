@@ -21,6 +21,7 @@
 #include "kvshare/route/metrics.h"
 #include "kvshare/route/reply_timings_scanner.h"
 #include "kvshare/route/remote_receiver_process.h"
+#include "kvshare/route/resident_provider.h"
 #include "kvshare/route/slot_queue.h"
 #include "kvshare/route/state_version_probe.h"
 #include "kvshare/route/upstream_stream.h"
@@ -76,6 +77,7 @@ void on_first_relayed(RelayState& state) {
   const double first_byte_ms = ms_since(state.start);
   if (state.report.handed_off()) {
     log_line(hybrid_line(state.report, first_byte_ms));
+    log_line(phases_line(state.report, first_byte_ms));
     const std::string route = state.report.route == HandoffRoute::shared   ? "shared"
                               : state.report.route == HandoffRoute::remote ? "remote"
                                                                            : "file";
@@ -123,7 +125,7 @@ class Server {
   // The key serve's own calls to the decoder carry (the decoder has the same list).
   std::string decoder_api_key() const { return config_.api_keys.empty() ? std::string() : config_.api_keys.front(); }
   bool hybrid_active() const {
-    return config_.device == Device::hybrid && (!config_.prefill_provider.empty() || !config_.prefill_remote.empty());
+    return config_.device == Device::hybrid && (has_local_provider(config_) || !config_.prefill_remote.empty());
   }
   void relay_get(const std::string& path, httplib::Response& res);
   void handle_completion(Endpoint endpoint, const httplib::Request& req, httplib::Response& res);
@@ -135,6 +137,7 @@ class Server {
   std::unique_ptr<DecoderProcess> decoder_;
   std::unique_ptr<DecoderClient> client_;
   std::unique_ptr<RemoteReceiverProcess> remote_receiver_;  // --prefill-remote only
+  std::unique_ptr<ResidentProvider> resident_provider_;     // --provider-resident, --prefill-provider-socket
   httplib::Server http_;
   SlotQueue slot_;
   Metrics metrics_;
@@ -263,6 +266,26 @@ int Server::run() {
       log_line(fmt::format("kvshare-serve: {}", up.error().what()));
     context_.remote_receiver = remote_receiver_.get();
   }
+  if (hybrid_active() && provider_is_resident(config_)) {
+    // Started now, as the receiver is: the model load is not the first request's. A start
+    // that fails is the first request's fallback and the next one's retry.
+    ResidentProvider::Options provider_options;
+    if (config_.provider_resident)
+      provider_options.argv =
+          resident_provider_command(config_.prefill_provider, config_.model.string(), config_.elfs_dir);
+    provider_options.socket_path = config_.prefill_provider_socket;
+    provider_options.log = log_line;
+    provider_options.metrics = &metrics_;
+    provider_options.hello_timeout = std::max(provider_timeout(config_), std::chrono::milliseconds(1000));
+    resident_provider_ = std::make_unique<ResidentProvider>(std::move(provider_options));
+    if (auto up = resident_provider_->ensure_running(); up)
+      log_line(fmt::format("kvshare-serve: resident provider running (pid {}{})", resident_provider_->pid(),
+                           config_.prefill_provider_socket.empty() ? ""
+                                                                   : ", at " + config_.prefill_provider_socket));
+    else
+      log_line(fmt::format("kvshare-serve: {}", up.error().what()));
+    context_.resident_provider = resident_provider_.get();
+  }
   if (hybrid_active()) {
     auto version = probe_decoder_state_version(*client_, decoder_->slot_dir());
     if (version) {
@@ -351,7 +374,7 @@ int Server::run() {
                        config_.host, port, device_name(config_.device), backend_kind_name(backend_.kind),
                        decoder_->port(),
                        !config_.prefill_remote.empty() ? config_.prefill_remote
-                       : config_.prefill_provider.empty() ? "none" : config_.prefill_provider,
+                       : has_local_provider(config_) ? provider_name(config_) : std::string("none"),
                        !hybrid_active()                   ? "relay"
                        : !config_.prefill_remote.empty() ? "remote"
                        : config_.kv_share                 ? "shared"
@@ -377,6 +400,7 @@ int Server::run() {
   listen_ended = true;
   signal_thread.join();
   remote_receiver_.reset();
+  resident_provider_.reset();
   decoder_->stop();
   return decoder_died_ ? 1 : 0;
 }

@@ -112,6 +112,15 @@ Result<void> validate(const ServeConfig& config) {
   if (!config.prefill_remote.empty()) {
     if (auto url = parse_prefill_remote_url(config.prefill_remote); !url) return fail(url.error());
   }
+  if (config.provider_resident && config.prefill_provider.empty())
+    return fail(EINVAL, "--provider-resident needs the provider program: give --prefill-provider PROG (or "
+                "ONEBIT_HYBRID_PREFILL)");
+  if (config.provider_resident && !config.prefill_provider_socket.empty())
+    return fail(EINVAL, "--provider-resident and --prefill-provider-socket exclude each other: serve either starts "
+                "the resident provider itself or reaches one another supervisor runs");
+  if (!config.prefill_provider_socket.empty() && config.prefill_provider_socket.front() != '/')
+    return fail(EINVAL, "--prefill-provider-socket {}: expected an absolute path (in a 0700 directory of this user)",
+                config.prefill_provider_socket);
   if (config.model.empty()) return fail(EINVAL, "no model: give -m MODEL.gguf");
   std::error_code ec;
   if (!std::filesystem::is_regular_file(config.model, ec))
@@ -174,6 +183,21 @@ std::vector<std::string> backend_command(const ServeConfig& config, const Backen
                                    std::to_string(port)};
   argv.insert(argv.end(), config.backend_extra.begin(), config.backend_extra.end());
   return argv;
+}
+
+bool has_local_provider(const ServeConfig& config) {
+  return !config.prefill_provider.empty() || !config.prefill_provider_socket.empty();
+}
+
+bool provider_is_resident(const ServeConfig& config) {
+  return config.provider_resident || !config.prefill_provider_socket.empty();
+}
+
+std::string provider_name(const ServeConfig& config) {
+  if (!config.prefill_provider_socket.empty())
+    return fmt::format("the resident provider at {}", config.prefill_provider_socket);
+  if (config.provider_resident) return fmt::format("{} (resident)", config.prefill_provider);
+  return config.prefill_provider;
 }
 
 std::vector<std::string> file_provider_command(const ServeConfig& config, const std::string& ids_path,

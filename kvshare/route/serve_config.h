@@ -23,6 +23,8 @@ struct ServeConfig {
   std::filesystem::path model;            // -m
   Device device = Device::hybrid;         // --device
   std::string prefill_provider;           // --prefill-provider, else ONEBIT_HYBRID_PREFILL
+  bool provider_resident = false;         // --provider-resident: the provider starts once (--serve-fd 3)
+  std::string prefill_provider_socket;    // --prefill-provider-socket PATH: a resident provider listening there
   std::string prefill_remote;             // --prefill-remote URL: a kvshare-provider-server (docs/remote.md)
   std::string prefill_remote_key;         // KVSHARE_REMOTE_KEY or --prefill-remote-key-file: the provider server's key
   std::string elfs_dir;                   // ONEBIT_HYBRID_ELFS: adds --elfs DIR to the provider
@@ -92,6 +94,14 @@ Result<Backend> resolve_backend(const ServeConfig& config, const std::string& pa
 // 127.0.0.1, --port, then the extra flags.
 std::vector<std::string> backend_command(const ServeConfig& config, const Backend& backend,
                                          const std::string& slot_dir, int port);
+
+// A local provider prefills (per request, resident, or at a socket): the shared and file routes.
+bool has_local_provider(const ServeConfig& config);
+// The local provider runs resident (--provider-resident or --prefill-provider-socket).
+bool provider_is_resident(const ServeConfig& config);
+// How the log names the local provider: the program, "PROG (resident)" or "the resident
+// provider at PATH".
+std::string provider_name(const ServeConfig& config);
 
 // The provider's argv for the file route (seed contract):
 //   PROGRAM --tokens IDS --out STATE --model M [--elfs DIR]

@@ -1,6 +1,7 @@
 #include "kvshare/share/broker.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 #include <thread>
 
 #include "kvshare/region/fd_inspect.h"
+#include "layout/remote_grant.h"
 #include "kvshare/sys.h"
 
 namespace kvshare {
@@ -162,6 +164,18 @@ Result<ReceivedShare> check_share_message(handshake::Message message, std::vecto
   share.header = std::move(*header);
   if (auto checked = check_entries(share, what); !checked) return fail(checked.error());
   return share;
+}
+
+Result<RegionKey> region_key(const ReceivedShare& share) {
+  RegionKey key;
+  const uint64_t hash = layout::whole_layout_hash(share.header.layout);
+  for (size_t i = 0; i < share.fds.size(); ++i) {
+    struct stat st {};
+    if (::fstat(share.fds[i].get(), &st) != 0)
+      return fail(errno, "fstat of the decoder's fd {} (chunk {})", share.fds[i].get(), i);
+    key.emplace_back(st.st_dev, st.st_ino, share.entries[i].offset, share.entries[i].size_bytes, hash);
+  }
+  return key;
 }
 
 namespace {

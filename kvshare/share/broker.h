@@ -9,10 +9,13 @@
 //   POST /slots/0?action=adopt {"tokens": [...], "share_id": share->share_id}  // 5. caller
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kvshare/fd.h"
@@ -47,6 +50,13 @@ Result<std::vector<std::string>> expand_provider_argv(const std::vector<std::str
 // sender in errors ("kvshare-serve (pid 4121)": "handshake from kvshare-serve (pid 4121): ..."). Every fd is closed on a failure.
 Result<ReceivedShare> check_share_message(handshake::Message message, std::vector<Fd> fds,
                                           const handshake::PeerCredentials& peer, std::string_view what);
+
+// What makes a share's region the same region as an earlier one: the same files (device and
+// inode of each fd) at the same offsets and sizes, laid out the same. A decoder that
+// re-exports (a restart, a new cache after a resume) sends other files. Whoever keeps a
+// mapping across shares (the remote receiver, a resident provider) maps again on a change.
+using RegionKey = std::vector<std::tuple<dev_t, ino_t, uint64_t, uint64_t, uint64_t>>;
+Result<RegionKey> region_key(const ReceivedShare& share);
 
 class ShareBroker {
  public:
