@@ -89,7 +89,7 @@ void ResidentProcess::end_peer_locked(std::optional<ExitStatus>& status) {
   peer_pidfd_.reset();
 }
 
-std::string ResidentProcess::lose_locked(const std::string& what_happened) {
+std::string ResidentProcess::lose_locked(const std::string& what_happened, bool wait_for_exit) {
   const pid_t pid = pid_;
   channel_.reset();
   std::optional<ExitStatus> status;
@@ -98,7 +98,7 @@ std::string ResidentProcess::lose_locked(const std::string& what_happened) {
     // It may be on its way out already (an abort closes the channel as the process dies):
     // its own exit status says more than our SIGKILL would.
     status = child_.poll_exit();
-    if (!status) {
+    if (!status && wait_for_exit) {
       auto finished = child_.wait_for(kExitGrace);
       if (finished) status = finished->status;
     }
@@ -126,7 +126,7 @@ Error ResidentProcess::lose(uint64_t incarnation, const std::string& what_happen
   std::lock_guard lock(mutex_);
   if (incarnation != incarnation_ || pid_ < 0)
     return Error(ESRCH, last_end_.empty() ? fmt::format("{} is not running", options_.name) : last_end_);
-  return Error(ESRCH, lose_locked(what_happened));
+  return Error(ESRCH, lose_locked(what_happened, false));
 }
 
 Result<void> ResidentProcess::start_locked() {
@@ -223,13 +223,17 @@ Result<std::string> ResidentProcess::call(std::string_view body, std::span<const
                                            fmt::format("{} reply", what), options_.max_frame_bytes);
   if (!received) {
     const bool timed_out = received.error().errno_value() == ETIMEDOUT;
+    // A process that is still working on the request may be writing the decoder's cells:
+    // it is killed at once, not given a grace.
     return fail(ESRCH, "{}", lose_locked(timed_out ? fmt::format("did not answer a {} request within {} ms and was "
                                                                  "killed", what, timeout_ms)
-                                                   : fmt::format("died during a {} request", what)));
+                                                   : fmt::format("died during a {} request", what),
+                                         !timed_out));
   }
   if (!received->fds.empty())
     return fail(ESRCH, "{}", lose_locked(fmt::format("sent {} fd(s) on its channel and was killed",
-                                                     received->fds.size())));
+                                                     received->fds.size()),
+                                         false));
   return std::string(body_of(*received));
 }
 

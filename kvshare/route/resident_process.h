@@ -81,7 +81,10 @@ class ResidentProcess {
 
  private:
   Result<void> start_locked();
-  std::string lose_locked(const std::string& what_happened);
+  // `wait_for_exit`: the channel broke, so the process is likely on its way out and its own
+  // exit status (an abort) is the better reason; else (a hang, a protocol break) it is
+  // killed at once.
+  std::string lose_locked(const std::string& what_happened, bool wait_for_exit = true);
   std::chrono::milliseconds backoff_locked() const;
   bool running_locked();
   void end_peer_locked(std::optional<ExitStatus>& status);

@@ -1,4 +1,5 @@
 #include "kvshare/route/serve_config.h"
+#include "kvshare/route/resident_provider.h"
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -205,6 +206,47 @@ TEST(Validate, RefusesAMalformedPrefillRemoteUrl) {
   auto valid = validate(config);
   ASSERT_FALSE(valid);
   EXPECT_NE(valid.error().message().find("--prefill-remote ftp://x:1"), std::string::npos);
+}
+
+TEST(Validate, RefusesAResidentProviderWithoutAProgramOrWithASocketToo) {
+  ServeConfig config;
+  config.model = KVSHARE_TEST_DATA_DIR "/gguf-tiny.gguf";
+  config.provider_resident = true;
+  auto no_program = validate(config);
+  ASSERT_FALSE(no_program);
+  EXPECT_NE(no_program.error().message().find("--provider-resident needs the provider program"), std::string::npos);
+  config.prefill_provider = "kvshare-prefill";
+  EXPECT_TRUE(validate(config));
+  config.prefill_provider_socket = "/run/provider.sock";
+  auto both = validate(config);
+  ASSERT_FALSE(both);
+  EXPECT_NE(both.error().message().find("exclude each other"), std::string::npos);
+  config.provider_resident = false;
+  config.prefill_provider_socket = "provider.sock";
+  auto relative = validate(config);
+  ASSERT_FALSE(relative);
+  EXPECT_NE(relative.error().message().find("--prefill-provider-socket provider.sock: expected an absolute path"),
+            std::string::npos);
+}
+
+TEST(ResidentProviderCommand, PassesTheModelTheElfsAndTheChannelAtFd3) {
+  EXPECT_EQ(resident_provider_command("kvshare-prefill", "m.gguf", ""),
+            (std::vector<std::string>{"kvshare-prefill", "--model", "m.gguf", "--serve-fd", "3"}));
+  EXPECT_EQ(resident_provider_command("npu-prefill", "m.gguf", "/opt/elfs"),
+            (std::vector<std::string>{"npu-prefill", "--model", "m.gguf", "--elfs", "/opt/elfs", "--serve-fd", "3"}));
+}
+
+TEST(ProviderName, SaysHowTheProviderRuns) {
+  ServeConfig config;
+  config.prefill_provider = "kvshare-prefill";
+  EXPECT_EQ(provider_name(config), "kvshare-prefill");
+  config.provider_resident = true;
+  EXPECT_EQ(provider_name(config), "kvshare-prefill (resident)");
+  config.provider_resident = false;
+  config.prefill_provider_socket = "/run/p.sock";
+  EXPECT_EQ(provider_name(config), "the resident provider at /run/p.sock");
+  EXPECT_TRUE(provider_is_resident(config));
+  EXPECT_TRUE(has_local_provider(config));
 }
 
 TEST(JoinCommand, QuotesArgumentsAShellWouldSplit) {
