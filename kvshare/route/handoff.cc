@@ -109,6 +109,14 @@ ProviderKvParams provider_kv_params(const ServeConfig& config) {
   return kv;
 }
 
+// Why a provider run failed, for the fallback line: "the provider exit code 3 (PROG)", or a
+// resident provider's own sentence ("the resident provider (pid 4121) did not answer ...").
+std::string provider_failure(const ProviderRun& run, const ServeConfig& config) {
+  if (provider_is_resident(config))
+    return fmt::format("{} ({})", run.started ? run.describe() : run.start_error.what(), provider_name(config));
+  return fmt::format("the provider {} ({})", run.describe(), config.prefill_provider);
+}
+
 void note_provider_phases(HandoffReport& report, const ProviderRun& run) {
   report.phases.provider_ms += run.wall_ms;
   report.phases.region_ms += run.region_ms;
@@ -177,7 +185,7 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
   report.prefill_ms = run.prefill_ms();
   if (!run.ok())
     return forward_because(run.timed_out ? "provider_timeout" : "provider_failed",
-                           fmt::format("the provider {} ({})", run.describe(), provider_name(config)));
+                           provider_failure(run, config));
   context.rates.observe_provider(0, handoff_ids.size(), run.prefill_ms(), run.wall_ms);
   report.n_prefilled = handoff_ids.size();
   std::error_code ec;
@@ -325,7 +333,7 @@ StepResult shared_route(const HandoffContext& context, std::span<const int32_t> 
     if (!run.ok()) {
       const bool erased = !run.started || erase_slot(context);
       return forward_because(run.timed_out ? "provider_timeout" : "provider_failed",
-                             fmt::format("the provider {} ({})", run.describe(), provider_name(config)), !erased);
+                             provider_failure(run, config), !erased);
     }
     context.rates.observe_provider(n_cached, handoff_ids.size() - n_cached, run.prefill_ms(), run.wall_ms);
   }
