@@ -175,6 +175,8 @@ int main(int argc, char** argv) {
       say(channel.error().what());
       return 1;
     }
-    if (!serve(*channel, fault, file_only)) return 1;
+    // A serve that went away mid-channel (or a probe that only connected) is not the end:
+    // the next one is accepted, as a real listening provider does.
+    (void)serve(*channel, fault, file_only);
   }
 }

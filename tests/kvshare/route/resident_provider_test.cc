@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "../share/share_fixtures.h"
+#include "kvshare/handshake/transport.h"
 #include "kvshare/region/exporter.h"
 #include "support/test_support.h"
 
@@ -100,6 +101,13 @@ class ResidentProviderTest : public kvshare::testing::FdLeakCheck {
 };
 
 const std::vector<int32_t> kIds = {5, 6, 7, 8, 9};
+
+// The socket file appears at bind(), a moment before listen(): a provider listens once a
+// connect goes through (the fake serves that connection, which ends at once, and accepts
+// the next).
+bool wait_listening(const std::string& socket) {
+  return kvshare::testing::wait_until([&] { return handshake::connect_unix(socket, 1000).has_value(); });
+}
 
 TEST_F(ResidentProviderTest, SendsTheRegionOncePerShareGeneration) {
   ResidentProvider provider(options());
@@ -251,12 +259,13 @@ TEST_F(ResidentProviderTest, ReachesAListeningProviderAndKillsItWhenItHangs) {
   spawn_options.capture_stdout = true;
   auto child = ChildProcess::spawn({fake_program(), "--serve", socket, "--fault", "hang-on-prefill"}, spawn_options);
   ASSERT_TRUE(child) << child.error().what();
-  ASSERT_TRUE(kvshare::testing::wait_until([&] { return std::filesystem::exists(socket); }));
+  ASSERT_TRUE(wait_listening(socket));
   ResidentProvider::Options o = options();
   o.argv.clear();
   o.socket_path = socket;
   ResidentProvider provider(std::move(o));
-  ASSERT_TRUE(provider.ensure_running());
+  auto up = provider.ensure_running();
+  ASSERT_TRUE(up) << up.error().what();
   EXPECT_EQ(provider.pid(), child->pid());
   DecoderRegion decoder;
   ProviderRun hung = provider.prefill_shared(decoder.share(1), kIds, 0, std::chrono::milliseconds(500));
@@ -274,7 +283,7 @@ TEST_F(ResidentProviderTest, ServesEveryRequestOfAListeningProviderOverOneConnec
   const std::string socket = (dir.path() / "provider.sock").string();
   auto child = ChildProcess::spawn({fake_program(), "--serve", socket}, SpawnOptions{});
   ASSERT_TRUE(child) << child.error().what();
-  ASSERT_TRUE(kvshare::testing::wait_until([&] { return std::filesystem::exists(socket); }));
+  ASSERT_TRUE(wait_listening(socket));
   DecoderRegion decoder;
   {
     ResidentProvider::Options o = options();
