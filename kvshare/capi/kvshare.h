@@ -27,6 +27,9 @@ extern "C" {
 #endif
 
 #define KVSHARE_C_API_VERSION 1
+/* The newest version node this header declares (KVSHARE_1.3): an engine built against an
+ * older header lacks the calls of the nodes after it. */
+#define KVSHARE_C_API_MINOR 3
 
 /*
  * The KV parameters llama-server takes (-c, -np, -kvu, -ctk, -ctv, -fa, --swa-full, -ub).
@@ -319,6 +322,171 @@ int kvshare_provider_state_width(const struct kvshare_provider *provider, uint32
  */
 int kvshare_provider_write_state(struct kvshare_provider *provider, uint32_t il, int kind, uint32_t cell,
                                  const float *values, uint64_t n_values);
+
+/* ------------------------------------------------------------------------------------
+ * Since KVSHARE_1.3: the resident provider. kvshare-serve starts a provider once
+ * (`PROG --model M ... --serve-fd N`, N one end of a socket pair) or connects to one that
+ * listens (`PROG --model M ... --serve PATH`), and speaks kvshare's resident provider
+ * protocol to it (docs/provider.md, "The resident provider"): the decoder's region once
+ * (REGION), then one prefill per handoff into it (PREFILL_SHARED) or into a state file
+ * (PREFILL_FILE). These calls are that protocol's provider end for an engine written in C:
+ * the frames, the fds, the checks and the region_id bookkeeping are kvshare's.
+ *
+ *   struct kvshare_resident *r = NULL;
+ *   if (kvshare_resident_from_fd(fd, model, &r) != 0) { report kvshare_resident_last_error(r); }
+ *   kvshare_resident_hello(r, KVSHARE_ROUTE_SHARED | KVSHARE_ROUTE_FILE, 1);
+ *   struct kvshare_resident_request q = {.struct_size = sizeof q};
+ *   while (kvshare_resident_next(r, -1, &q) == 0 && q.kind != KVSHARE_REQUEST_END) {
+ *       switch (q.kind) {
+ *       case KVSHARE_REQUEST_REGION: import q.region (kvshare_provider_import_npu), ...
+ *                                    kvshare_resident_reply_ok(r, region_ms, 0); break;
+ *       case KVSHARE_REQUEST_PREFILL_SHARED: scatter q.tokens[q.n_cached..] into the region
+ *                                    held, kvshare_resident_reply_ok(r, prefill_ms, n); break;
+ *       default: kvshare_resident_reply_error(r, ENOTSUP, "no file route here");
+ *       }
+ *   }
+ *   kvshare_resident_close(r);
+ *
+ * One serve at a time. Every request gets exactly one reply (kvshare_resident_reply_ok or
+ * _error) before the next kvshare_resident_next. A handle is not thread-safe.
+ * ------------------------------------------------------------------------------------ */
+
+/* Routes a provider takes (kvshare_resident_hello's routes_mask). */
+#define KVSHARE_ROUTE_SHARED 1 /* prefill into the decoder's region */
+#define KVSHARE_ROUTE_FILE 2   /* prefill into a llama.cpp sequence-state file */
+
+/* What kvshare_resident_next hands out. */
+enum kvshare_request_kind {
+    KVSHARE_REQUEST_REGION = 1,         /* the decoder's region: map it, keep it until the next REGION */
+    KVSHARE_REQUEST_PREFILL_SHARED = 2, /* prefill tokens[n_cached..] into the region held */
+    KVSHARE_REQUEST_PREFILL_FILE = 3,   /* prefill tokens into a state file */
+    KVSHARE_REQUEST_END = 4             /* serve closed the channel (or it failed): no reply */
+};
+
+/*
+ * One request. Versioned by struct_size: set it to sizeof(struct kvshare_resident_request)
+ * before kvshare_resident_next. Pointers stay valid until the next kvshare_resident_next
+ * or kvshare_resident_close on the handle (region: see below).
+ */
+struct kvshare_resident_request {
+    uint32_t struct_size;
+    int32_t kind;                    /* enum kvshare_request_kind */
+    uint64_t region_id;              /* REGION, PREFILL_SHARED: serve's number for the region, from 1 */
+    /* REGION: the decoder's share, imported writable and checked against the model as
+     * kvshare_provider_open checks (a share that fails the check never reaches the engine:
+     * kvshare_resident_next answers it with the error itself). Owned by the handle, which
+     * closes it at the next REGION, at END and at kvshare_resident_close, unless the engine
+     * takes it over with kvshare_resident_take_region. NULL for the other kinds. */
+    struct kvshare_provider *region;
+    uint64_t share_id;               /* PREFILL_SHARED: the decoder's share the cells are for */
+    uint32_t n_cached;               /* PREFILL_SHARED: cells 0..n_cached-1 already hold tokens 0..n_cached-1 */
+    uint32_t n_tokens;               /* PREFILL_*: ids in `tokens`, at least 1, more than n_cached */
+    const int32_t *tokens;           /* PREFILL_*: the handoff's ids (the prompt less its last token) */
+    const char *state_file;          /* PREFILL_FILE: the absolute path to write; else NULL */
+    uint32_t state_version;          /* PREFILL_FILE: the decoder's LLAMA_STATE_SEQ_VERSION, 0 = the provider's latest */
+    uint32_t reserved;
+    /* REGION: the header's KV params (the decoder's: what the engine must run with).
+     * PREFILL_FILE: serve's n_ctx, type_k, type_v and flash_attn; the rest llama-server's
+     * defaults (kvshare_kv_params_init). */
+    struct kvshare_kv_params kv;
+};
+
+struct kvshare_resident;
+
+/*
+ * Since KVSHARE_1.3. Takes `fd`, a connected AF_UNIX stream socket (the --serve-fd serve
+ * passed), checks that its peer runs as this uid or root and marks it close-on-exec.
+ * With a model_path, reads that GGUF's metadata once: every REGION is refused unless its
+ * header describes this model (kvshare_provider_open's check); NULL skips the check.
+ * Always stores a handle in *out (NULL only on -ENOMEM); on failure it holds only the
+ * message and must still be closed. fd is closed on failure too.
+ * Errors: -ENOTSOCK (not a stream socket), -EPERM (a peer of another uid), -ENOENT /
+ * -EINVAL (the model: missing, or not a GGUF kvshare can shape).
+ */
+int kvshare_resident_from_fd(int fd, const char *model_path, struct kvshare_resident **out);
+
+/*
+ * Since KVSHARE_1.3. Listens on the AF_UNIX socket `socket_path` (--serve PATH) for
+ * serve to connect. Its directory must be a private one of this uid (0700, not a
+ * symlink) and nothing may exist at socket_path (-EEXIST: another provider's socket, or
+ * a stale one to remove by hand); the socket is removed by kvshare_resident_close.
+ * model_path as for kvshare_resident_from_fd. Does not wait for serve: the first
+ * kvshare_resident_next does. Same *out rule; errors: -EINVAL (not an absolute path),
+ * -EEXIST, -EPERM (the directory is not private), the model's.
+ */
+int kvshare_resident_listen(const char *socket_path, const char *model_path, struct kvshare_resident **out);
+
+/* Since KVSHARE_1.3. Closes the channel (serve sees it end), any region the handle still
+ * owns, the listening socket (removing it) and the handle. NULL is a no-op. */
+void kvshare_resident_close(struct kvshare_resident *resident);
+
+/* Since KVSHARE_1.3. The message of the last failed call on this handle, "" when none
+ * failed. Valid until the next call on the handle. */
+const char *kvshare_resident_last_error(const struct kvshare_resident *resident);
+
+/*
+ * Since KVSHARE_1.3. What this provider offers: routes_mask is KVSHARE_ROUTE_SHARED,
+ * KVSHARE_ROUTE_FILE or both; takes_cached non-zero when it honours n_cached > 0 (else
+ * serve never sends one). Must be called once before the first kvshare_resident_next. A
+ * handle from kvshare_resident_from_fd sends it at once (serve waits for it); a
+ * listener keeps it and sends it to every serve it accepts. Blocks at most 60 s for the
+ * send. Errors: -EINVAL (no route, an unknown bit, called twice), the send's errno
+ * (-EPIPE: serve left).
+ */
+int kvshare_resident_hello(struct kvshare_resident *resident, int routes_mask, int takes_cached);
+
+/*
+ * Since KVSHARE_1.3. Waits for serve's next request and fills *out (its struct_size set
+ * first). timeout_ms < 0 waits as long as it takes; else each wait (for serve to connect,
+ * for a request) is bounded by it and -ETIMEDOUT leaves the handle as it was.
+ *
+ * Answered here, never handed out (each as serve expects, then the wait goes on):
+ *   - a PREFILL_SHARED naming a region_id other than the one this handle holds (the last
+ *     REGION the engine answered ok; none before the first, after an error reply to a
+ *     REGION and after END): ESTALE, so serve sends the region again;
+ *   - a REGION whose share does not describe the model, or whose fds do not import;
+ *   - a PREFILL_FILE whose type_k or type_v is not a cache type llama-server accepts.
+ *   - a PREFILL_SHARED or PREFILL_FILE on a route the hello did not offer, or with
+ *     n_cached > 0 when the hello said takes_cached 0: ENOTSUP.
+ *
+ * KVSHARE_REQUEST_END: serve closed the channel between requests, or the channel failed
+ * (then the call returned that error once, and END follows). The region the handle owned
+ * is closed and no region is held any more; END needs no reply. After END, a handle from
+ * kvshare_resident_from_fd answers every kvshare_resident_next with END again (the
+ * engine's cue to exit); a listener's next kvshare_resident_next waits for the next
+ * serve to connect and says the hello again.
+ *
+ * Errors: -EBUSY (the previous request is not answered yet), -EINVAL (no hello yet, a
+ * struct_size smaller than this library's struct), -ETIMEDOUT, and for a channel that
+ * broke (the handle then reports END): -EPROTO (a frame that breaks the protocol), -EINVAL
+ * (a message that does not parse), -EPIPE / -ECONNRESET, each naming serve's pid.
+ */
+int kvshare_resident_next(struct kvshare_resident *resident, int timeout_ms, struct kvshare_resident_request *out);
+
+/*
+ * Since KVSHARE_1.3. The REGION request's provider, now the caller's to close with
+ * kvshare_provider_close (the handle forgets it; the region_id stays held). NULL when the
+ * latest request was not a REGION or the region was taken already.
+ */
+struct kvshare_provider *kvshare_resident_take_region(struct kvshare_resident *resident);
+
+/*
+ * Since KVSHARE_1.3. Answers the pending request with success: ms is region_ms for a
+ * REGION (mapping and importing it), prefill_ms for a PREFILL_* (the forward pass and
+ * the writes); n_prefilled is the ids computed and written (n_tokens - n_cached; ignored
+ * for a REGION). A REGION answered ok becomes the region held. Blocks at most 60 s.
+ * Errors: -EINVAL (no request pending), the send's errno (the channel is then over: the
+ * next kvshare_resident_next reports END).
+ */
+int kvshare_resident_reply_ok(struct kvshare_resident *resident, double ms, uint32_t n_prefilled);
+
+/*
+ * Since KVSHARE_1.3. Answers the pending request with a failure: errnum (a positive errno
+ * value, 1..4095) and a sentence naming what failed (NULL: strerror's). For a REGION, the
+ * handle then holds no region (and closes it unless it was taken). The provider keeps
+ * serving. Errors as kvshare_resident_reply_ok, and -EINVAL for an errnum out of range.
+ */
+int kvshare_resident_reply_error(struct kvshare_resident *resident, int errnum, const char *message);
 
 #ifdef __cplusplus
 }

@@ -1,11 +1,16 @@
 // The C API (kvshare.h): a thin wrapper. Each entry point converts its arguments, calls
-// the C++ class that owns the mechanism (DecoderShare, ProviderShare, xdna::scatter) and
+// the C++ class that owns the mechanism (DecoderShare, ProviderShare, xdna::scatter,
+// ProviderChannel) and
 // turns a Result into a negative errno plus the handle's message. Nothing here decides
 // protocol: checks added to those classes apply to C callers unchanged.
 #include "kvshare.h"
 
+#include <unistd.h>
+
 #include <cerrno>
+#include <cmath>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <new>
 #include <optional>
@@ -15,6 +20,7 @@
 #include "kvshare/env.h"
 #include "kvshare/mapping.h"
 #include "kvshare/share/decoder_share.h"
+#include "kvshare/share/provider_channel.h"
 #include "kvshare/share/provider_share.h"
 #include "kvshare/statefile/state_file_writer.h"
 #include "layout/gguf_reader.h"
@@ -194,6 +200,35 @@ int fail_with(const Error& error, std::string& last_error) {
   return negative_errno(error);
 }
 
+// kvshare_provider_open's check and import, whichever way the share arrived (a header
+// file and inherited fds, or a resident provider's region request): `import` gets our
+// header, this model under the decoder's params `theirs` (so the comparison sees every
+// difference of model or shape, as kvshare-prefill does), or nullptr without a model,
+// and returns the imported ProviderShare.
+template <class Import>
+int open_checked(kvshare_provider& p, const ModelFacts* model, const char* model_path, const layout::KvParams& theirs,
+                 Import&& import) {
+  std::optional<layout::ShareHeader> ours;
+  if (model != nullptr) {
+    auto header = layout::make_share_header(model->fingerprint, model->shape, theirs);
+    if (!header) return fail_with(header.error().with_context(fmt::format("model {}", model_path)), p.last_error);
+    ours = std::move(*header);
+  }
+  auto share = import(ours ? &*ours : nullptr);
+  if (!share)
+    return fail_with(model != nullptr ? share.error().with_context(fmt::format("model {}", model_path)) : share.error(),
+                     p.last_error);
+  p.share.emplace(std::move(*share));
+  if (model == nullptr) return 0;
+  // llama.cpp rotates quantized caches by the head size all layers share (0: none).
+  for (const auto& layer : model->shape.layers) {
+    if (!layer.has_kv) continue;
+    p.n_embd_head_k = p.n_embd_head_k == 0 || p.n_embd_head_k == layer.n_embd_head_k ? layer.n_embd_head_k : UINT32_MAX;
+    p.n_embd_head_v = p.n_embd_head_v == 0 || p.n_embd_head_v == layer.n_embd_head_v ? layer.n_embd_head_v : UINT32_MAX;
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -361,37 +396,20 @@ int kvshare_provider_open(const char* layout_path, const char* fd_list, const ch
   if (*out == nullptr) return -ENOMEM;
   kvshare_provider& p = **out;
   return guarded(p.last_error, "kvshare_provider_open", [&]() -> int {
-    auto refuse = [&](const Error& error) {
-      p.last_error = error.what();
-      return negative_errno(error);
-    };
-    if (layout_path == nullptr || fd_list == nullptr) return refuse(Error(EINVAL, "provider: NULL layout path or fd list"));
+    if (layout_path == nullptr || fd_list == nullptr)
+      return fail_with(Error(EINVAL, "provider: NULL layout path or fd list"), p.last_error);
     auto fds = kvshare::parse_fd_list(fd_list);
-    if (!fds) return refuse(fds.error().with_context("--fds"));
-    if (model_path == nullptr) {
-      auto share = kvshare::ProviderShare::open_unchecked(layout_path, *fds);
-      if (!share) return refuse(share.error());
-      p.share.emplace(std::move(*share));
-      return 0;
-    }
-    // The header carries the decoder's params; ours is this model under those params, so
-    // the comparison sees every difference of model or shape (as kvshare-prefill does).
+    if (!fds) return fail_with(fds.error().with_context("--fds"), p.last_error);
+    auto import = [&](const layout::ShareHeader* ours) {
+      return ours != nullptr ? kvshare::ProviderShare::open(layout_path, *fds, *ours)
+                             : kvshare::ProviderShare::open_unchecked(layout_path, *fds);
+    };
+    if (model_path == nullptr) return open_checked(p, nullptr, nullptr, layout::KvParams{}, import);
     auto theirs = kvshare::read_header_file(layout_path);
-    if (!theirs) return refuse(theirs.error());
+    if (!theirs) return fail_with(theirs.error(), p.last_error);
     auto model = read_model(model_path);
-    if (!model) return refuse(model.error());
-    auto ours = layout::make_share_header(model->fingerprint, model->shape, theirs->params);
-    if (!ours) return refuse(ours.error().with_context(fmt::format("model {}", model_path)));
-    auto share = kvshare::ProviderShare::open(layout_path, *fds, *ours);
-    if (!share) return refuse(share.error().with_context(fmt::format("model {}", model_path)));
-    p.share.emplace(std::move(*share));
-    // llama.cpp rotates quantized caches by the head size all layers share (0: none).
-    for (const auto& layer : model->shape.layers) {
-      if (!layer.has_kv) continue;
-      p.n_embd_head_k = p.n_embd_head_k == 0 || p.n_embd_head_k == layer.n_embd_head_k ? layer.n_embd_head_k : UINT32_MAX;
-      p.n_embd_head_v = p.n_embd_head_v == 0 || p.n_embd_head_v == layer.n_embd_head_v ? layer.n_embd_head_v : UINT32_MAX;
-    }
-    return 0;
+    if (!model) return fail_with(model.error(), p.last_error);
+    return open_checked(p, &*model, model_path, theirs->params, import);
   });
 }
 
@@ -583,6 +601,337 @@ int kvshare_provider_write_state(kvshare_provider* provider, uint32_t il, int ki
     auto written = kvshare::xdna::write_state(provider_target(p), row);
     if (!written) return fail_with(written.error(), p.last_error);
     return 0;
+  });
+}
+
+}  // extern "C"
+
+// KVSHARE_1.3: the provider end of one resident provider, over ProviderChannel / ProviderListener. The
+// protocol's rules that need no engine live here, so a C engine cannot get them wrong:
+// which region is held, ESTALE for any other, and the checks of a region's share.
+struct kvshare_resident {
+  std::optional<ModelFacts> model;       // every REGION is checked against it (none: unchecked)
+  std::string model_path;
+  std::optional<kvshare::ProviderListener> listener;  // --serve PATH
+  std::optional<kvshare::ProviderChannel> channel;    // the serve of now, if any
+  std::optional<kvshare::ProviderReply> hello;
+  bool end_due = false;                  // the channel broke: the next kvshare_resident_next says END
+  // The request handed out and not answered yet.
+  bool pending = false;
+  kvshare::ProviderOp pending_op = kvshare::ProviderOp::prefill;
+  uint64_t pending_region_id = 0;
+  kvshare_provider* region = nullptr;    // the latest REGION's, until taken, replaced or ended
+  uint64_t held_region_id = 0;           // the REGION last answered ok (0: none)
+  std::vector<int32_t> tokens;           // the pending PREFILL's
+  std::string state_file;
+  std::string last_error;
+
+  void drop_region() {
+    kvshare_provider_close(region);
+    region = nullptr;
+  }
+  // serve is gone (it closed, or the channel failed): nothing of its session stays.
+  void end_session() {
+    channel.reset();
+    pending = false;
+    held_region_id = 0;
+    drop_region();
+  }
+};
+
+namespace {
+
+// A failure of the channel itself: the session is over, and END is reported next.
+int channel_broke(kvshare_resident& r, const Error& error) {
+  r.end_session();
+  r.end_due = true;
+  return fail_with(error, r.last_error);
+}
+
+// An answer kvshare_resident_next gives itself (ESTALE, a refused region): 0, or the
+// channel's failure.
+int answer_inside(kvshare_resident& r, kvshare::ProviderOp op, int errnum, std::string message) {
+  kvshare::ProviderReply reply;
+  reply.op = op;
+  reply.ok = false;
+  reply.error_errno = errnum;
+  reply.error = std::move(message);
+  if (auto sent = r.channel->reply(reply); !sent) return channel_broke(r, sent.error());
+  return 0;
+}
+
+std::string serve_of(const kvshare_resident& r) {
+  return fmt::format("kvshare-serve (pid {})", r.channel->peer().pid);
+}
+
+int create_resident(const char* model_path, kvshare_resident** out, const char* what,
+                    const std::function<Result<void>(kvshare_resident&)>& open) {
+  if (out == nullptr) return -EINVAL;
+  *out = new (std::nothrow) kvshare_resident;
+  if (*out == nullptr) return -ENOMEM;
+  kvshare_resident& r = **out;
+  return guarded(r.last_error, what, [&]() -> int {
+    if (auto opened = open(r); !opened) return fail_with(opened.error(), r.last_error);
+    if (model_path == nullptr) return 0;
+    auto model = read_model(model_path);
+    if (!model) {
+      r.channel.reset();
+      r.listener.reset();
+      return fail_with(model.error(), r.last_error);
+    }
+    r.model = std::move(*model);
+    r.model_path = model_path;
+    return 0;
+  });
+}
+
+// Fills *out from a REGION: the share checked and imported as kvshare_provider_open does.
+// 1 when handed out, 0 when answered here (a refused share), < 0 when the channel broke.
+int take_region_request(kvshare_resident& r, kvshare::ProviderCall& call, kvshare_resident_request* out) {
+  r.drop_region();
+  r.held_region_id = 0;  // replaced: until the engine answers, no region is held
+  const uint64_t region_id = call.request.region_id;
+  const std::string source = fmt::format("region {} from {}", region_id, serve_of(r));
+  auto p = std::make_unique<kvshare_provider>();
+  const layout::KvParams theirs = call.region->header.params;
+  auto import = [&](const layout::ShareHeader* ours) {
+    return kvshare::ProviderShare::open_received(std::move(*call.region), ours, source);
+  };
+  const int rc = open_checked(*p, r.model ? &*r.model : nullptr, r.model_path.c_str(), theirs, import);
+  if (rc != 0) {
+    const int sent = answer_inside(r, kvshare::ProviderOp::region, -rc, std::move(p->last_error));
+    return sent < 0 ? sent : 0;
+  }
+  r.region = p.release();
+  r.pending_region_id = region_id;
+  out->kind = KVSHARE_REQUEST_REGION;
+  out->region_id = region_id;
+  out->region = r.region;
+  kvshare_provider_kv_params(r.region, &out->kv);
+  return 1;
+}
+
+// Fills *out from a PREFILL, or answers it here. As take_region_request.
+int take_prefill_request(kvshare_resident& r, kvshare::ProviderCall& call, kvshare_resident_request* out) {
+  kvshare::ProviderRequest& q = call.request;
+  const kvshare::ProviderReply& hello = *r.hello;
+  const bool shared = q.route == kvshare::PrefillRoute::shared;
+  auto refuse = [&](int errnum, std::string message) {
+    const int sent = answer_inside(r, kvshare::ProviderOp::prefill, errnum, std::move(message));
+    return sent < 0 ? sent : 0;
+  };
+  if (shared ? !hello.takes_shared : !hello.takes_file)
+    return refuse(ENOTSUP, fmt::format("this provider does not take the {} route (its hello offered {})",
+                                       kvshare::prefill_route_name(q.route), hello.takes_shared ? "shared" : "file"));
+  if (shared && q.region_id != r.held_region_id)
+    return refuse(ESTALE, r.held_region_id == 0
+                              ? fmt::format("region {}: this provider holds no region; send it", q.region_id)
+                              : fmt::format("region {}: this provider holds region {}; send region {} again",
+                                            q.region_id, r.held_region_id, q.region_id));
+  if (shared && q.n_cached > 0 && !hello.takes_cached)
+    return refuse(ENOTSUP, fmt::format("n_cached {}: this provider prefills whole prompts only (its hello said "
+                                       "\"cached\": false)", q.n_cached));
+  kvshare_kv_params_init(&out->kv);
+  if (!shared) {
+    auto type_k = layout::parse_cache_type(q.kv.type_k);
+    if (!type_k) return refuse(EINVAL, fmt::format("\"kv\" \"type_k\": {}", type_k.error().what()));
+    auto type_v = layout::parse_cache_type(q.kv.type_v);
+    if (!type_v) return refuse(EINVAL, fmt::format("\"kv\" \"type_v\": {}", type_v.error().what()));
+    out->kv.n_ctx = q.kv.n_ctx;
+    out->kv.type_k = static_cast<int32_t>(*type_k);
+    out->kv.type_v = static_cast<int32_t>(*type_v);
+    out->kv.flash_attn = q.kv.flash_attn;
+    r.state_file = std::move(q.state_file);
+    out->state_file = r.state_file.c_str();
+    out->state_version = q.state_version;
+  }
+  r.tokens = std::move(q.tokens);
+  out->kind = shared ? KVSHARE_REQUEST_PREFILL_SHARED : KVSHARE_REQUEST_PREFILL_FILE;
+  out->region_id = shared ? q.region_id : 0;
+  out->share_id = q.share_id;
+  out->n_cached = shared ? q.n_cached : 0;
+  out->n_tokens = static_cast<uint32_t>(r.tokens.size());
+  out->tokens = r.tokens.data();
+  return 1;
+}
+
+int send_reply(kvshare_resident& r, const kvshare::ProviderReply& reply) {
+  r.pending = false;
+  if (auto sent = r.channel->reply(reply); !sent) return channel_broke(r, sent.error());
+  return 0;
+}
+
+int no_pending_request(kvshare_resident& r, const char* what) {
+  return fail_with(Error(EINVAL, fmt::format("{}: no request is waiting for an answer (call kvshare_resident_next)",
+                                             what)),
+                   r.last_error);
+}
+
+}  // namespace
+
+extern "C" {
+
+int kvshare_resident_from_fd(int fd, const char* model_path, kvshare_resident** out) {
+  if (out == nullptr) {
+    if (fd >= 0) ::close(fd);
+    return -EINVAL;
+  }
+  return create_resident(model_path, out, "kvshare_resident_from_fd", [fd](kvshare_resident& r) -> Result<void> {
+    auto channel = kvshare::ProviderChannel::from_fd(fd);
+    if (!channel) return kvshare::fail(channel.error());
+    r.channel.emplace(std::move(*channel));
+    return {};
+  });
+}
+
+int kvshare_resident_listen(const char* socket_path, const char* model_path, kvshare_resident** out) {
+  return create_resident(model_path, out, "kvshare_resident_listen", [socket_path](kvshare_resident& r) -> Result<void> {
+    if (socket_path == nullptr) return kvshare::fail(EINVAL, "--serve: NULL socket path");
+    auto listener = kvshare::ProviderListener::listen(socket_path);
+    if (!listener) return kvshare::fail(listener.error());
+    r.listener.emplace(std::move(*listener));
+    return {};
+  });
+}
+
+void kvshare_resident_close(kvshare_resident* resident) {
+  if (resident == nullptr) return;
+  resident->end_session();
+  delete resident;
+}
+
+const char* kvshare_resident_last_error(const kvshare_resident* resident) {
+  return resident == nullptr ? "" : resident->last_error.c_str();
+}
+
+int kvshare_resident_hello(kvshare_resident* resident, int routes_mask, int takes_cached) {
+  if (resident == nullptr) return -EINVAL;
+  kvshare_resident& r = *resident;
+  return guarded(r.last_error, "kvshare_resident_hello", [&]() -> int {
+    constexpr int kRoutes = KVSHARE_ROUTE_SHARED | KVSHARE_ROUTE_FILE;
+    if (r.hello)
+      return fail_with(Error(EINVAL, "hello: said already (once per handle; a listener repeats it to every serve)"),
+                       r.last_error);
+    if (routes_mask == 0 || (routes_mask & ~kRoutes) != 0)
+      return fail_with(Error(EINVAL, fmt::format("hello: routes_mask {:#x} is not KVSHARE_ROUTE_SHARED ({}), "
+                                                 "KVSHARE_ROUTE_FILE ({}) or both",
+                                                 routes_mask, KVSHARE_ROUTE_SHARED, KVSHARE_ROUTE_FILE)),
+                       r.last_error);
+    kvshare::ProviderReply hello;
+    hello.op = kvshare::ProviderOp::hello;
+    hello.pid = static_cast<uint64_t>(::getpid());
+    hello.takes_shared = (routes_mask & KVSHARE_ROUTE_SHARED) != 0;
+    hello.takes_file = (routes_mask & KVSHARE_ROUTE_FILE) != 0;
+    hello.takes_cached = takes_cached != 0;
+    r.hello = hello;
+    if (!r.channel) return 0;  // a listener says it to each serve it accepts
+    if (auto said = r.channel->say_hello(hello); !said) return channel_broke(r, said.error());
+    return 0;
+  });
+}
+
+int kvshare_resident_next(kvshare_resident* resident, int timeout_ms, kvshare_resident_request* out) {
+  if (resident == nullptr) return -EINVAL;
+  kvshare_resident& r = *resident;
+  return guarded(r.last_error, "kvshare_resident_next", [&]() -> int {
+    if (out == nullptr || out->struct_size < sizeof(kvshare_resident_request))
+      return fail_with(Error(EINVAL, fmt::format("next: the kvshare_resident_request is NULL or its struct_size is "
+                                                 "smaller than {} bytes",
+                                                 sizeof(kvshare_resident_request))),
+                       r.last_error);
+    if (!r.hello) return fail_with(Error(EINVAL, "next: call kvshare_resident_hello first"), r.last_error);
+    if (r.pending)
+      return fail_with(Error(EBUSY, fmt::format("next: the {} request handed out last is not answered yet "
+                                                "(kvshare_resident_reply_ok or _error)",
+                                                kvshare::provider_op_name(r.pending_op))),
+                       r.last_error);
+    const uint32_t struct_size = out->struct_size;
+    std::memset(out, 0, sizeof(kvshare_resident_request));
+    out->struct_size = struct_size;
+    r.tokens.clear();
+    r.state_file.clear();
+    for (;;) {
+      if (r.end_due || (!r.channel && !r.listener)) {
+        r.end_due = false;
+        out->kind = KVSHARE_REQUEST_END;
+        return 0;
+      }
+      if (!r.channel) {
+        auto accepted = r.listener->accept(timeout_ms);
+        if (!accepted) return fail_with(accepted.error(), r.last_error);
+        r.channel.emplace(std::move(*accepted));
+        if (auto said = r.channel->say_hello(*r.hello); !said) {
+          // This serve left before the hello: wait for the next one, as if it never came.
+          r.end_session();
+          continue;
+        }
+      }
+      auto call = r.channel->next(timeout_ms);
+      if (!call) {
+        if (call.error().errno_value() == ETIMEDOUT) return fail_with(call.error(), r.last_error);
+        if (call.error().errno_value() == ENODATA) {
+          r.end_session();
+          out->kind = KVSHARE_REQUEST_END;
+          return 0;
+        }
+        return channel_broke(r, call.error());
+      }
+      const int taken = call->request.op == kvshare::ProviderOp::region ? take_region_request(r, *call, out)
+                                                                        : take_prefill_request(r, *call, out);
+      if (taken < 0) return taken;
+      if (taken == 0) continue;  // answered here; serve asks again or sends what it must
+      r.pending = true;
+      r.pending_op = call->request.op;
+      return 0;
+    }
+  });
+}
+
+kvshare_provider* kvshare_resident_take_region(kvshare_resident* resident) {
+  if (resident == nullptr) return nullptr;
+  kvshare_provider* region = resident->region;
+  resident->region = nullptr;
+  return region;
+}
+
+int kvshare_resident_reply_ok(kvshare_resident* resident, double ms, uint32_t n_prefilled) {
+  if (resident == nullptr) return -EINVAL;
+  kvshare_resident& r = *resident;
+  return guarded(r.last_error, "kvshare_resident_reply_ok", [&]() -> int {
+    if (!r.pending || !r.channel) return no_pending_request(r, "reply_ok");
+    if (!std::isfinite(ms) || ms < 0)
+      return fail_with(Error(EINVAL, fmt::format("reply_ok: {} ms is not a duration", ms)), r.last_error);
+    kvshare::ProviderReply reply;
+    reply.op = r.pending_op;
+    if (r.pending_op == kvshare::ProviderOp::region) {
+      reply.region_id = r.pending_region_id;
+      reply.region_ms = ms;
+      r.held_region_id = r.pending_region_id;
+    } else {
+      reply.prefill_ms = ms;
+      reply.n_prefilled = n_prefilled;
+    }
+    return send_reply(r, reply);
+  });
+}
+
+int kvshare_resident_reply_error(kvshare_resident* resident, int errnum, const char* message) {
+  if (resident == nullptr) return -EINVAL;
+  kvshare_resident& r = *resident;
+  return guarded(r.last_error, "kvshare_resident_reply_error", [&]() -> int {
+    if (!r.pending || !r.channel) return no_pending_request(r, "reply_error");
+    if (errnum < 1 || errnum > 4095)
+      return fail_with(Error(EINVAL, fmt::format("reply_error: errno {} is not 1..4095", errnum)), r.last_error);
+    kvshare::ProviderReply reply;
+    reply.op = r.pending_op;
+    reply.ok = false;
+    reply.error_errno = errnum;
+    reply.error = message != nullptr ? message : std::strerror(errnum);
+    if (r.pending_op == kvshare::ProviderOp::region) {
+      r.held_region_id = 0;
+      r.drop_region();
+    }
+    return send_reply(r, reply);
   });
 }
 

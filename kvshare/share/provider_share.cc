@@ -8,6 +8,7 @@
 #include <set>
 
 #include "kvshare/handshake/message.h"
+#include "kvshare/share/broker.h"
 #include "kvshare/sys.h"
 
 namespace kvshare {
@@ -99,13 +100,26 @@ Result<ProviderShare> ProviderShare::open_impl(const std::string& layout_path, s
     return fail(EBADF, "--fds: descriptor(s) {} are not open in this process (the broker passes them at 3, 4, ...)", bad);
   auto header = read_header_file(layout_path);
   if (!header) return fail(header.error());
+  return import(std::move(*header), std::move(fds), fd_offsets, ours, layout_path);
+}
+
+Result<ProviderShare> ProviderShare::open_received(ReceivedShare&& share, const layout::ShareHeader* ours,
+                                                   std::string_view source) {
+  std::vector<uint64_t> offsets;
+  offsets.reserve(share.entries.size());
+  for (const auto& entry : share.entries) offsets.push_back(entry.offset);
+  return import(std::move(share.header), std::move(share.fds), offsets, ours, source);
+}
+
+Result<ProviderShare> ProviderShare::import(layout::ShareHeader header, std::vector<Fd> fds,
+                                            std::span<const uint64_t> fd_offsets, const layout::ShareHeader* ours,
+                                            std::string_view source) {
   if (ours != nullptr) {
-    if (auto compatible = layout::check_compatible(*ours, *header, layout_path); !compatible)
-      return fail(compatible.error());
+    if (auto compatible = layout::check_compatible(*ours, header, source); !compatible) return fail(compatible.error());
   }
-  auto imported = ImportedShare::import(header->layout, std::move(fds), fd_offsets, true);
-  if (!imported) return fail(imported.error().with_context(fmt::format("share from {}", layout_path)));
-  return ProviderShare(std::move(*header), std::move(*imported));
+  auto imported = ImportedShare::import(header.layout, std::move(fds), fd_offsets, true);
+  if (!imported) return fail(imported.error().with_context(fmt::format("share from {}", source)));
+  return ProviderShare(std::move(header), std::move(*imported));
 }
 
 }  // namespace kvshare

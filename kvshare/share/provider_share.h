@@ -14,6 +14,7 @@
 #include <string_view>
 #include <vector>
 
+#include "kvshare/fd.h"
 #include "kvshare/region/importer.h"
 #include "layout/error.h"
 #include "layout/share_header.h"
@@ -29,6 +30,8 @@ Result<std::vector<uint64_t>> parse_offset_list(std::string_view text);
 // Reads and parses the layout header file (at most 16 MiB). Errors name the path.
 Result<layout::ShareHeader> read_header_file(const std::string& path);
 
+struct ReceivedShare;  // kvshare/share/broker.h
+
 class ProviderShare {
  public:
   // Reads `layout_path`, refuses a header that differs from `ours` in anything that
@@ -41,6 +44,13 @@ class ProviderShare {
   // The same without the compatibility check, for tools that only inspect a share.
   static Result<ProviderShare> open_unchecked(const std::string& layout_path, std::span<const int> fd_numbers,
                                               std::span<const uint64_t> fd_offsets = {});
+  // A resident provider's form of open: the share serve forwarded on its channel
+  // (kvshare/share/provider_channel.h), its header already parsed and its fds already
+  // checked against the layout. Refuses it as open does when `ours` is given (nullptr:
+  // unchecked), takes its fds (closed on any failure) and imports them writable, each at
+  // its entry's offset. Errors name `source`.
+  static Result<ProviderShare> open_received(ReceivedShare&& share, const layout::ShareHeader* ours,
+                                             std::string_view source);
 
   const layout::ShareHeader& header() const { return header_; }
   const ImportedShare& imported() const { return imported_; }
@@ -57,6 +67,10 @@ class ProviderShare {
       : header_(std::move(header)), imported_(std::move(imported)) {}
   static Result<ProviderShare> open_impl(const std::string& layout_path, std::span<const int> fd_numbers,
                                          const layout::ShareHeader* ours, std::span<const uint64_t> fd_offsets);
+  // What both forms share once the header and the fds are in hand.
+  static Result<ProviderShare> import(layout::ShareHeader header, std::vector<Fd> fds,
+                                      std::span<const uint64_t> fd_offsets, const layout::ShareHeader* ours,
+                                      std::string_view source);
   layout::ShareHeader header_;
   ImportedShare imported_;
 };

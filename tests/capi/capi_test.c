@@ -5,6 +5,7 @@
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -595,6 +596,437 @@ static void provider_state_of_lfm2_has_a_zero_wide_s(void) {
     close_handoff(&h);
 }
 
+/* ---- KVSHARE_1.3: the resident provider; the test plays kvshare-serve ---- */
+
+/* One frame of the resident protocol: a u32 little-endian length, the JSON, and any fds
+ * (SCM_RIGHTS on the first byte), as kvshare-serve sends it. */
+static void serve_send(int sock, const char *json, const int *fds, int n_fds) {
+    size_t n = strlen(json);
+    unsigned char *frame = malloc(n + 4);
+    frame[0] = (unsigned char)n;
+    frame[1] = (unsigned char)(n >> 8);
+    frame[2] = (unsigned char)(n >> 16);
+    frame[3] = (unsigned char)(n >> 24);
+    memcpy(frame + 4, json, n);
+    char control[CMSG_SPACE(sizeof(int) * 16)];
+    struct iovec iov = {frame, n + 4};
+    struct msghdr msg;
+    memset(&msg, 0, sizeof msg);
+    memset(control, 0, sizeof control);
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    if (n_fds > 0) {
+        msg.msg_control = control;
+        msg.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)n_fds);
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)n_fds);
+        memcpy(CMSG_DATA(c), fds, sizeof(int) * (size_t)n_fds);
+    }
+    size_t sent = 0;
+    while (sent < n + 4) {
+        ssize_t k = sendmsg(sock, &msg, MSG_NOSIGNAL);
+        if (k <= 0) {
+            perror("serve_send");
+            ++failures;
+            break;
+        }
+        sent += (size_t)k;
+        iov.iov_base = frame + sent;
+        iov.iov_len = n + 4 - sent;
+        msg.msg_control = NULL; /* the fds ride on the first byte only */
+        msg.msg_controllen = 0;
+    }
+    free(frame);
+}
+
+static int read_exactly(int sock, void *buf, size_t n) {
+    size_t got = 0;
+    while (got < n) {
+        ssize_t k = read(sock, (char *)buf + got, n - got);
+        if (k <= 0) return -1;
+        got += (size_t)k;
+    }
+    return 0;
+}
+
+/* The provider's next frame (hello or a reply), NUL-terminated and malloc'd; "" at EOF. */
+static char *serve_receive(int sock) {
+    unsigned char length[4];
+    if (read_exactly(sock, length, 4) != 0) {
+        char *none = malloc(1);
+        none[0] = '\0';
+        return none;
+    }
+    size_t n = (size_t)length[0] | (size_t)length[1] << 8 | (size_t)length[2] << 16 | (size_t)length[3] << 24;
+    char *body = malloc(n + 1);
+    CHECK(read_exactly(sock, body, n) == 0);
+    body[n] = '\0';
+    return body;
+}
+
+#define CHECK_REPLY(sock, word)                                                  \
+    do {                                                                         \
+        char *reply_ = serve_receive(sock);                                      \
+        CHECK_CONTAINS(reply_, (word));                                          \
+        free(reply_);                                                            \
+    } while (0)
+
+/* A decoder with a share sent to this test's broker socket: the message and the fds
+ * serve would forward in a region request. */
+struct decoder_share {
+    struct kvshare_decoder *d;
+    uint64_t share_id;
+    char *message;
+    int fds[16];
+    int n_fds;
+};
+
+static void open_decoder_share(const char *model, const char *name, struct decoder_share *s) {
+    struct kvshare_kv_params params = small_params();
+    char socket_path[4096];
+    memset(s, 0, sizeof *s);
+    CHECK_RC(kvshare_decoder_open(model, &params, &s->d), 0);
+    int listener = listen_at(name, socket_path, sizeof socket_path);
+    CHECK_RC(kvshare_decoder_share(s->d, socket_path, 2000, &s->share_id), 0);
+    s->message = receive_share(listener, s->fds, 16, &s->n_fds);
+    close(listener);
+    unlink(socket_path);
+}
+
+static void close_decoder_share(struct decoder_share *s) {
+    for (int i = 0; i < s->n_fds; ++i) close(s->fds[i]);
+    free(s->message);
+    kvshare_decoder_close(s->d);
+}
+
+/* serve's region request: the decoder's message as "share", its fds alongside. The test
+ * keeps its own copies of the fds (SCM_RIGHTS duplicates them). */
+static void serve_send_region(int sock, uint64_t region_id, const struct decoder_share *s) {
+    size_t n = strlen(s->message) + 128;
+    char *json = malloc(n);
+    snprintf(json, n, "{\"kvshare_provider\":1,\"op\":\"region\",\"region_id\":%llu,\"share\":%s}",
+             (unsigned long long)region_id, s->message);
+    serve_send(sock, json, s->fds, s->n_fds);
+    free(json);
+}
+
+static void serve_send_prefill_shared(int sock, uint64_t region_id, uint64_t share_id, uint32_t n_cached,
+                                      const char *tokens) {
+    char json[512];
+    snprintf(json, sizeof json,
+             "{\"kvshare_provider\":1,\"op\":\"prefill\",\"route\":\"shared\",\"region_id\":%llu,\"share_id\":%llu,"
+             "\"n_cached\":%u,\"tokens\":[%s]}",
+             (unsigned long long)region_id, (unsigned long long)share_id, n_cached, tokens);
+    serve_send(sock, json, NULL, 0);
+}
+
+/* Writes f32 rows into cells pos0..pos0+n-1 of layer 0 of the region (value = cell + 1,
+ * V negated), as an engine's prefill of those ids would. */
+static void scatter_cells(struct kvshare_provider *p, uint32_t pos0, uint32_t n) {
+    struct kvshare_tensor_info k = {.struct_size = sizeof k}, v = {.struct_size = sizeof v};
+    CHECK_RC(kvshare_provider_tensor(p, "cache_k_l0", &k), 0);
+    CHECK_RC(kvshare_provider_tensor(p, "cache_v_l0", &v), 0);
+    const uint32_t n_k = (uint32_t)k.ne[0], n_v = (uint32_t)v.ne[0];
+    float *rows = calloc((size_t)n * (n_k + n_v), sizeof(float));
+    for (uint32_t t = 0; t < n; ++t)
+        for (uint32_t j = 0; j < n_k + n_v; ++j) rows[t * (n_k + n_v) + j] = (float)(pos0 + t + 1) * (j < n_k ? 1.0f : -1.0f);
+    CHECK_RC(kvshare_provider_begin_write(p), 0);
+    CHECK_RC(kvshare_provider_scatter(p, 0, pos0, n, 0 /* F32 */, rows, (n_k + n_v) * sizeof(float), n_k, n_v), 0);
+    CHECK_RC(kvshare_provider_end_write(p), 0);
+    free(rows);
+}
+
+/* Layer 0's K of `cell` in the decoder's own mapping, as f16 bits of its first element. */
+static uint16_t decoder_k_cell(struct kvshare_decoder *d, uint32_t cell) {
+    struct kvshare_tensor_info k = {.struct_size = sizeof k};
+    CHECK_RC(kvshare_decoder_tensor(d, "cache_k_l0", &k), 0);
+    return ((const uint16_t *)k.data)[(size_t)cell * (size_t)k.ne[0]];
+}
+
+/* The resident shared route end to end over a socket pair: hello, one region, two prefills
+ * into it (the second incremental, with no region resent), END when serve closes. */
+static void resident_region_then_prefills_land_in_the_decoders_cells(void) {
+    const char *model = model_path("llama", 3);
+    struct decoder_share s;
+    open_decoder_share(model, "capi-resident.sock", &s);
+    int pair[2];
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) == 0);
+    const int serve = pair[0];
+    struct kvshare_resident *r = NULL;
+    CHECK_RC(kvshare_resident_from_fd(pair[1], model, &r), 0);
+    CHECK_RC(kvshare_resident_hello(r, KVSHARE_ROUTE_SHARED | KVSHARE_ROUTE_FILE, 1), 0);
+    char *hello = serve_receive(serve);
+    CHECK_CONTAINS(hello, "\"op\":\"hello\",\"ok\":true");
+    CHECK_CONTAINS(hello, "\"routes\":[\"shared\",\"file\"],\"cached\":true");
+    free(hello);
+
+    serve_send_region(serve, 1, &s);
+    serve_send_prefill_shared(serve, 1, s.share_id, 0, "11,12,13,14");
+    serve_send_prefill_shared(serve, 1, s.share_id, 4, "11,12,13,14,15,16");
+    struct kvshare_resident_request q = {.struct_size = sizeof q};
+    CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
+    CHECK(q.kind == KVSHARE_REQUEST_REGION && q.region_id == 1 && q.region != NULL);
+    CHECK(q.kv.struct_size == sizeof q.kv && q.kv.n_ctx == 256 && q.kv.type_k == 1 && q.kv.flash_attn == 1);
+    if (q.region == NULL) {
+        kvshare_resident_close(r);
+        close(serve);
+        close_decoder_share(&s);
+        return;
+    }
+    CHECK(kvshare_provider_kv_size(q.region) == 256);
+    CHECK(kvshare_provider_n_chunks(q.region) == kvshare_decoder_n_chunks(s.d));
+    struct kvshare_provider *region = q.region; /* the handle's: valid until the next REGION */
+    CHECK_RC(kvshare_resident_reply_ok(r, 1.25, 0), 0);
+    CHECK_REPLY(serve, "\"op\":\"region\",\"ok\":true,\"region_id\":1,\"region_ms\":1.25");
+
+    CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
+    CHECK(q.kind == KVSHARE_REQUEST_PREFILL_SHARED && q.region_id == 1 && q.share_id == s.share_id);
+    CHECK(q.region == NULL && q.n_cached == 0 && q.n_tokens == 4 && q.tokens[0] == 11 && q.tokens[3] == 14);
+    CHECK(q.state_file == NULL);
+    scatter_cells(region, 0, 4);
+    CHECK_RC(kvshare_resident_reply_ok(r, 2.5, 4), 0);
+    CHECK_REPLY(serve, "\"op\":\"prefill\",\"ok\":true,\"prefill_ms\":2.5,\"n_prefilled\":4");
+    CHECK(decoder_k_cell(s.d, 0) == f16_bits(1.0f) && decoder_k_cell(s.d, 3) == f16_bits(4.0f));
+
+    /* Turn 2 on the same region: only cells 4..5 are the provider's. */
+    CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
+    CHECK(q.kind == KVSHARE_REQUEST_PREFILL_SHARED && q.n_cached == 4 && q.n_tokens == 6 && q.tokens[5] == 16);
+    scatter_cells(region, q.n_cached, q.n_tokens - q.n_cached);
+    CHECK_RC(kvshare_resident_reply_ok(r, 0.5, q.n_tokens - q.n_cached), 0);
+    CHECK_REPLY(serve, "\"n_prefilled\":2");
+    CHECK(decoder_k_cell(s.d, 5) == f16_bits(6.0f) && decoder_k_cell(s.d, 6) == 0);
+    CHECK_RC(kvshare_decoder_adopt(s.d, 6, s.share_id), 0);
+
+    /* serve closes between requests: END, once a session and then for good. */
+    const int before_end = count_open_fds();
+    close(serve);
+    CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
+    CHECK(q.kind == KVSHARE_REQUEST_END && q.region == NULL);
+    CHECK(count_open_fds() == before_end - 2 - s.n_fds); /* serve's end, the channel, the region's fds */
+    CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
+    CHECK(q.kind == KVSHARE_REQUEST_END);
+    CHECK_RC(kvshare_resident_reply_ok(r, 1.0, 1), -EINVAL);
+    CHECK_CONTAINS(kvshare_resident_last_error(r), "no request is waiting");
+    kvshare_resident_close(r);
+    close_decoder_share(&s);
+}
+
+/* What kvshare_resident_next answers itself: a prefill for a region not held (ESTALE, also
+ * after the engine failed a region), another model's region, a cache type llama-server does
+ * not take, a route the hello did not offer. The engine sees only what it must act on. */
+static void resident_answers_stale_regions_and_refused_shares_itself(void) {
+    const char *model = model_path("llama", 3);
+    struct decoder_share llama, qwen2;
+    open_decoder_share(model, "capi-stale.sock", &llama);
+    open_decoder_share(model_path("qwen2", 4), "capi-stale2.sock", &qwen2);
+    int pair[2];
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) == 0);
+    const int serve = pair[0];
+    struct kvshare_resident *r = NULL;
+    CHECK_RC(kvshare_resident_from_fd(pair[1], model, &r), 0);
+    CHECK_RC(kvshare_resident_hello(r, KVSHARE_ROUTE_SHARED, 0), 0);
+    free(serve_receive(serve));
+
+    serve_send_prefill_shared(serve, 1, llama.share_id, 0, "5,6");   /* no region yet */
+    serve_send_region(serve, 1, &qwen2);                             /* another model's */
+    serve_send_prefill_shared(serve, 1, llama.share_id, 0, "5,6");   /* still none held */
+    serve_send_region(serve, 2, &llama);
+    struct kvshare_resident_request q = {.struct_size = sizeof q};
+    CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
+    CHECK(q.kind == KVSHARE_REQUEST_REGION && q.region_id == 2);
+    CHECK_REPLY(serve, "\"op\":\"prefill\",\"ok\":false,\"errno\":116,\"error\":\"region 1: this provider holds no region");
+    char *refused = serve_receive(serve);
+    CHECK_CONTAINS(refused, "\"op\":\"region\",\"ok\":false,\"errno\":22");
+    CHECK_CONTAINS(refused, "field \\\"model.arch\\\" is \\\"qwen2\\\", this provider uses \\\"llama\\\"");
+    CHECK_CONTAINS(refused, "region 1 from kvshare-serve");
+    free(refused);
+    CHECK_REPLY(serve, "\"errno\":116");
+    /* The engine fails the region: it is not held, so a prefill into it is stale too. */
+    CHECK_RC(kvshare_resident_reply_error(r, ENOMEM, "no room for the context"), 0);
+    CHECK_REPLY(serve, "\"op\":\"region\",\"ok\":false,\"errno\":12,\"error\":\"no room for the context\"");
+
+    serve_send_prefill_shared(serve, 2, llama.share_id, 0, "5,6");
+    serve_send_region(serve, 3, &llama);
+    serve_send_prefill_shared(serve, 2, llama.share_id, 0, "5,6");   /* 3 is held now */
+    serve_send_prefill_shared(serve, 3, llama.share_id, 1, "5,6");   /* the hello took no n_cached */
+    serve_send(serve,
+               "{\"kvshare_provider\":1,\"op\":\"prefill\",\"route\":\"file\",\"state_file\":\"/tmp/x.bin\","
+               "\"state_version\":3,\"kv\":{\"n_ctx\":256,\"type_k\":\"f16\",\"type_v\":\"f16\",\"flash_attn\":true},"
+               "\"tokens\":[5,6]}",
+               NULL, 0);                                                 /* not a route it offered */
+    serve_send_prefill_shared(serve, 3, llama.share_id, 0, "5,6");
+    CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
+    CHECK(q.kind == KVSHARE_REQUEST_REGION && q.region_id == 3);
+    CHECK_REPLY(serve, "\"errno\":116,\"error\":\"region 2: this provider holds no region");
+    CHECK_RC(kvshare_resident_reply_ok(r, 1.0, 0), 0);
+    CHECK_REPLY(serve, "\"region_id\":3");
+    CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
+    CHECK(q.kind == KVSHARE_REQUEST_PREFILL_SHARED && q.region_id == 3 && q.n_cached == 0);
+    CHECK_REPLY(serve, "\"errno\":116,\"error\":\"region 2: this provider holds region 3; send region 2 again");
+    CHECK_REPLY(serve, "\"errno\":95,\"error\":\"n_cached 1: this provider prefills whole prompts only");
+    CHECK_REPLY(serve, "\"errno\":95,\"error\":\"this provider does not take the file route");
+    CHECK_RC(kvshare_resident_reply_error(r, EIO, NULL), 0);
+    CHECK_REPLY(serve, "\"errno\":5,\"error\":\"Input/output error\"");
+
+    close(serve);
+    CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
+    CHECK(q.kind == KVSHARE_REQUEST_END);
+    kvshare_resident_close(r);
+    close_decoder_share(&qwen2);
+    close_decoder_share(&llama);
+}
+
+/* The file route: serve's KV params as the C struct, the state file and version; a cache
+ * type llama-server does not take is answered before the engine sees it. */
+static void resident_hands_out_file_prefills_with_their_kv_params(void) {
+    int pair[2];
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) == 0);
+    const int serve = pair[0];
+    struct kvshare_resident *r = NULL;
+    CHECK_RC(kvshare_resident_from_fd(pair[1], NULL, &r), 0);
+    CHECK_RC(kvshare_resident_hello(r, KVSHARE_ROUTE_FILE, 1), 0);
+    CHECK_REPLY(serve, "\"routes\":[\"file\"]");
+    serve_send(serve,
+               "{\"kvshare_provider\":1,\"op\":\"prefill\",\"route\":\"file\",\"state_file\":\"/tmp/a.bin\","
+               "\"state_version\":3,\"kv\":{\"n_ctx\":512,\"type_k\":\"q9_0\",\"type_v\":\"f16\",\"flash_attn\":true},"
+               "\"tokens\":[1]}",
+               NULL, 0);
+    serve_send(serve,
+               "{\"kvshare_provider\":1,\"op\":\"prefill\",\"route\":\"file\",\"state_file\":\"/tmp/b.bin\","
+               "\"state_version\":3,\"kv\":{\"n_ctx\":512,\"type_k\":\"q8_0\",\"type_v\":\"f16\",\"flash_attn\":false},"
+               "\"tokens\":[7,8,9]}",
+               NULL, 0);
+    serve_send_prefill_shared(serve, 1, 1, 0, "1");
+    struct kvshare_resident_request q = {.struct_size = sizeof q};
+    CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
+    CHECK(q.kind == KVSHARE_REQUEST_PREFILL_FILE && q.region_id == 0 && q.region == NULL);
+    CHECK(q.state_file != NULL && strcmp(q.state_file, "/tmp/b.bin") == 0 && q.state_version == 3);
+    CHECK(q.n_tokens == 3 && q.tokens[2] == 9 && q.n_cached == 0);
+    CHECK(q.kv.n_ctx == 512 && q.kv.type_k == 8 /* Q8_0 */ && q.kv.type_v == 1 && q.kv.flash_attn == 0);
+    CHECK(q.kv.n_seq_max == 1 && q.kv.n_ubatch == 512);
+    CHECK_REPLY(serve, "\"error\":\"\\\"kv\\\" \\\"type_k\\\": ");
+    /* Not answered yet: asking for the next request is refused. */
+    CHECK_RC(kvshare_resident_next(r, 5000, &q), -EBUSY);
+    CHECK_CONTAINS(kvshare_resident_last_error(r), "prefill request handed out last is not answered");
+    CHECK(kvshare_resident_take_region(r) == NULL);
+    CHECK_RC(kvshare_resident_reply_error(r, 0, "x"), -EINVAL);
+    CHECK_CONTAINS(kvshare_resident_last_error(r), "errno 0");
+    CHECK_RC(kvshare_resident_reply_ok(r, -1.0, 3), -EINVAL);
+    CHECK_RC(kvshare_resident_reply_ok(r, 3.0, 3), 0);
+    CHECK_REPLY(serve, "\"prefill_ms\":3.0,\"n_prefilled\":3");
+    /* A shared prefill to a provider that offered only the file route is answered while
+       next waits on; the wait then times out with the handle as it was. */
+    CHECK_RC(kvshare_resident_next(r, 200, &q), -ETIMEDOUT);
+    CHECK_REPLY(serve, "\"errno\":95,\"error\":\"this provider does not take the shared route (its hello offered file)");
+    close(serve);
+    CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
+    CHECK(q.kind == KVSHARE_REQUEST_END);
+    kvshare_resident_close(r);
+}
+
+/* --serve PATH: each serve that connects gets the hello; END between them; a region taken
+ * over is the engine's to close; the socket goes with the handle. */
+static void resident_listener_says_hello_to_each_serve(void) {
+    const char *model = model_path("llama", 3);
+    char path[4096];
+    snprintf(path, sizeof path, "%s/provider.sock", work_dir);
+    struct kvshare_resident *r = NULL;
+    CHECK_RC(kvshare_resident_listen(path, model, &r), 0);
+    struct kvshare_resident *twice = NULL;
+    CHECK_RC(kvshare_resident_listen(path, model, &twice), -EEXIST);
+    CHECK_CONTAINS(kvshare_resident_last_error(twice), "provider.sock");
+    kvshare_resident_close(twice);
+    struct kvshare_resident_request q = {.struct_size = sizeof q};
+    CHECK_RC(kvshare_resident_next(r, 100, &q), -EINVAL);
+    CHECK_CONTAINS(kvshare_resident_last_error(r), "kvshare_resident_hello first");
+    CHECK_RC(kvshare_resident_hello(r, KVSHARE_ROUTE_SHARED, 1), 0);
+    CHECK_RC(kvshare_resident_next(r, 100, &q), -ETIMEDOUT); /* nobody connected */
+
+    struct decoder_share s;
+    open_decoder_share(model, "capi-listen.sock", &s);
+    for (int round = 1; round <= 2; ++round) {
+        int serve = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        struct sockaddr_un addr;
+        memset(&addr, 0, sizeof addr);
+        addr.sun_family = AF_UNIX;
+        CHECK(strlen(path) < sizeof addr.sun_path);
+        memcpy(addr.sun_path, path, strlen(path) + 1 <= sizeof addr.sun_path ? strlen(path) + 1 : 0);
+        CHECK(connect(serve, (struct sockaddr *)&addr, sizeof addr) == 0);
+        serve_send_region(serve, 1, &s);
+        CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
+        CHECK(q.kind == KVSHARE_REQUEST_REGION && q.region_id == 1);
+        CHECK_REPLY(serve, "\"op\":\"hello\"");
+        struct kvshare_provider *taken = NULL;
+        if (round == 2) {
+            taken = kvshare_resident_take_region(r);
+            CHECK(taken == q.region && taken != NULL);
+            CHECK(kvshare_resident_take_region(r) == NULL);
+        }
+        CHECK_RC(kvshare_resident_reply_ok(r, 1.0, 0), 0);
+        CHECK_REPLY(serve, "\"region_id\":1");
+        const int before_end = count_open_fds();
+        close(serve);
+        CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
+        CHECK(q.kind == KVSHARE_REQUEST_END);
+        /* serve's end went, the handle closed its channel, and its region unless the engine took it. */
+        CHECK(count_open_fds() == before_end - 2 - (round == 1 ? s.n_fds : 0));
+        if (taken != NULL) {
+            CHECK(kvshare_provider_kv_size(taken) == 256); /* still the engine's, still open */
+            kvshare_provider_close(taken);
+        }
+    }
+    close_decoder_share(&s);
+    kvshare_resident_close(r);
+    CHECK(access(path, F_OK) != 0);
+}
+
+/* Misuse is refused by name, and a handle that could not be made still closes cleanly. */
+static void resident_refuses_misuse_by_name(void) {
+    struct kvshare_resident *r = NULL;
+    int not_a_socket = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    const int before = count_open_fds();
+    CHECK_RC(kvshare_resident_from_fd(not_a_socket, NULL, &r), -ENOTSOCK);
+    CHECK_CONTAINS(kvshare_resident_last_error(r), "--serve-fd");
+    CHECK(count_open_fds() == before - 1); /* taken, and closed on failure */
+    kvshare_resident_close(r);
+
+    int pair[2];
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) == 0);
+    char missing[4096];
+    snprintf(missing, sizeof missing, "%s/no-such-model.gguf", work_dir);
+    CHECK_RC(kvshare_resident_from_fd(pair[1], missing, &r), -ENOENT);
+    CHECK_CONTAINS(kvshare_resident_last_error(r), "no-such-model.gguf");
+    kvshare_resident_close(r);
+    char *eof = serve_receive(pair[0]); /* the provider's end was closed with the handle */
+    CHECK(eof[0] == '\0');
+    free(eof);
+    close(pair[0]);
+
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) == 0);
+    CHECK_RC(kvshare_resident_from_fd(pair[1], NULL, &r), 0);
+    CHECK_RC(kvshare_resident_hello(r, 0, 1), -EINVAL);
+    CHECK_CONTAINS(kvshare_resident_last_error(r), "routes_mask 0x0");
+    CHECK_RC(kvshare_resident_hello(r, 4, 1), -EINVAL);
+    CHECK_RC(kvshare_resident_hello(r, KVSHARE_ROUTE_SHARED, 1), 0);
+    CHECK_RC(kvshare_resident_hello(r, KVSHARE_ROUTE_SHARED, 1), -EINVAL);
+    CHECK_CONTAINS(kvshare_resident_last_error(r), "said already");
+    struct kvshare_resident_request old = {.struct_size = 8};
+    CHECK_RC(kvshare_resident_next(r, 100, &old), -EINVAL);
+    CHECK_CONTAINS(kvshare_resident_last_error(r), "struct_size");
+    /* A frame that breaks the protocol ends the session: the error once, then END. */
+    free(serve_receive(pair[0]));
+    serve_send(pair[0], "{\"kvshare_provider\":1,\"op\":\"hello\"}", NULL, 0);
+    struct kvshare_resident_request q = {.struct_size = sizeof q};
+    CHECK_RC(kvshare_resident_next(r, 5000, &q), -EINVAL);
+    CHECK_CONTAINS(kvshare_resident_last_error(r), "not a request");
+    CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
+    CHECK(q.kind == KVSHARE_REQUEST_END);
+    kvshare_resident_close(r);
+    close(pair[0]);
+}
+
 static void share_requested_reads_set_and_non_empty(void) {
     unsetenv("ONEBIT_KV_SHARE");
     CHECK(kvshare_share_requested() == 0);
@@ -622,6 +1054,11 @@ static const struct test tests[] = {
     {"ProviderWritesRecurrentStateRowsIntoTheDecodersRegion",
      provider_writes_recurrent_state_rows_into_the_decoders_region},
     {"ProviderStateOfLfm2HasAZeroWideS", provider_state_of_lfm2_has_a_zero_wide_s},
+    {"ResidentRegionThenPrefillsLandInTheDecodersCells", resident_region_then_prefills_land_in_the_decoders_cells},
+    {"ResidentAnswersStaleRegionsAndRefusedSharesItself", resident_answers_stale_regions_and_refused_shares_itself},
+    {"ResidentHandsOutFilePrefillsWithTheirKvParams", resident_hands_out_file_prefills_with_their_kv_params},
+    {"ResidentListenerSaysHelloToEachServe", resident_listener_says_hello_to_each_serve},
+    {"ResidentRefusesMisuseByName", resident_refuses_misuse_by_name},
 };
 
 static void remove_work_dir(void) {
