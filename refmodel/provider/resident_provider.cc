@@ -1,5 +1,7 @@
 #include "refmodel/provider/resident_provider.h"
 
+#include "kvshare/share/provider_share.h"
+
 #include <fmt/format.h>
 #include <poll.h>
 #include <signal.h>
@@ -59,8 +61,7 @@ Result<bool> wait_for_request(const ProviderChannel& channel, const std::functio
 // The decoder's region as serve forwarded it, checked against our model, mapped writable
 // and faulted in.
 struct MappedRegion {
-  layout::ShareHeader header;
-  ImportedShare share;
+  ProviderShare share;
   PopulateMethod method = PopulateMethod::madvise_populate_write;
 };
 
@@ -68,18 +69,15 @@ struct MappedRegion {
 Result<MappedRegion> map_forwarded_region(const ProviderModel& model, ReceivedShare& share, const std::string& peer) {
   auto ours = provider_share_header(model, share.header.params);
   if (!ours) return fail(ours.error());
-  if (auto compatible = layout::check_compatible(*ours, share.header, peer); !compatible) return fail(compatible.error());
-  std::vector<uint64_t> offsets;
-  for (const auto& entry : share.entries) offsets.push_back(entry.offset);
-  auto imported = ImportedShare::import(share.header.layout, std::move(share.fds), offsets, true);
-  if (!imported) return fail(imported.error().with_context(peer));
+  auto opened = ProviderShare::open_received(std::move(share), &*ours, peer);
+  if (!opened) return fail(opened.error());
   PopulateMethod method = PopulateMethod::madvise_populate_write;
-  for (const auto& region : imported->regions()) {
+  for (const auto& region : opened->imported().regions()) {
     auto populated = populate_for_write(region.mapping.bytes(), fmt::format("{}, chunk {}", peer, region.chunk));
     if (!populated) return fail(populated.error());
     if (*populated == PopulateMethod::touch_read) method = PopulateMethod::touch_read;
   }
-  return MappedRegion{std::move(share.header), std::move(*imported), method};
+  return MappedRegion{std::move(*opened), method};
 }
 
 }  // namespace
@@ -129,10 +127,10 @@ ProviderReply ResidentProvider::map_region(ProviderCall& call, const std::string
     return failed(ProviderOp::region, imported.error());
   }
   uint64_t n_bytes = 0;
-  for (const auto& chunk : imported->header.layout.chunks) n_bytes += chunk.size_bytes;
-  const size_t n_chunks = imported->header.layout.chunks.size();
+  for (const auto& chunk : imported->share.header().layout.chunks) n_bytes += chunk.size_bytes;
+  const size_t n_chunks = imported->share.header().layout.chunks.size();
   const PopulateMethod method = imported->method;
-  region_ = HeldRegion{region_id, std::move(imported->header), std::move(imported->share)};
+  region_ = HeldRegion{region_id, std::move(imported->share)};
   ProviderReply reply;
   reply.op = ProviderOp::region;
   reply.region_id = region_id;
@@ -167,7 +165,7 @@ Result<PrefillReport> ResidentProvider::prefill_shared(const ProviderRequest& re
     return fail(ESTALE, "region {} is not the one held ({}); send it again", request.region_id, region_->region_id);
   // No chunk files: our mapping was faulted in when the region came, so writing through it
   // is the fast way now (kvshare/region/chunk_file.h: a warm mapping beats pwrite()).
-  const RegionTarget target{region_->header, region_->imported, {}};
+  const RegionTarget target{region_->share.header(), region_->share.imported(), {}};
   return prefill_region(model_, target, request.tokens, request.n_cached, n_threads_, kRequestSource);
 }
 

@@ -17,6 +17,7 @@
 
 #include "kvshare/region/importer.h"
 #include "kvshare/share/provider_channel.h"
+#include "kvshare/share/provider_share.h"
 #include "layout/error.h"
 #include "layout/share_header.h"
 #include "refmodel/provider/prefill_routes.h"
@@ -54,8 +55,7 @@ class ResidentProvider {
  private:
   struct HeldRegion {
     uint64_t region_id = 0;
-    layout::ShareHeader header;  // the decoder's, checked against the model
-    ImportedShare imported;      // our writable mapping, faulted in
+    ProviderShare share;         // the decoder's header, checked against the model; our mapping, faulted in
   };
 
   ProviderReply map_region(ProviderCall& call, const std::string& who);
