@@ -777,7 +777,7 @@ int kvshare_resident_from_fd(int fd, const char* model_path, kvshare_resident** 
     return -EINVAL;
   }
   return create_resident(model_path, out, "kvshare_resident_from_fd", [fd](kvshare_resident& r) -> Result<void> {
-    auto channel = kvshare::ProviderChannel::from_fd(fd);
+    auto channel = kvshare::ProviderChannel::from_fd(kvshare::Fd(fd));
     if (!channel) return kvshare::fail(channel.error());
     r.channel.emplace(std::move(*channel));
     return {};

@@ -27,8 +27,8 @@ std::string serve_name(const handshake::PeerCredentials& peer) {
 
 }  // namespace
 
-Result<ProviderChannel> ProviderChannel::from_fd(int fd) {
-  Fd socket(fd);
+Result<ProviderChannel> ProviderChannel::from_fd(Fd socket) {
+  const int fd = socket.get();
   int type = 0;
   socklen_t length = sizeof type;
   if (::getsockopt(socket.get(), SOL_SOCKET, SO_TYPE, &type, &length) != 0)

@@ -2,7 +2,7 @@
 // what a resident prefill provider (kvshare-prefill --serve, llama-kvshare-prefill --serve,
 // an NPU engine through the C API) links to take serve's requests.
 //
-//   auto channel = ProviderChannel::from_fd(3);            // --serve-fd 3: serve started us
+//   auto channel = ProviderChannel::from_fd(Fd(3));            // --serve-fd 3: serve started us
 //   channel->say_hello(hello);
 //   while (auto call = channel->next()) {                  // ENODATA: serve closed it
 //     if (call->request.op == ProviderOp::region) { map call->region ...; channel->reply(ok); }
@@ -40,9 +40,9 @@ struct ProviderCall {
 
 class ProviderChannel {
  public:
-  // Takes `fd`, a connected AF_UNIX stream socket (serve's socket pair end), and checks that
+  // Takes `socket`, a connected AF_UNIX stream socket (serve's socket pair end), and checks that
   // its peer runs as our uid or root (EPERM naming it; ENOTSOCK for anything else).
-  static Result<ProviderChannel> from_fd(int fd);
+  static Result<ProviderChannel> from_fd(Fd socket);
   // Takes an accepted connection whose peer was checked already.
   static ProviderChannel from_connection(Fd connection, handshake::PeerCredentials peer);
 

@@ -198,7 +198,7 @@ int run_resident_provider(const ResidentOptions& options) {
   std::optional<ProviderChannel> channel;
   std::optional<ProviderListener> listener;
   if (on_fd) {
-    auto made = ProviderChannel::from_fd(options.serve_fd);
+    auto made = ProviderChannel::from_fd(Fd(options.serve_fd));
     if (!made) return exit_failed(made.error());
     channel.emplace(std::move(*made));
   } else {

@@ -155,7 +155,7 @@ int main(int argc, char** argv) {
     }
   }
   if (serve_fd >= 0) {
-    auto channel = ProviderChannel::from_fd(serve_fd);
+    auto channel = ProviderChannel::from_fd(Fd(serve_fd));
     if (!channel) {
       say(channel.error().what());
       return 1;

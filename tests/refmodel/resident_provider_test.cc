@@ -210,7 +210,7 @@ class ResidentSession : public kvshare::testing::FdLeakCheck {
     int sv[2];
     ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
     serve_.emplace(Fd(sv[0]));
-    auto channel = ProviderChannel::from_fd(sv[1]);
+    auto channel = ProviderChannel::from_fd(Fd(sv[1]));
     ASSERT_TRUE(channel) << channel.error().what();
     provider_ = std::make_unique<ResidentProvider>(model_, 1);
     thread_ = std::thread([this, channel = std::move(*channel)]() mutable { ended_ = provider_->serve(channel); });

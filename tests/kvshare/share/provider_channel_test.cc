@@ -46,7 +46,7 @@ struct Channel {
       return;
     }
     serve.reset(ends[0]);
-    auto channel = ProviderChannel::from_fd(ends[1]);
+    auto channel = ProviderChannel::from_fd(Fd(ends[1]));
     if (!channel) {
       ADD_FAILURE() << channel.error().what();
       return;
@@ -335,7 +335,7 @@ TEST_F(ProviderChannelTest, RefusesAServeFdThatIsNotASocket) {
   int pipe_fds[2];
   ASSERT_EQ(::pipe2(pipe_fds, O_CLOEXEC), 0);
   const Fd write_end(pipe_fds[1]);
-  auto channel = ProviderChannel::from_fd(pipe_fds[0]);  // takes (and closes) the read end
+  auto channel = ProviderChannel::from_fd(Fd(pipe_fds[0]));  // takes (and closes) the read end
   ASSERT_FALSE(channel);
   EXPECT_EQ(channel.error().errno_value(), ENOTSOCK);
   EXPECT_NE(channel.error().message().find(fmt::format("--serve-fd {}: not a socket", pipe_fds[0])), std::string::npos)
@@ -346,7 +346,7 @@ TEST_F(ProviderChannelTest, RefusesAServeFdThatIsADatagramSocket) {
   int ends[2];
   ASSERT_EQ(::socketpair(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0, ends), 0);
   const Fd other(ends[1]);
-  auto channel = ProviderChannel::from_fd(ends[0]);
+  auto channel = ProviderChannel::from_fd(Fd(ends[0]));
   ASSERT_FALSE(channel);
   EXPECT_EQ(channel.error().errno_value(), ENOTSOCK);
   EXPECT_NE(channel.error().message().find("not a stream socket"), std::string::npos) << channel.error().what();
