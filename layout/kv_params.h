@@ -11,7 +11,7 @@
 namespace kvshare::layout {
 
 struct KvParams {
-  uint32_t n_ctx = 4096;        // -c; 0 means the model's context_length
+  uint32_t n_ctx = 4096;        // -c, every stream's cells (split per sequence unless kv_unified); 0: context_length
   uint32_t n_seq_max = 1;       // -np
   bool kv_unified = true;       // -kvu; a single sequence is always unified
   GgmlType type_k = GgmlType::F16;  // -ctk

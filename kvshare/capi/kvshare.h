@@ -37,10 +37,14 @@ extern "C" {
  * Versioned by struct_size: fill it with sizeof(struct kvshare_kv_params), or call
  * kvshare_kv_params_init(), which does that and sets llama-server's defaults.
  * type_k / type_v are ggml's `enum ggml_type` ids (GGML_TYPE_F16 = 1).
+ * n_ctx is the whole context, every stream's cells (llama_context_params.n_ctx): without
+ * kv_unified kvshare gives each of n_seq_max streams pad256(pad256(n_ctx) / n_seq_max)
+ * cells, as llama_context does. A caller that knows only its cache passes kv_size *
+ * n_stream (llama_n_ctx()), never one stream's kv_size, which would be split again.
  */
 struct kvshare_kv_params {
     uint32_t struct_size;
-    uint32_t n_ctx;      /* -c: cells of the cache before padding; 0 = the model's context length */
+    uint32_t n_ctx;      /* -c: cells of every stream before padding; 0 = the model's context length */
     uint32_t n_seq_max;  /* -np */
     uint32_t n_ubatch;   /* -ub: sizes an SWA cache */
     int32_t type_k;      /* -ctk, a ggml_type id */

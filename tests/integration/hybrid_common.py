@@ -294,19 +294,26 @@ def temp_dir():
 class LlamaServer:
     """A llama-server started directly (no kvshare-serve in between) on a free loopback port,
     ready when constructed (its /health answers 200), stopped by stop() or `with`. With
-    `log_path` its stdout and stderr go to that file (read it with log_text())."""
+    `log_path` its stdout and stderr go to that file (read it with log_text()); `env` is laid
+    over this process's environment (a None value unsets a variable)."""
 
-    def __init__(self, binary, args, timeout=120, log_path=None):
+    def __init__(self, binary, args, timeout=120, log_path=None, env=None):
         import socket
         probe = socket.socket()
         probe.bind(("127.0.0.1", 0))
         self.port = probe.getsockname()[1]
         probe.close()
         self.log_path = log_path
+        child_env = dict(os.environ)
+        for key, value in (env or {}).items():
+            if value is None:
+                child_env.pop(key, None)
+            else:
+                child_env[key] = value
         log = open(log_path, "wb") if log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(self.port)] + args,
-                                         stdout=log, stderr=subprocess.STDOUT if log_path else log)
+                                         stdout=log, stderr=subprocess.STDOUT if log_path else log, env=child_env)
         finally:
             if log_path:
                 log.close()  # the child has its own copy

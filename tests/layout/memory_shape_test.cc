@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cerrno>
+#include <string>
 
 #include "layout/shape_fixtures.h"
 
@@ -106,6 +107,101 @@ TEST(MemoryShape, KeepsOneStreamForAUnifiedCacheOfManySequences) {
   const MemoryShape memory = memory_of(model, params);
   EXPECT_EQ(memory.kv_caches[0].n_stream, 1u);
   EXPECT_EQ(memory.kv_caches[0].kv_size, 1024u);
+}
+
+// llama-server's -c / -np / -kvu against the cache llama.cpp builds. Expected numbers follow
+// llama_context::llama_context (llama-context.cpp): n_ctx = GGML_PAD(-c, 256); unified,
+// n_ctx_seq = n_ctx; otherwise n_ctx_seq = GGML_PAD(n_ctx / n_seq_max, 256) and n_ctx =
+// n_ctx_seq * n_seq_max. llama_model::create_memory gives llama_kv_cache kv_size =
+// n_ctx_seq, and its constructor n_stream = unified ? 1 : n_seq_max.
+struct StreamSplit {
+  uint32_t n_ctx;       // -c
+  uint32_t n_seq_max;   // -np
+  bool kv_unified;      // -kvu
+  uint32_t kv_size;     // cells per stream
+  uint32_t n_stream;
+  uint32_t n_ctx_out;   // llama_n_ctx(): every stream's cells
+};
+
+void PrintTo(const StreamSplit& c, std::ostream* os) {
+  *os << "-c " << c.n_ctx << " -np " << c.n_seq_max << (c.kv_unified ? " -kvu" : "");
+}
+
+class MemoryShapeStreams : public ::testing::TestWithParam<StreamSplit> {
+ protected:
+  static KvParams params_of(const StreamSplit& c) {
+    KvParams params = params_with_ctx(c.n_ctx);
+    params.n_seq_max = c.n_seq_max;
+    params.kv_unified = c.kv_unified;
+    return params;
+  }
+};
+
+TEST_P(MemoryShapeStreams, GivesEachStreamTheCellsLlamaContextGivesIt) {
+  const StreamSplit c = GetParam();
+  const MemoryShape memory = memory_of(model_of(testing::worked_example_model()), params_of(c));
+  ASSERT_EQ(memory.kv_caches.size(), 1u);
+  EXPECT_EQ(memory.kv_caches[0].kv_size, c.kv_size);
+  EXPECT_EQ(memory.kv_caches[0].n_stream, c.n_stream);
+  EXPECT_EQ(memory.n_ctx_seq, c.kv_size);
+  EXPECT_EQ(memory.n_ctx, c.n_ctx_out);
+  EXPECT_EQ(memory.kv_caches[0].tensors[0].ne, (std::array<int64_t, 4>{128, c.kv_size, c.n_stream, 1}));
+}
+
+// Issue #27: the patched llama-server passed its cache's cells per stream as n_ctx, and -c
+// 1024 -np 2 came out as [128, 256, 2]. A caller that knows only its cache passes kv_size *
+// n_stream (llama_n_ctx()): that must derive the same cache as the -c it was made from.
+TEST_P(MemoryShapeStreams, DerivesTheSameCacheFromTheContextLlamaReports) {
+  const StreamSplit c = GetParam();
+  const ModelShape model = model_of(testing::worked_example_model());
+  KvParams params = params_of(c);
+  params.n_ctx = c.kv_size * c.n_stream;
+  const MemoryShape again = memory_of(model, params);
+  ASSERT_EQ(again.kv_caches.size(), 1u);
+  EXPECT_EQ(again.kv_caches[0].kv_size, c.kv_size);
+  EXPECT_EQ(again.kv_caches[0].n_stream, c.n_stream);
+  EXPECT_EQ(again.n_ctx, c.n_ctx_out);
+}
+
+INSTANTIATE_TEST_SUITE_P(LlamaServerFlags, MemoryShapeStreams,
+                         ::testing::Values(StreamSplit{512, 2, false, 256, 2, 512},     // 512 / 2
+                                           StreamSplit{1024, 2, false, 512, 2, 1024},   // 1024 / 2
+                                           StreamSplit{2048, 2, false, 1024, 2, 2048},  // 2048 / 2
+                                           StreamSplit{1024, 4, false, 256, 4, 1024},   // 1024 / 4
+                                           StreamSplit{768, 3, false, 256, 3, 768},     // 768 / 3
+                                           StreamSplit{1000, 3, false, 512, 3, 1536},   // pad256(1024 / 3)
+                                           StreamSplit{1024, 2, true, 1024, 1, 1024},   // one stream
+                                           StreamSplit{4096, 4, true, 4096, 1, 4096}),
+                         [](const ::testing::TestParamInfo<StreamSplit>& info) {
+                           const StreamSplit& c = info.param;
+                           return "c" + std::to_string(c.n_ctx) + "_np" + std::to_string(c.n_seq_max) +
+                                  (c.kv_unified ? "_unified" : "_split");
+                         });
+
+// kvshare-mkmodel's gemma3 (window 32) per stream: llama_kv_cache_iswa's constructor sizes
+// the SWA cache GGML_PAD(min(kv_size, n_swa * (unified ? n_seq_max : 1) + n_ubatch), 256),
+// with kv_size the base cache's cells per stream, and gives both caches the same streams.
+TEST(MemoryShape, SizesEachStreamOfAnIswaPairFromItsOwnShareOfTheContext) {
+  const ModelShape model = model_of(testing::mkmodel_gemma3());
+  KvParams params = params_with_ctx(2048);
+  params.n_seq_max = 2;
+  params.kv_unified = false;
+  const MemoryShape split = memory_of(model, params);
+  ASSERT_EQ(split.kv_caches.size(), 2u);
+  EXPECT_EQ(split.kv_caches[0].kv_size, 1024u);
+  EXPECT_EQ(split.kv_caches[0].n_stream, 2u);
+  EXPECT_EQ(split.kv_caches[1].kv_size, 768u);  // pad256(min(1024, 32 + 512))
+  EXPECT_EQ(split.kv_caches[1].n_stream, 2u);
+  EXPECT_EQ(split.kv_caches[1].tensors[0].ne, (std::array<int64_t, 4>{128, 768, 2, 1}));
+
+  params.n_ctx = 1024;  // 512 cells per stream: the window and a micro-batch do not fit
+  EXPECT_EQ(memory_of(model, params).kv_caches[1].kv_size, 512u);
+
+  params.kv_unified = true;  // one stream holding both sequences' windows
+  const MemoryShape unified = memory_of(model, params);
+  EXPECT_EQ(unified.kv_caches[0].kv_size, 1024u);
+  EXPECT_EQ(unified.kv_caches[1].kv_size, 768u);  // pad256(min(1024, 2 * 32 + 512))
+  EXPECT_EQ(unified.kv_caches[1].n_stream, 1u);
 }
 
 MetadataBuilder uneven_kv_heads() {
