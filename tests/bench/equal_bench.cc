@@ -11,6 +11,13 @@
 //   file        the provider's writer (f32 -> f16 into its own buffers, serialize, write
 //               the file), the decoder's read and validation of it, and the copy of every
 //               section into its cache tensors (llama.cpp's restore)
+//   resident    the shared route with a resident provider (issue 24): the provider mapped
+//               the decoder's region once, before the rounds, and pre-faulted it
+//               (MADV_POPULATE_WRITE, else a write per 4 KiB page), as kvshare-prefill --serve
+//               does at serve's region request; per round, listen, share, receive and check
+//               (the broker), region_key(share) against the held region's (equal: the fds
+//               are dropped, the provider is not sent them again), scatter every layer through
+//               the long-lived mapping, adopt
 //   floor       the scatter alone, into the decoder's own warm mapping: the conversion and
 //               copy every route must do once, whatever it hands over
 //
@@ -20,10 +27,13 @@
 // put in place but the decoder never mapped would show. The sides run in rounds (one of
 // each per iteration), the order rotating each time, so a slow moment of a busy machine
 // lands on every side alike; the report gives medians and quartiles of each side and of
-// the per-round ratio of the added costs, shared / file.
+// the per-round ratios of the added costs, shared / file and resident / file.
+// Prompt lengths: --tokens N[,N...] (default 307, 4096, 32768; the decoder's -c is the
+// longest of them, at least 32768).
 // Group flags (after --): --dir PATH for the state files (default $TMPDIR or /tmp).
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -113,13 +123,14 @@ Result<void> decoder_first_look(uint32_t n_tokens) {
   return {};
 }
 
-enum class Side { shared, shared_map, file, floor };
-constexpr Side kSides[] = {Side::shared, Side::shared_map, Side::file, Side::floor};
+enum class Side { shared, shared_map, resident, file, floor };
+constexpr Side kSides[] = {Side::shared, Side::shared_map, Side::resident, Side::file, Side::floor};
 constexpr size_t kSideCount = std::size(kSides);
 const char* side_name(Side side) {
   switch (side) {
     case Side::shared: return "shared";
     case Side::shared_map: return "shared_map";
+    case Side::resident: return "resident";
     case Side::file: return "file";
     case Side::floor: return "floor";
   }
@@ -172,6 +183,83 @@ Result<double> shared_side(const ProviderRows& rows, uint32_t n_tokens, bool thr
   return ms;
 }
 
+// Every page of `bytes` present and writable in this process's page tables: what a
+// resident provider pays once, at its region request, so that no request takes a first-touch
+// fault. MADV_POPULATE_WRITE (Linux 5.14) does it in one call; an older kernel refuses it
+// (EINVAL) and gets one write per page of the byte already there.
+Result<void> prefault(std::span<std::byte> bytes) {
+  if (::madvise(bytes.data(), bytes.size(), MADV_POPULATE_WRITE) == 0) return {};
+  if (errno != EINVAL) return fail(errno, "madvise(MADV_POPULATE_WRITE) of {} bytes of the held region", bytes.size());
+  for (size_t at = 0; at < bytes.size(); at += 4096) {
+    volatile std::byte* page = bytes.data() + at;
+    *page = *page;
+  }
+  return {};
+}
+
+// The decoder's region as a resident provider holds it: mapped from a share received once,
+// pre-faulted, kept across every round, and the key serve compares each share against.
+struct HeldRegion {
+  RegionKey key;
+  ImportedShare imported;
+  double region_ms = 0;  // the import and pre-fault, paid once (the provider's region_ms)
+};
+
+// Made before the first round (outside any timing), from a share the decoder then leaves
+// unadopted: the next round's share makes it stale, as a request after serve's region
+// request does.
+Result<HeldRegion*> held_region() {
+  static std::optional<HeldRegion> held;
+  if (held) return &*held;
+  auto broker = ShareBroker::listen(settings().dir);
+  if (!broker) return fail(broker.error());
+  auto id = decoder().share(broker->socket_path(), 5000);
+  if (!id) return fail(id.error());
+  auto received = broker->receive(5000);
+  if (!received) return fail(received.error());
+  const auto start = Clock::now();
+  auto key = region_key(*received);
+  if (!key) return fail(key.error());
+  std::vector<uint64_t> offsets;
+  for (const auto& entry : received->entries) offsets.push_back(entry.offset);
+  auto imported = ImportedShare::import(received->header.layout, std::move(received->fds), offsets, true);
+  if (!imported) return fail(imported.error());
+  for (std::span<std::byte> chunk : imported->chunk_bytes())
+    if (auto faulted = prefault(chunk); !faulted) return fail(faulted.error());
+  held.emplace(HeldRegion{std::move(*key), std::move(*imported), ms_since(start)});
+  return &*held;
+}
+
+Result<double> resident_side(const ProviderRows& rows, uint32_t n_tokens, const HeldRegion& held) {
+  DecoderShare& share = decoder();
+  const auto start = Clock::now();
+  std::optional<ShareBroker> broker;
+  {
+    auto listening = ShareBroker::listen(settings().dir);
+    if (!listening) return fail(listening.error());
+    broker.emplace(std::move(*listening));
+  }
+  auto id = share.share(broker->socket_path(), 5000);
+  if (!id) return fail(id.error());
+  auto received = broker->receive(5000);
+  if (!received) return fail(received.error());
+  // serve's test before it asks the provider: the same region needs no region request.
+  auto key = region_key(*received);
+  if (!key) return fail(key.error());
+  if (*key != held.key) return fail(ESTALE, "share {}: the decoder sent another region than the one held", *id);
+  received->fds.clear();
+  const auto chunks = held.imported.chunk_bytes();
+  const layout::ShareHeader& header = share.header();
+  xdna::ScatterTarget target{header.layout, header.memory, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
+                             0, 128, 128};
+  if (auto scattered = xdna::scatter(target, all_layers(rows, n_tokens)); !scattered) return fail(scattered.error());
+  if (auto plan = share.adopt(n_tokens, *id); !plan) return fail(plan.error());
+  if (auto looked = decoder_first_look(n_tokens); !looked) return fail(looked.error());
+  const double ms = ms_since(start);
+  broker.reset();  // the socket's cleanup, after the decoder could go on
+  return ms;
+}
+
 Result<double> file_side(const ProviderRows& rows, uint32_t n_tokens, const std::filesystem::path& path) {
   const layout::MemoryShape& memory = decoder().header().memory;
   const std::vector<int32_t> tokens(n_tokens, 1);
@@ -204,17 +292,20 @@ void bm_equal(benchmark::State& state) {
   if (!decoder().can_share()) return state.SkipWithError(decoder().startup_warning().c_str());
   const ProviderRows rows(n_tokens);
   const auto path = settings().dir / fmt::format("kvshare-equal-bench-{}.state", ::getpid());
+  auto held = held_region();
+  if (!held) return state.SkipWithError(held.error().what().c_str());
   std::map<Side, std::vector<double>> ms, faults;
-  std::vector<double> shared_added, map_added, file_added, added_ratio;
+  std::vector<double> shared_added, map_added, resident_added, file_added, added_ratio, resident_ratio;
   size_t turn = 0;
   for (auto _ : state) {
     std::map<Side, double> round;
     for (size_t k = 0; k < kSideCount; ++k) {
       const Side side = kSides[(turn + k) % kSideCount];
       const long faults_before = minor_faults();
-      Result<double> took = side == Side::file    ? file_side(rows, n_tokens, path)
-                            : side == Side::floor ? floor_side(rows, n_tokens)
-                                                  : shared_side(rows, n_tokens, side == Side::shared);
+      Result<double> took = side == Side::file       ? file_side(rows, n_tokens, path)
+                            : side == Side::floor    ? floor_side(rows, n_tokens)
+                            : side == Side::resident ? resident_side(rows, n_tokens, **held)
+                                                     : shared_side(rows, n_tokens, side == Side::shared);
       if (!took) return state.SkipWithError(took.error().what().c_str());
       round[side] = *took;
       faults[side].push_back(static_cast<double>(minor_faults() - faults_before));
@@ -226,8 +317,10 @@ void bm_equal(benchmark::State& state) {
     for (Side side : kSides) ms[side].push_back(round[side]);
     shared_added.push_back(round[Side::shared] - round[Side::floor]);
     map_added.push_back(round[Side::shared_map] - round[Side::floor]);
+    resident_added.push_back(round[Side::resident] - round[Side::floor]);
     file_added.push_back(round[Side::file] - round[Side::floor]);
     added_ratio.push_back(shared_added.back() / file_added.back());
+    resident_ratio.push_back(resident_added.back() / file_added.back());
   }
   for (Side side : kSides) {
     record_spread(state, std::string(side_name(side)) + "_ms", ms[side]);
@@ -235,8 +328,11 @@ void bm_equal(benchmark::State& state) {
   }
   record_spread(state, "shared_added_ms", shared_added);
   record_spread(state, "shared_map_added_ms", map_added);
+  record_spread(state, "resident_added_ms", resident_added);
   record_spread(state, "file_added_ms", file_added);
   record_spread(state, "added_ratio", added_ratio);
+  record_spread(state, "resident_added_ratio", resident_ratio);
+  state.counters["resident_region_ms"] = (*held)->region_ms;
   state.counters["rounds"] = static_cast<double>(state.iterations());
 }
 
@@ -246,6 +342,9 @@ void register_all(const BenchArgs& args) {
   std::vector<int> tokens = args.tokens;
   if (tokens.empty()) tokens = args.smoke ? std::vector<int>{16} : std::vector<int>{307, 4096, 32768};
   if (args.smoke) s.n_ctx = 256;
+  // A longer prompt than the default context gets a cache that holds it (llama.cpp pads
+  // kv_size to 256).
+  for (int n : tokens) s.n_ctx = std::max(s.n_ctx, (static_cast<uint32_t>(n) + 255) / 256 * 256);
   for (int n : tokens) {
     const int rounds = args.smoke ? 1 : n <= 512 ? 15 : n <= 8192 ? 9 : 5;
     benchmark::RegisterBenchmark(fmt::format("equal/{}", n).c_str(), bm_equal)
@@ -259,54 +358,89 @@ double counter(const RunResult& run, const std::string& name) {
 
 int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
   const uint64_t per_token = layout::kv_bytes_per_token(decoder().header().memory);
-  const char* keys[] = {"shared_ms",       "shared_map_ms",       "file_ms",       "floor_ms",
-                        "shared_added_ms", "shared_map_added_ms", "file_added_ms", "added_ratio"};
-  if (!args.json)
-    fmt::print("\nequal work: provider's rows in its buffers -> decoder can evaluate the next token (Qwen3-Coder-30B-A3B "
-               "shape, f16, FA on, -c {}; share backend {}; state files in {})\n{:>6} {:>10} {:>22} {:>22} {:>22} "
-               "{:>22} {:>22} {:>22} {:>20} {:>6}\n",
-               settings().n_ctx, decoder().backend_description(), settings().dir.string(), "tokens", "kv_bytes",
-               "shared_ms", "shared_map_ms", "file_ms", "floor_ms", "shared_added_ms", "file_added_ms",
-               "added shared/file", "rounds");
-  double first_added = 0, last_added = 0, ratio_4096 = 0;
-  for (const RunResult* run : runs_with_prefix(runs, "equal/")) {
-    const int n = std::stoi(run->name.substr(std::string("equal/").size()));
-    auto c = [&](const std::string& key) { return counter(*run, key); };
-    if (first_added == 0) first_added = c("shared_added_ms");
-    last_added = c("shared_added_ms");
-    if (n == 4096) ratio_4096 = c("added_ratio");
-    const uint64_t kv_bytes = per_token * static_cast<uint64_t>(n);
-    if (args.json) {
-      fmt::print("{{\"bench\":\"equal\",\"tokens\":{},\"kv_bytes\":{},\"rounds\":{}", n, kv_bytes, c("rounds"));
+  const char* keys[] = {"shared_ms",           "shared_map_ms",     "resident_ms",   "file_ms",
+                        "floor_ms",            "shared_added_ms",   "shared_map_added_ms",
+                        "resident_added_ms",   "file_added_ms",     "added_ratio",   "resident_added_ratio"};
+  const std::vector<const RunResult*> measured = runs_with_prefix(runs, "equal/");
+  auto tokens_of = [](const RunResult& run) { return std::stoi(run.name.substr(std::string("equal/").size())); };
+  if (args.json) {
+    for (const RunResult* run : measured) {
+      auto c = [&](const std::string& key) { return counter(*run, key); };
+      const int n = tokens_of(*run);
+      fmt::print("{{\"bench\":\"equal\",\"tokens\":{},\"kv_bytes\":{},\"rounds\":{}", n,
+                 per_token * static_cast<uint64_t>(n), c("rounds"));
       for (const char* key : keys)
         fmt::print(",\"{0}\":{1:.4f},\"{0}_p25\":{2:.4f},\"{0}_p75\":{3:.4f}", key, c(key),
                    c(std::string(key) + "_p25"), c(std::string(key) + "_p75"));
       for (Side side : kSides) fmt::print(",\"{}_faults\":{:.0f}", side_name(side), c(std::string(side_name(side)) + "_faults"));
-      fmt::print("}}\n");
-    } else {
-      auto cell = [&](const std::string& key, int digits) {
-        return fmt::format("{:.{}f} [{:.{}f}..{:.{}f}]", c(key), digits, c(key + "_p25"), digits, c(key + "_p75"),
-                           digits);
-      };
-      fmt::print("{:>6} {:>10} {:>22} {:>22} {:>22} {:>22} {:>22} {:>22} {:>20} {:>6}\n", n, kv_bytes,
-                 cell("shared_ms", 1), cell("shared_map_ms", 1), cell("file_ms", 1), cell("floor_ms", 1),
-                 cell("shared_added_ms", 1), cell("file_added_ms", 1), cell("added_ratio", 3), c("rounds"));
-      fmt::print("{:>17} minor page faults (median per side): shared {:.0f}, shared_map {:.0f}, file {:.0f}, floor {:.0f}\n",
-                 "", c("shared_faults"), c("shared_map_faults"), c("file_faults"), c("floor_faults"));
+      fmt::print(",\"resident_region_ms\":{:.3f}}}\n", c("resident_region_ms"));
     }
+    return 0;
   }
-  if (!args.json && first_added != 0)
-    fmt::print("(ms, median [p25..p75] over rounds with the sides' order rotating; added = side - floor in the same "
-               "round; targets: added shared/file <= 0.25 at 4096 (here {:.3f}), shared added flat within 1.5x from the "
-               "shortest to the longest prompt (here {:.2f}x))\n",
-               ratio_4096, last_added / first_added);
+  fmt::print("\nequal work: provider's rows in its buffers -> decoder can evaluate the next token (Qwen3-Coder-30B-A3B "
+             "shape, f16, FA on, -c {}; share backend {}; state files in {})\n{:>6} {:>10} {:>22} {:>22} {:>22} "
+             "{:>22} {:>22} {:>22} {:>20} {:>6}\n",
+             settings().n_ctx, decoder().backend_description(), settings().dir.string(), "tokens", "kv_bytes",
+             "shared_ms", "shared_map_ms", "file_ms", "floor_ms", "shared_added_ms", "file_added_ms",
+             "added shared/file", "rounds");
+  for (const RunResult* run : measured) {
+    auto c = [&](const std::string& key) { return counter(*run, key); };
+    auto cell = [&](const std::string& key, int digits) {
+      return fmt::format("{:.{}f} [{:.{}f}..{:.{}f}]", c(key), digits, c(key + "_p25"), digits, c(key + "_p75"), digits);
+    };
+    const int n = tokens_of(*run);
+    fmt::print("{:>6} {:>10} {:>22} {:>22} {:>22} {:>22} {:>22} {:>22} {:>20} {:>6}\n", n,
+               per_token * static_cast<uint64_t>(n), cell("shared_ms", 1), cell("shared_map_ms", 1), cell("file_ms", 1),
+               cell("floor_ms", 1), cell("shared_added_ms", 1), cell("file_added_ms", 1), cell("added_ratio", 3),
+               c("rounds"));
+    fmt::print("{:>17} minor page faults (median per side): shared {:.0f}, shared_map {:.0f}, resident {:.0f}, file "
+               "{:.0f}, floor {:.0f}\n",
+               "", c("shared_faults"), c("shared_map_faults"), c("resident_faults"), c("file_faults"), c("floor_faults"));
+  }
+  // The resident provider's side (issue 24), from the same rounds.
+  fmt::print("\nresident provider: the region mapped and pre-faulted once ({:.1f} ms, before the rounds), per round "
+             "share + receive + region check + scatter through the held mapping + adopt (same rounds as above)\n"
+             "{:>6} {:>22} {:>22} {:>22} {:>22} {:>22} {:>20} {:>14}\n",
+             measured.empty() ? 0.0 : counter(*measured.front(), "resident_region_ms"), "tokens", "resident_ms",
+             "floor_ms", "resident_added_ms", "shared_added_ms", "file_added_ms", "added resident/file",
+             "resident/file");
+  for (const RunResult* run : measured) {
+    auto c = [&](const std::string& key) { return counter(*run, key); };
+    auto cell = [&](const std::string& key, int digits) {
+      return fmt::format("{:.{}f} [{:.{}f}..{:.{}f}]", c(key), digits, c(key + "_p25"), digits, c(key + "_p75"), digits);
+    };
+    fmt::print("{:>6} {:>22} {:>22} {:>22} {:>22} {:>22} {:>20} {:>14.3f}\n", tokens_of(*run), cell("resident_ms", 1),
+               cell("floor_ms", 1), cell("resident_added_ms", 2), cell("shared_added_ms", 1), cell("file_added_ms", 1),
+               cell("resident_added_ratio", 4), c("file_ms") > 0 ? c("resident_ms") / c("file_ms") : 0.0);
+  }
+  if (measured.empty()) return 0;
+  const RunResult& first = *measured.front();
+  const RunResult& last = *measured.back();
+  const RunResult* at_4096 = nullptr;
+  for (const RunResult* run : measured)
+    if (tokens_of(*run) == 4096) at_4096 = run;
+  fmt::print("(ms, median [p25..p75] over rounds with the sides' order rotating; added = side - floor in the same "
+             "round; resident/file = ratio of the medians of the whole times)\n");
+  fmt::print("targets: added shared/file <= 0.25 at 4096 (here {}), shared added flat within 1.5x from {} to {} tokens "
+             "(here {:.2f}x)\n",
+             at_4096 ? fmt::format("{:.3f}", counter(*at_4096, "added_ratio")) : std::string("not run"),
+             tokens_of(first), tokens_of(last), counter(last, "shared_added_ms") / counter(first, "shared_added_ms"));
+  fmt::print("issue 24: resident added / file added <= 0.1 at 4096 (here {}; whole times {}), resident flat within 1.5x "
+             "from {} to {} tokens (added {:.2f}x; whole times {:.2f}x, the floor's share of it growing with the "
+             "prompt)\n",
+             at_4096 ? fmt::format("{:.4f}", counter(*at_4096, "resident_added_ratio")) : std::string("not run"),
+             at_4096 ? fmt::format("{:.3f}", counter(*at_4096, "resident_ms") / counter(*at_4096, "file_ms"))
+                     : std::string("not run"),
+             tokens_of(first), tokens_of(last), counter(last, "resident_added_ms") / counter(first, "resident_added_ms"),
+             counter(last, "resident_ms") / counter(first, "resident_ms"));
   return 0;
 }
 
 const bool registered = add_group({
     "equal",
     "equal work per route: provider's rows in its buffers -> decoder ready (shared: scatter through the chunk fds, "
-    "or the fresh mapping, + handshake + adopt; file: write + read + restore), paired",
+    "or the fresh mapping, or a resident provider's held mapping, + handshake + adopt; file: write + read + restore), "
+    "paired",
     register_all,
     report,
     {
