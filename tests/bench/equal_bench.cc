@@ -32,7 +32,9 @@
 // the per-round ratios of the added costs, shared / file and resident / file.
 // Prompt lengths: --tokens N[,N...] (default 307, 4096, 32768; the decoder's -c is the
 // longest of them, at least 32768).
-// Group flags (after --): --dir PATH for the state files (default $TMPDIR or /tmp).
+// Group flags (after --): --dir PATH for the state files (default $TMPDIR or /tmp); --rounds N
+// per length (default 15 up to 512 tokens, 9 up to 8192, 5 beyond: a 32768-token round
+// writes and reads a 3 GiB state file).
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 #include <sys/mman.h>
@@ -70,6 +72,7 @@ constexpr uint32_t kEmbdGqa = 4 * 128;
 struct Settings {
   std::filesystem::path dir;
   uint32_t n_ctx = 32768;
+  int rounds = 0;  // --rounds; 0: by length
 };
 
 Settings& settings() {
@@ -352,6 +355,8 @@ void bm_equal(benchmark::State& state) {
 void register_all(const BenchArgs& args) {
   Settings& s = settings();
   s.dir = scratch_dir(args);
+  for (size_t i = 0; i + 1 < args.rest.size(); ++i)
+    if (args.rest[i] == "--rounds") s.rounds = std::max(1, std::atoi(args.rest[++i].c_str()));
   std::vector<int> tokens = args.tokens;
   if (tokens.empty()) tokens = args.smoke ? std::vector<int>{16} : std::vector<int>{307, 4096, 32768};
   if (args.smoke) s.n_ctx = 256;
@@ -359,7 +364,7 @@ void register_all(const BenchArgs& args) {
   // kv_size to 256).
   for (int n : tokens) s.n_ctx = std::max(s.n_ctx, (static_cast<uint32_t>(n) + 255) / 256 * 256);
   for (int n : tokens) {
-    const int rounds = args.smoke ? 1 : n <= 512 ? 15 : n <= 8192 ? 9 : 5;
+    const int rounds = args.smoke ? 1 : s.rounds > 0 ? s.rounds : n <= 512 ? 15 : n <= 8192 ? 9 : 5;
     benchmark::RegisterBenchmark(fmt::format("equal/{}", n).c_str(), bm_equal)
         ->Arg(n)->Iterations(rounds)->UseManualTime()->Unit(benchmark::kMillisecond);
   }
@@ -469,6 +474,7 @@ const bool registered = add_group({
     report,
     {
         {"--dir", "PATH", "where its files are written (default $TMPDIR, else /tmp)"},
+        {"--rounds", "N", "paired rounds per length (default 15 to 512 tokens, 9 to 8192, 5 beyond)"},
     },
 });
 
