@@ -22,7 +22,7 @@ const Ops kRealOps{
     real_open, ::close,     ::read,    ::write,   ::pread,  ::pwrite, ::fsync,  ::ftruncate,
     real_fcntl_int, real_ioctl_ptr, real_memfd_create, ::mmap, ::munmap, ::socket, ::connect,
     ::bind,    ::listen,    ::setsockopt, ::accept4, ::sendmsg, ::recvmsg, ::poll,  ::rename, ::unlink,
-    ::kill,    ::waitpid,
+    ::kill,    ::waitpid,   ::madvise,
 };
 
 std::atomic<const Ops*> current{&kRealOps};

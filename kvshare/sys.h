@@ -42,6 +42,7 @@ struct Ops {
   // The spawner's parent side (never between fork and exec, where only the real calls run).
   int (*kill)(pid_t pid, int sig);
   pid_t (*waitpid)(pid_t pid, int* status, int options);
+  int (*madvise)(void* addr, size_t length, int advice);
 };
 
 // The table in force. Reads are cheap (one pointer load).

@@ -2,6 +2,8 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <climits>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -10,6 +12,7 @@
 #include "layout/tensor_type.h"
 #include "kvshare/share/provider_share.h"
 #include "refmodel/provider/prefill_provider.h"
+#include "refmodel/provider/resident_provider.h"
 #include "refmodel/blas_kernels.h"
 
 int main(int argc, char** argv) {
@@ -17,19 +20,22 @@ int main(int argc, char** argv) {
   CLI::App app{"The reference prefill provider: computes a prompt's KV cache on the CPU and writes a llama.cpp "
                "sequence-state file (--out) or scatters it into a decoder's shared region (--layout/--fds). "
                "Prints {\"prefill_ms\": X, \"n_prefilled\": N} as its last line (N: ids computed and written "
-               "here)."};
+               "here). With --serve PATH or --serve-fd N it stays up instead: the model loaded once, it takes "
+               "kvshare-serve's region and prefill requests (docs/provider.md, \"The resident provider\") until "
+               "serve closes the channel (--serve-fd) or SIGINT/SIGTERM (--serve)."};
   kvshare::refmodel::PrefillRequest r;
   std::string ctk = "f16", ctv = "f16", fa = "on", fds;
-  app.add_option("--tokens", r.tokens_path, "ids file: one decimal id per line, or a JSON array")->required();
+  auto* tokens = app.add_option("--tokens", r.tokens_path, "ids file: one decimal id per line, or a JSON array (required, "
+                                                             "except with --serve/--serve-fd)");
   app.add_option("--model", r.model_path, "GGUF model")->required();
-  app.add_option("--out", r.out_path, "state file to write (file route)");
+  auto* out = app.add_option("--out", r.out_path, "state file to write (file route)");
   app.add_option("--elfs", r.elfs_dir, "NPU kernel directory: accepted for the provider contract and ignored (this reference provider computes on the CPU and runs no NPU kernel)");
-  app.add_option("-c,--ctx-size", r.params.n_ctx, "context size, as llama-server's -c")->capture_default_str();
-  app.add_option("--ctk,--cache-type-k", ctk, "K cache type, as llama-server's -ctk")->capture_default_str();
-  app.add_option("--ctv,--cache-type-v", ctv, "V cache type, as llama-server's -ctv")->capture_default_str();
-  app.add_option("--fa,--flash-attn", fa, "on|off|auto, as llama-server's -fa")->capture_default_str();
-  app.add_option("--layout", r.layout_path, "layout header file (shared route)");
-  app.add_option("--fds", fds, "inherited region descriptors n[,n...] in chunk order (shared route)");
+  auto* ctx_size = app.add_option("-c,--ctx-size", r.params.n_ctx, "context size, as llama-server's -c")->capture_default_str();
+  auto* cache_k = app.add_option("--ctk,--cache-type-k", ctk, "K cache type, as llama-server's -ctk")->capture_default_str();
+  auto* cache_v = app.add_option("--ctv,--cache-type-v", ctv, "V cache type, as llama-server's -ctv")->capture_default_str();
+  auto* flash = app.add_option("--fa,--flash-attn", fa, "on|off|auto, as llama-server's -fa")->capture_default_str();
+  auto* layout = app.add_option("--layout", r.layout_path, "layout header file (shared route)");
+  auto* fd_list = app.add_option("--fds", fds, "inherited region descriptors n[,n...] in chunk order (shared route)");
   uint32_t n_cached = 0;
   auto* cached = app.add_option("--cached", n_cached,
                                 "shared route only: the region's cells 0..P-1 already hold the first P ids as "
@@ -37,10 +43,24 @@ int main(int argc, char** argv) {
                                 "write cells P.. only. 0 <= P < the number of ids; 0 is the same as none");
   app.add_option("-t,--threads", r.n_threads, "threads (0: all cores)")->capture_default_str();
   uint32_t state_version = 0;
-  app.add_option("--state-version", state_version,
+  auto* version = app.add_option("--state-version", state_version,
                  "state-file version to write (file route): 2 (llama-server d32676d) or 3 (current); default: "
                  "ONEBIT_HYBRID_STATE_VERSION, which kvshare-serve sets to the decoder's, else 3")
       ->check(CLI::IsMember({2u, 3u}));
+  kvshare::refmodel::ResidentOptions resident;
+  auto* serve = app.add_option("--serve", resident.socket_path,
+                               "resident: listen at this absolute socket path (its directory 0700, ours) and serve "
+                               "each kvshare-serve that connects (--prefill-provider-socket), one at a time");
+  auto* serve_fd = app.add_option("--serve-fd", resident.serve_fd,
+                                  "resident: serve the kvshare-serve that started us on this inherited socket until it "
+                                  "closes it")
+                       ->check(CLI::Range(3, INT_MAX));
+  serve->excludes(serve_fd);
+  // A resident provider takes the ids, the region and the KV params from each request.
+  for (auto* per_request : {tokens, out, layout, fd_list, cached, ctx_size, cache_k, cache_v, flash, version}) {
+    serve->excludes(per_request);
+    serve_fd->excludes(per_request);
+  }
   // llama-server spells these with one dash; CLI11 takes one-dash names of one letter
   // only, so they are rewritten to their two-dash twins before parsing.
   std::vector<std::string> args(argv, argv + argc);
@@ -54,6 +74,22 @@ int main(int argc, char** argv) {
     // Every bad usage is 2, an unknown flag included: kvshare-serve tells a provider that
     // predates --cached by that status.
     return app.exit(e) == 0 ? 0 : 2;
+  }
+  if (serve->count() > 0 || serve_fd->count() > 0) {
+    if (serve->count() > 0 && !resident.socket_path.is_absolute()) {
+      fmt::print(stderr, "kvshare-prefill: --serve {}: expected an absolute socket path in a 0700 directory of ours\n",
+                 resident.socket_path.string());
+      return 2;
+    }
+    resident.model_path = r.model_path;
+    resident.n_threads = r.n_threads;
+    resident.elfs_dir = r.elfs_dir;
+    return kvshare::refmodel::run_resident_provider(resident);
+  }
+  if (tokens->count() == 0) {
+    fmt::print(stderr, "kvshare-prefill: --tokens is required (or --serve PATH / --serve-fd N for the resident form)\n"
+                       "Run with --help for more information.\n");
+    return 2;
   }
   if (cached->count() > 0) r.n_cached = n_cached;
 

@@ -10,7 +10,8 @@
 //                 With --cached P the region's cells 0..P-1 already hold the first P ids
 //                 (the decoder kept them): a Context over the region itself attends over
 //                 them and writes cells P.. only.
-// docs/refmodel.md documents the ids file and every refusal.
+// The model load and both routes are prefill_routes.h, which the resident form
+// (resident_provider.h) shares. docs/refmodel.md documents the ids file and every refusal.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +23,7 @@
 #include "layout/error.h"
 #include "layout/kv_params.h"
 #include "layout/state_format.h"
+#include "refmodel/provider/prefill_routes.h"
 
 namespace kvshare::refmodel {
 
@@ -48,15 +50,6 @@ struct PrefillRequest {
   // and 0 are the same on the shared route; set at all on the file route is refused.
   std::optional<uint32_t> n_cached;
   int n_threads = 0;              // 0: all cores
-};
-
-struct PrefillReport {
-  uint32_t n_tokens = 0;          // ids in the ids file
-  uint32_t n_prefilled = 0;       // of them computed and written here: n_tokens less --cached
-  double prefill_ms = 0;          // forward pass + writing/scattering, model load excluded
-  double forward_ms = 0;          // the transformer alone
-  double write_ms = 0;            // state-file writes and commit, or the scatter
-  std::string route;              // "file" or "shared"
 };
 
 // The refusals that are the caller's usage, not a failed prefill (kvshare-prefill exits 2
