@@ -12,9 +12,9 @@
 //               the file), the decoder's read and validation of it, and the copy of every
 //               section into its cache tensors (llama.cpp's restore)
 //   resident    the shared route with a resident provider (issue 24): the provider mapped
-//               the decoder's region once, before the rounds, and pre-faulted it
-//               (MADV_POPULATE_WRITE, else a write per 4 KiB page), as kvshare-prefill --serve
-//               does at serve's region request; per round, listen, share, receive and check
+//               the decoder's region once, before the rounds, and faulted it in
+//               (populate_for_write), as kvshare-prefill --serve does at serve's region
+//               request; per round, listen, share, receive and check
 //               (the broker), region_key(share) against the held region's (equal: the fds
 //               are dropped, the provider is not sent them again), scatter every layer through
 //               the long-lived mapping, adopt
@@ -37,7 +37,6 @@
 // writes and reads a 3 GiB state file).
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
-#include <sys/mman.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -55,6 +54,7 @@
 #include "bench_registry.h"
 #include "bench_stats.h"
 #include "kvshare/region/importer.h"
+#include "kvshare/region/populate.h"
 #include "kvshare/share/broker.h"
 #include "kvshare/share/decoder_share.h"
 #include "kvshare/statefile/state_file_reader.h"
@@ -193,20 +193,6 @@ Result<double> shared_side(const ProviderRows& rows, uint32_t n_tokens, bool thr
   return ms;
 }
 
-// Every page of `bytes` present and writable in this process's page tables: what a
-// resident provider pays once, at its region request, so that no request takes a first-touch
-// fault. MADV_POPULATE_WRITE (Linux 5.14) does it in one call; an older kernel refuses it
-// (EINVAL) and gets one write per page of the byte already there.
-Result<void> prefault(std::span<std::byte> bytes) {
-  if (::madvise(bytes.data(), bytes.size(), MADV_POPULATE_WRITE) == 0) return {};
-  if (errno != EINVAL) return fail(errno, "madvise(MADV_POPULATE_WRITE) of {} bytes of the held region", bytes.size());
-  for (size_t at = 0; at < bytes.size(); at += 4096) {
-    volatile std::byte* page = bytes.data() + at;
-    *page = *page;
-  }
-  return {};
-}
-
 // The decoder's region as a resident provider holds it: mapped from a share received once,
 // pre-faulted, kept across every round, and the key serve compares each share against.
 struct HeldRegion {
@@ -235,7 +221,7 @@ Result<HeldRegion*> held_region() {
   auto imported = ImportedShare::import(received->header.layout, std::move(received->fds), offsets, true);
   if (!imported) return fail(imported.error());
   for (std::span<std::byte> chunk : imported->chunk_bytes())
-    if (auto faulted = prefault(chunk); !faulted) return fail(faulted.error());
+    if (auto faulted = populate_for_write(chunk, "the held region"); !faulted) return fail(faulted.error());
   held.emplace(HeldRegion{std::move(*key), std::move(*imported), ms_since(start)});
   return &*held;
 }
