@@ -9,8 +9,12 @@ It runs `equal`, `handoff`, `route` and `conversation` (twice with --backend:
 kvshare-decoder and that llama-server), `serve`, `scatter` and `statefile` with --json,
 keeps their lines in docs/plots/bench.jsonl and writes:
 
-    handoff-cost.svg   what each route adds to writing the KV, vs prompt length (log-log)
-    first-byte.svg     first byte by route, split into the provider's prefill and the rest
+    handoff-cost.svg   what each route adds to writing the KV, vs prompt length (log-log), with
+                       a resident provider's shared handoff beside the per-request one
+    first-byte.svg     first byte by route, split into the provider's prefill and the rest; the
+                       resident routes beside the per-request ones, one panel per decoder and model
+    resident.svg       route overhead_ms vs prompt length, per request and resident, and where a
+                       resident route's overhead goes (serve's phases)
     throughput.svg     scatter and state-file GB/s beside memcpy and plain write()/read()
     conversation.svg   a chat's first byte turn by turn: the decoder alone, the shared and file routes
 
@@ -39,7 +43,9 @@ DEFAULT_OUT = os.path.join(os.path.dirname(HERE), "docs", "plots")
 matplotlib.rcParams["svg.hashsalt"] = "kvshare"
 matplotlib.rcParams["svg.fonttype"] = "none"
 COLORS = {"shared": "#1b7837", "shared_map": "#a6dba0", "file": "#762a83", "cpu": "#999999", "floor": "#444444",
-          "remote": "#2166ac"}
+          "remote": "#2166ac", "shared_resident": "#00441b", "file_resident": "#40004b", "resident": "#00441b"}
+# A resident route is drawn hatched beside its per-request twin.
+ROUTES = ("cpu", "file", "file_resident", "shared", "shared_resident", "remote")
 
 
 def run_group(bench, group, extra=()):
@@ -94,7 +100,13 @@ def plot_handoff_cost(lines, out, stamp):
     errorbar(ax, xs, equal, "file_added_ms", "file route: write + read + restore", COLORS["file"])
     errorbar(ax, xs, equal, "shared_map_added_ms", "shared route, scatter through a fresh mapping (before)",
              COLORS["shared_map"])
-    errorbar(ax, xs, equal, "shared_added_ms", "shared route, scatter through the memfd (now)", COLORS["shared"])
+    errorbar(ax, xs, equal, "shared_added_ms", "shared route, scatter through the memfd (per-request provider)",
+             COLORS["shared"])
+    # A kept run from before issue 24 has no resident side.
+    resident = [line for line in equal if "resident_added_ms" in line]
+    if resident:
+        errorbar(ax, [line["tokens"] for line in resident], resident, "resident_added_ms",
+                 "shared route, resident provider (region mapped once)", COLORS["resident"], style="-s")
     errorbar(ax, xs, equal, "floor_ms", "floor: the scatter alone into warm memory (not added)", COLORS["floor"],
              style=":x")
     if handoff:
@@ -116,13 +128,15 @@ def plot_first_byte(lines, out, stamp):
     route = [line for line in of(lines, "route") if line.get("arch", "qwen3") == "qwen3"]
     if not route:
         return None
-    decoders = sorted({line.get("decoder", "kvshare-decoder") for line in route})
-    fig, axes = plt.subplots(1, len(decoders), figsize=(6.5 * len(decoders), 5), squeeze=False)
-    for ax, decoder in zip(axes[0], decoders):
-        mine = [line for line in route if line.get("decoder", "kvshare-decoder") == decoder]
+    # One panel per decoder and generated model (a kept run from before --model is the tiny one).
+    panels = sorted({(line.get("decoder", "kvshare-decoder"), line.get("model", "tiny")) for line in route})
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5), squeeze=False)
+    for ax, (decoder, model) in zip(axes[0], panels):
+        mine = [line for line in route
+                if line.get("decoder", "kvshare-decoder") == decoder and line.get("model", "tiny") == model]
         tokens = sorted({line["tokens"] for line in mine})
-        # A kept run from before the remote side has no "remote" rows: it is drawn without it.
-        names = [n for n in ("cpu", "file", "shared", "remote") if any(line["route"] == n for line in mine)]
+        # A kept run from before the remote or resident sides has no such rows: drawn without them.
+        names = [n for n in ROUTES if any(line["route"] == n for line in mine)]
         width = 0.8 / len(names)
         for i, name in enumerate(names):
             rows = [next((line for line in mine if line["tokens"] == t and line["route"] == name), None) for t in tokens]
@@ -133,19 +147,75 @@ def plot_first_byte(lines, out, stamp):
                 continue
             prefill = [row["prefill_ms"] if row else 0 for row in rows]
             overhead = [row["overhead_ms"] if row else 0 for row in rows]
-            ax.bar(xs, prefill, width, color=COLORS[name], alpha=0.35, label="%s: provider's prefill_ms" % name)
-            ax.bar(xs, overhead, width, bottom=prefill, color=COLORS[name],
+            hatch = "//" if name.endswith("_resident") else None
+            ax.bar(xs, prefill, width, color=COLORS[name], alpha=0.35, hatch=hatch,
+                   label="%s: provider's prefill_ms" % name)
+            ax.bar(xs, overhead, width, bottom=prefill, color=COLORS[name], hatch=hatch,
                    label="%s: overhead_ms (first byte - prefill)" % name)
             for x, p, o in zip(xs, prefill, overhead):
                 ax.text(x, p + o, "%.0f" % o, ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(tokens)))
         ax.set_xticklabels(["%d tokens" % t for t in tokens])
         ax.set_yscale("log")
+        # On a log axis a bar starts where the axis does: set it below the shortest prefill, so
+        # that a slow model's prefill part (all bars near 1 s) stays visible.
+        lows = [line[key] for line in mine for key in ("prefill_ms", "first_byte_ms") if line.get(key, 0) > 0]
+        if lows:
+            ax.set_ylim(bottom=min(lows) / 3)
         ax.set_ylabel("ms to first byte (medians over paired rounds)")
-        ax.set_title("first byte by route, decoder %s" % decoder)
+        ax.set_title("first byte by route, decoder %s%s" % (decoder, ", ~100M model" if model == "100m" else ""))
         ax.grid(True, axis="y", which="both", alpha=0.3)
         ax.legend(fontsize=7)
     return save_figure(fig, out, "first-byte.svg", stamp)
+
+
+def plot_resident(lines, out, stamp):
+    """overhead_ms vs prompt length per request and resident; the resident routes' phases."""
+    route = [line for line in of(lines, "route")
+             if line.get("arch", "qwen3") == "qwen3" and line.get("model", "tiny") == "tiny"]
+    if not any(line["route"].endswith("_resident") for line in route):
+        return None
+    decoders = sorted({line.get("decoder", "kvshare-decoder") for line in route})
+    fig, axes = plt.subplots(len(decoders), 2, figsize=(13, 4.8 * len(decoders)), squeeze=False)
+    for (left, right), decoder in zip(axes, decoders):
+        mine = [line for line in route if line.get("decoder", "kvshare-decoder") == decoder]
+        for name in ("file", "file_resident", "shared", "shared_resident"):
+            series = sorted((line for line in mine if line["route"] == name), key=lambda line: line["tokens"])
+            if series:
+                errorbar(left, [line["tokens"] for line in series], series, "overhead_ms", name, COLORS[name],
+                         style="-s" if name.endswith("_resident") else "-o")
+        left.axhline(10, color=COLORS["floor"], linestyle=":", label="issue 24: resident <= 10 ms at 307 tokens")
+        left.set_xscale("log")
+        left.set_yscale("log")
+        left.set_xlabel("prompt tokens")
+        left.set_ylabel("overhead_ms = first byte - prefill_ms (median, p25..p75)")
+        left.set_title("what the route adds, per request vs resident provider, decoder %s" % decoder)
+        left.grid(True, which="both", alpha=0.3)
+        left.legend(fontsize=7)
+        # Where the overhead goes, from serve's phases: line (a kept run without it draws nothing here).
+        phased = sorted((line for line in mine if "phase_provider_ms" in line and line["route"] != "remote"),
+                        key=lambda line: (line["tokens"], ROUTES.index(line["route"])))
+        if phased:
+            parts = [("phase_tokenize_ms", "tokenize", "#bbbbbb"), ("phase_share_ms", "share", "#66c2a5"),
+                     ("provider_outside_ms", "provider - prefill", "#fc8d62"),
+                     ("phase_adopt_ms", "adopt / restore", "#8da0cb"),
+                     ("phase_first_token_ms", "first token", "#e78ac3")]
+            xs = range(len(phased))
+            bottom = [0.0] * len(phased)
+            for key, label, color in parts:
+                ys = [max(0.0, line.get(key, 0.0)) for line in phased]
+                right.bar(xs, ys, 0.7, bottom=bottom, color=color, label=label)
+                bottom = [b + y for b, y in zip(bottom, ys)]
+            for x, line in zip(xs, phased):
+                right.text(x, bottom[x], "%.1f" % line["overhead_ms"], ha="center", va="bottom", fontsize=7)
+            right.set_xticks(list(xs))
+            right.set_xticklabels(["%s\n%d" % (line["route"].replace("_", "\n"), line["tokens"]) for line in phased],
+                                  fontsize=6)
+            right.set_ylabel("ms (medians of serve's phases; overhead_ms on top)")
+            right.set_title("where overhead_ms goes")
+            right.grid(True, axis="y", alpha=0.3)
+            right.legend(fontsize=7)
+    return save_figure(fig, out, "resident.svg", stamp)
 
 
 def plot_throughput(lines, out, stamp):
@@ -274,8 +344,8 @@ def main():
                 f.write(json.dumps(line) + "\n")
     # Each plot, the groups it draws, stamped with the run that measured them (the last meta
     # line naming them, else the one of a whole run); a --groups run redraws only its plots.
-    plots = ((plot_handoff_cost, ["equal"]), (plot_first_byte, ["route"]), (plot_throughput, ["scatter", "statefile"]),
-             (plot_conversation, ["conversation"]))
+    plots = ((plot_handoff_cost, ["equal"]), (plot_first_byte, ["route"]), (plot_resident, ["route"]),
+             (plot_throughput, ["scatter", "statefile"]), (plot_conversation, ["conversation"]))
     metas = [line for line in lines if line.get("bench") == "meta"]
     for draw, drawn in plots:
         if args.groups and not args.from_file and not set(drawn) & set(groups):

@@ -58,7 +58,8 @@ std::unique_ptr<ServeUnderTest> start_serve(const ServeLaunch& launch, const fs:
 }
 
 std::optional<BenchModel> make_bench_model(const std::string& dir_prefix, const std::vector<fs::path>& programs,
-                                           std::string& why, const std::vector<std::string>& mkmodel_args) {
+                                           std::string& why, const std::vector<std::string>& mkmodel_args,
+                                           int n_ctx) {
   for (const char* tool : {"kvshare-serve", "kvshare-mkmodel"})
     if (!fs::exists(bin(tool))) {
       why = fmt::format("{} not built", tool);
@@ -75,8 +76,8 @@ std::optional<BenchModel> make_bench_model(const std::string& dir_prefix, const 
     return std::nullopt;
   }
   BenchModel made{*dir, *dir / "tiny.gguf"};
-  const std::string command = fmt::format("{} {} --ctx 8192 --seed 3 {} > /dev/null 2>&1",
-                                          bin("kvshare-mkmodel").string(), made.model.string(),
+  const std::string command = fmt::format("{} {} --ctx {} --seed 3 {} > /dev/null 2>&1",
+                                          bin("kvshare-mkmodel").string(), made.model.string(), n_ctx,
                                           fmt::join(mkmodel_args, " "));
   if (std::system(command.c_str()) != 0) {
     why = "kvshare-mkmodel failed";

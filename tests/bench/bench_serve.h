@@ -33,9 +33,9 @@ struct ServeLaunch {
 std::unique_ptr<ServeUnderTest> start_serve(const ServeLaunch& launch, const std::filesystem::path& dir,
                                             std::string& why);
 
-// A private scratch directory holding a generated model (-c 8192), once kvshare-serve,
-// kvshare-mkmodel and each of `programs` (the decoder, the provider) are found; nullopt with
-// `why` set otherwise.
+// A private scratch directory holding a generated model (context_length `n_ctx`), once
+// kvshare-serve, kvshare-mkmodel and each of `programs` (the decoder, the provider) are
+// found; nullopt with `why` set otherwise.
 struct BenchModel {
   std::filesystem::path dir;
   std::filesystem::path model;
@@ -43,7 +43,7 @@ struct BenchModel {
 // `mkmodel_args` go to kvshare-mkmodel after the defaults (e.g. {"--layers", "8"}).
 std::optional<BenchModel> make_bench_model(const std::string& dir_prefix,
                                            const std::vector<std::filesystem::path>& programs, std::string& why,
-                                           const std::vector<std::string>& mkmodel_args = {});
+                                           const std::vector<std::string>& mkmodel_args = {}, int n_ctx = 8192);
 
 // A prompt text the decoder tokenizes to exactly `n_tokens` (BOS included), starting with
 // `salt` so that no two rounds share a cached prefix.
