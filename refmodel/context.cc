@@ -25,6 +25,10 @@ using layout::GgmlType;
 // Tokens per forward step: bounds the score matrices (n_ubatch x n_kv per head), as
 // llama.cpp's -ub does.
 constexpr int kUbatch = 512;
+// Query rows per block of the attention: bounds the scores of a whole-prompt prefill to
+// kAttnRows x n_kv (64 MiB at 32768 cells). kUbatch, so a decode step is one block and
+// computes as it did before the blocks.
+constexpr int64_t kAttnRows = kUbatch;
 
 // y[n][rows] = x[n][cols] * W^T, with x rounded as ggml-cpu rounds the right-hand side
 // for W's type first.
@@ -235,22 +239,33 @@ class RefContext final : public Context {
     const int64_t n_kv = pos0 + n;
     const Weights& W = m_.weights();
 
-    std::vector<float> x(static_cast<size_t>(n * E));
+    // Every buffer of the step is kept across calls, so a step at 4096 cells does not
+    // fault in megabytes of fresh pages (one minor fault per 4 KiB, 2-15 us each on the
+    // VMs we run on) before its first multiply, and a Context kept for the next prompt (a
+    // resident provider's) neither faults nor unmaps them again. Every element used is
+    // written before it is read (x by the embeddings, cur by rms_norm, load_kv fills n_kv
+    // rows, every sgemm has beta 0, rows by the copies), so nothing of an earlier call
+    // reaches this one.
+    const auto sized = [](std::vector<float>& buffer, int64_t count) -> std::vector<float>& {
+      buffer.resize(static_cast<size_t>(count));
+      return buffer;
+    };
+    std::vector<float>& x = sized(x_, n * E);
     for (int64_t t = 0; t < n; ++t)
       std::memcpy(&x[t * E], &W.tok_embd.data[static_cast<size_t>(tokens[t]) * E], E * sizeof(float));
-
-    std::vector<float> cur(n * E), q(n * nq), k(n * kd), v(n * vd), attn(n * nq), o(n * E);
-    std::vector<float> gate(n * ff), up(n * ff), rows;
-    // The cache read back as f32 and the scores grow with the context: kept across calls,
-    // so a step at 4096 cells does not fault in megabytes of fresh pages (one minor fault
-    // per 4 KiB, 10-15 us each on a PVM guest) before its first multiply. Every element
-    // used is written before it is read (load_kv fills n_kv rows, sgemm has beta 0).
-    std::vector<float>& kc = cache_k_f32_;
-    std::vector<float>& vc = cache_v_f32_;
-    std::vector<float>& scores = scores_;
-    kc.resize(static_cast<size_t>(n_kv * kd));
-    vc.resize(static_cast<size_t>(n_kv * vd));
-    scores.resize(static_cast<size_t>(n * n_kv));
+    std::vector<float>& cur = sized(cur_, n * E);
+    std::vector<float>& q = sized(q_, n * nq);
+    std::vector<float>& k = sized(k_, n * kd);
+    std::vector<float>& v = sized(v_, n * vd);
+    std::vector<float>& attn = sized(attn_, n * nq);
+    std::vector<float>& o = sized(o_, n * E);
+    std::vector<float>& gate = sized(gate_, n * ff);
+    std::vector<float>& up = sized(up_, n * ff);
+    std::vector<float>& kc = sized(cache_k_f32_, n_kv * kd);
+    std::vector<float>& vc = sized(cache_v_f32_, n_kv * vd);
+    // One block of query rows at a time (below): at most kAttnRows x n_kv, whatever the prompt.
+    std::vector<float>& scores = sized(scores_, std::min<int64_t>(n, kAttnRows) * n_kv);
+    std::vector<float>& rows = rows_;  // sized when the sink takes them
     const float kq_scale = 1.0f / std::sqrt(static_cast<float>(hd));
     const int64_t group = hp_.n_head / hp_.n_head_kv;
 
@@ -274,7 +289,7 @@ class RefContext final : public Context {
       rope(k.data(), n, hp_.n_head_kv, kd, pos0);
 
       if (sink != nullptr) {
-        rows.resize(static_cast<size_t>(n * (kd + vd)));
+        rows.resize(static_cast<size_t>(n * (kd + vd)));  // exactly: the sink's span is all of it
         for (int64_t t = 0; t < n; ++t) {
           std::memcpy(&rows[t * (kd + vd)], &k[t * kd], kd * sizeof(float));
           std::memcpy(&rows[t * (kd + vd) + kd], &v[t * vd], vd * sizeof(float));
@@ -292,28 +307,37 @@ class RefContext final : public Context {
       if (type_k_ != GgmlType::F32)
         for (int64_t t = 0; t < n; ++t) round_like_vec_dot(type_k_, &q[t * nq], nq);
 
-      for (int64_t h = 0; h < hp_.n_head; ++h) {
-        const int64_t kvh = h / group;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(n), static_cast<int>(n_kv),
-                    static_cast<int>(hd), kq_scale, &q[h * hd], static_cast<int>(nq), &kc[kvh * hd],
-                    static_cast<int>(kd), 0.0f, scores.data(), static_cast<int>(n_kv));
-        for (int64_t t = 0; t < n; ++t) {
-          float* s = &scores[t * n_kv];
-          const int64_t valid = pos0 + t + 1;  // causal: cells 0..pos0+t
-          float max = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j < valid; ++j) max = std::max(max, s[j]);
-          double sum = 0.0;
-          for (int64_t j = 0; j < valid; ++j) {
-            s[j] = std::exp(s[j] - max);
-            sum += s[j];
+      // Query rows in blocks of kAttnRows: block rows t0..t0+m-1 attend to cells
+      // 0..pos0+t0+m-1 only (causal), so the scores are m x that many cells, not n x n_kv
+      // (4 GiB at 32768 tokens in one prefill), and the part above the diagonal is neither
+      // computed nor multiplied by V. Each row's softmax is the one over the whole matrix;
+      // only the length of the scores-by-V sum, and so how OpenBLAS blocks it, changes.
+      for (int64_t t0 = 0; t0 < n; t0 += kAttnRows) {
+        const int64_t m = std::min<int64_t>(kAttnRows, n - t0);
+        const int64_t cells = pos0 + t0 + m;
+        for (int64_t h = 0; h < hp_.n_head; ++h) {
+          const int64_t kvh = h / group;
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m), static_cast<int>(cells),
+                      static_cast<int>(hd), kq_scale, &q[t0 * nq + h * hd], static_cast<int>(nq), &kc[kvh * hd],
+                      static_cast<int>(kd), 0.0f, scores.data(), static_cast<int>(cells));
+          for (int64_t t = 0; t < m; ++t) {
+            float* s = &scores[t * cells];
+            const int64_t valid = pos0 + t0 + t + 1;  // causal: cells 0..pos0+t0+t
+            float max = -std::numeric_limits<float>::infinity();
+            for (int64_t j = 0; j < valid; ++j) max = std::max(max, s[j]);
+            double sum = 0.0;
+            for (int64_t j = 0; j < valid; ++j) {
+              s[j] = std::exp(s[j] - max);
+              sum += s[j];
+            }
+            const float inv = static_cast<float>(1.0 / sum);
+            for (int64_t j = 0; j < valid; ++j) s[j] *= inv;
+            for (int64_t j = valid; j < cells; ++j) s[j] = 0.0f;
           }
-          const float inv = static_cast<float>(1.0 / sum);
-          for (int64_t j = 0; j < valid; ++j) s[j] *= inv;
-          for (int64_t j = valid; j < n_kv; ++j) s[j] = 0.0f;
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m), static_cast<int>(hd),
+                      static_cast<int>(cells), 1.0f, scores.data(), static_cast<int>(cells), &vc[kvh * hd],
+                      static_cast<int>(vd), 0.0f, &attn[t0 * nq + h * hd], static_cast<int>(nq));
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(n), static_cast<int>(hd),
-                    static_cast<int>(n_kv), 1.0f, scores.data(), static_cast<int>(n_kv), &vc[kvh * hd],
-                    static_cast<int>(vd), 0.0f, &attn[h * hd], static_cast<int>(nq));
       }
       // V was rotated into the cache; the same (self-inverse) rotation takes the output back.
       if (rot_v_ > 0) hadamard_groups(attn.data(), n * nq, rot_v_);
@@ -345,7 +369,9 @@ class RefContext final : public Context {
   uint64_t v_width_ = 0;
   int rot_k_ = 0, rot_v_ = 0;
   std::vector<float> scratch_;
-  std::vector<float> cache_k_f32_, cache_v_f32_, scores_;  // ubatch's, reused (see there)
+  // ubatch's buffers, reused (see there)
+  std::vector<float> x_, cur_, q_, k_, v_, attn_, o_, gate_, up_, rows_;
+  std::vector<float> cache_k_f32_, cache_v_f32_, scores_;
 };
 
 }  // namespace

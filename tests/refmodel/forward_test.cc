@@ -214,6 +214,51 @@ TEST(Forward, PrefillHandsTheSinkTheRowsTheCacheStores) {
   }
 }
 
+// A prefill attends over the whole prompt in blocks of 512 query rows (context.cc,
+// kAttnRows) where a decode takes one ubatch of 512 at a time: the rows it hands the sink
+// are the cells a batched decode of the same ids stores, every layer, across three blocks.
+TEST(Forward, PrefillAcrossAttentionBlocksHandsTheRowsABatchedDecodeStores) {
+  GeneratorOptions options;
+  options.residual_gain = 3.0f;  // layer 1's K/V depend on layer 0's attention over every earlier cell
+  auto model = load_generated(options);
+  ASSERT_NE(model, nullptr);
+  const auto& hp = static_cast<const LoadedModel&>(*model).hparams();
+  const auto tokens = prompt(1100, model->tokenizer().n_vocab());
+  auto kv_prefill = make_buffer_kv(*model, small_params(1280, GgmlType::F32, GgmlType::F32));
+  auto kv_decode = make_buffer_kv(*model, small_params(1280, GgmlType::F32, GgmlType::F32));
+  auto a = Context::create(model, kv_prefill->kv, 1);
+  auto b = Context::create(model, kv_decode->kv, 1);
+  ASSERT_TRUE(a && b);
+  std::vector<std::vector<float>> rows(hp.n_layer);
+  auto ok = (*a)->prefill(tokens, [&](const LayerRows& r) -> Result<void> {
+    rows[r.il].assign(r.rows.begin(), r.rows.end());
+    return {};
+  });
+  ASSERT_TRUE(ok) << ok.error().what();
+  ASSERT_TRUE((*b)->decode(tokens, 0));
+  const uint32_t kd = hp.n_embd_k_gqa(), vd = hp.n_embd_v_gqa();
+  for (uint32_t il = 0; il < hp.n_layer; ++il) {
+    ASSERT_EQ(rows[il].size(), tokens.size() * (kd + vd));
+    const auto* kt = kv_decode->kv.layout.find(0, il, layout::TensorKind::k);
+    const auto* vt = kv_decode->kv.layout.find(0, il, layout::TensorKind::v);
+    const auto* k = reinterpret_cast<const float*>(kv_decode->kv.chunks[kt->chunk].data() + kt->offset);
+    const auto* v = reinterpret_cast<const float*>(kv_decode->kv.chunks[vt->chunk].data() + vt->offset);
+    double max_diff = 0, scale = 0;
+    for (size_t t = 0; t < tokens.size(); ++t) {
+      for (uint32_t i = 0; i < kd + vd; ++i) {
+        const float stored = i < kd ? k[t * kd + i] : v[t * vd + (i - kd)];
+        const float handed = rows[il][t * (kd + vd) + i];
+        max_diff = std::max(max_diff, static_cast<double>(std::abs(stored - handed)));
+        scale = std::max(scale, static_cast<double>(std::abs(stored)));
+      }
+    }
+    // Up to float reordering: OpenBLAS rounds a row with the number of rows in the batch
+    // (1100 here, 512, 512 and 76 there). A block that saw a cell past its last row's
+    // position, or missed one, misses by orders of magnitude.
+    EXPECT_LE(max_diff, 1e-4 * scale) << "layer " << il;
+  }
+}
+
 TEST(Forward, TransposedVCacheGivesTheSameLogits) {
   auto model = load_generated({});
   ASSERT_NE(model, nullptr);
