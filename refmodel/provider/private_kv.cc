@@ -16,9 +16,41 @@ Result<std::unique_ptr<PrivateKv>> make_private_kv(const Model& model, layout::K
   auto out = std::make_unique<PrivateKv>();
   out->kv.memory = std::move(*memory);
   out->kv.layout = layout::share_layout(out->kv.memory);
-  for (const auto& chunk : out->kv.layout.chunks) out->buffers.emplace_back(chunk.size_bytes);
-  for (auto& b : out->buffers) out->kv.chunks.emplace_back(b);
+  for (const auto& chunk : out->kv.layout.chunks) {
+    out->buffers.push_back(std::make_unique_for_overwrite<std::byte[]>(chunk.size_bytes));
+    out->kv.chunks.emplace_back(out->buffers.back().get(), chunk.size_bytes);
+  }
   return out;
+}
+
+Result<Context*> PrivateContext::get(const std::shared_ptr<const Model>& model, const layout::KvParams& params,
+                                     uint32_t n_tokens, int n_threads) {
+  // n_ctx and n_seq_max are the decoder's; the private cache holds one sequence of the prompt.
+  const auto types_of = [](layout::KvParams p) {
+    p.n_ctx = 0;
+    p.n_seq_max = 1;
+    return p;
+  };
+  if (ctx_ && model_ == model && types_of(params_) == types_of(params) && n_threads_ == n_threads &&
+      n_tokens <= n_cells())
+    return ctx_.get();
+  ctx_.reset();
+  kv_.reset();
+  auto kv = make_private_kv(*model, params, n_tokens);
+  if (!kv) return fail(kv.error());
+  auto ctx = Context::create(model, (*kv)->kv, n_threads);
+  if (!ctx) return fail(ctx.error());
+  model_ = model;
+  params_ = params;
+  n_threads_ = n_threads;
+  kv_ = std::move(*kv);
+  ctx_ = std::move(*ctx);
+  return ctx_.get();
+}
+
+uint32_t PrivateContext::n_cells() const {
+  if (!ctx_) return 0;
+  return static_cast<uint32_t>(ctx_->n_ctx());
 }
 
 uint32_t head_k(const Model& model) { return static_cast<const LoadedModel&>(model).hparams().n_embd_head_k; }
