@@ -49,8 +49,9 @@ Error cached_on_file_route_error() {
 Result<PrefillReport> run_file_route(const PrefillRequest& r) {
   auto in = load_inputs(r);
   if (!in) return fail(in.error());
+  PrivateContext own;
   return prefill_state_file(in->model, StateFileTarget{r.out_path, r.params, r.state_version}, in->tokens, r.n_threads,
-                            ids_file_source(r));
+                            ids_file_source(r), own);
 }
 
 Result<PrefillReport> run_shared_route(const PrefillRequest& r, std::vector<Fd> fds) {
@@ -76,7 +77,8 @@ Result<PrefillReport> run_shared_route(const PrefillRequest& r, std::vector<Fd> 
   if (!share) return fail(share.error().with_context(fmt::format("model {}", r.model_path)));
   // A fresh mapping: memfd chunks are written through their descriptors (chunk_file.h).
   const RegionTarget target{share->header(), share->imported(), share->imported().chunk_files()};
-  return prefill_region(in->model, target, in->tokens, n_cached, r.n_threads, source);
+  PrivateContext own;
+  return prefill_region(in->model, target, in->tokens, n_cached, r.n_threads, source, own);
 }
 
 }  // namespace

@@ -49,12 +49,10 @@ Result<PrefillReport> extend_region(const ProviderModel& model, const RegionTarg
 // The whole prompt from position 0: the provider's own cache for the attention, each
 // layer's rows scattered into the region as the layer completes.
 Result<PrefillReport> scatter_into_region(const ProviderModel& model, const RegionTarget& target,
-                                          std::span<const int32_t> ids, int n_threads) {
+                                          std::span<const int32_t> ids, int n_threads, PrivateContext& own) {
   const layout::ShareHeader& header = target.header;
   const auto n = static_cast<uint32_t>(ids.size());
-  auto own = make_private_kv(*model.model, header.params, n);
-  if (!own) return fail(own.error());
-  auto ctx = Context::create(model.model, (*own)->kv, n_threads);
+  auto ctx = own.get(model.model, header.params, n, n_threads);
   if (!ctx) return fail(ctx.error());
 
   const auto chunks = target.imported.chunk_bytes();
@@ -129,7 +127,7 @@ Result<void> check_region_fits(const layout::ShareHeader& header, size_t n_ids, 
 
 Result<PrefillReport> prefill_region(const ProviderModel& model, const RegionTarget& target,
                                      std::span<const int32_t> ids, uint32_t n_cached, int n_threads,
-                                     const IdsSource& source) {
+                                     const IdsSource& source, PrivateContext& own) {
   if (auto known = check_ids_in_vocabulary(model, ids, source); !known) return fail(known.error());
   if (auto fits = check_region_fits(target.header, ids.size(), n_cached, source); !fits) return fail(fits.error());
   // With cached cells the provider reads the region as well as writing it.
@@ -137,11 +135,12 @@ Result<PrefillReport> prefill_region(const ProviderModel& model, const RegionTar
                                                               : DmaBufCpuAccess::Mode::write);
   if (!access) return fail(access.error());
   if (n_cached > 0) return extend_region(model, target, ids, n_cached, n_threads, source);
-  return scatter_into_region(model, target, ids, n_threads);
+  return scatter_into_region(model, target, ids, n_threads, own);
 }
 
 Result<PrefillReport> prefill_state_file(const ProviderModel& model, const StateFileTarget& target,
-                                         std::span<const int32_t> ids, int n_threads, const IdsSource& source) {
+                                         std::span<const int32_t> ids, int n_threads, const IdsSource& source,
+                                         PrivateContext& own) {
   if (auto known = check_ids_in_vocabulary(model, ids, source); !known) return fail(known.error());
   const layout::KvParams& params = target.params;
   if (auto ok = layout::validate(params); !ok) return fail(ok.error());
@@ -152,9 +151,7 @@ Result<PrefillReport> prefill_state_file(const ProviderModel& model, const State
     return fail(ERANGE, "{}: {} tokens do not fit the context of {} cells ({} {})", source.ids, ids.size(), kv_size,
                 source.n_ctx, params.n_ctx);
   const auto n = static_cast<uint32_t>(ids.size());
-  auto own = make_private_kv(*model.model, params, n);
-  if (!own) return fail(own.error());
-  auto ctx = Context::create(model.model, (*own)->kv, n_threads);
+  auto ctx = own.get(model.model, params, n, n_threads);
   if (!ctx) return fail(ctx.error());
 
   statefile::StateFileWriterOptions options;

@@ -19,6 +19,7 @@
 #include "layout/share_header.h"
 #include "layout/state_format.h"
 #include "refmodel/engine.h"
+#include "refmodel/provider/private_kv.h"
 
 namespace kvshare::refmodel {
 
@@ -81,10 +82,12 @@ struct RegionTarget {
 // 0..P-1 hold ids 0..P-1 already; a Context over the region itself attends over them and
 // writes cells P..N-1 only. Holds the dma-buf CPU-access bracket (read_write when P > 0)
 // during the writes. Checks the ids first (check_ids_in_vocabulary, check_region_fits).
-// Blocks for the forward pass; `n_threads` 0: all cores.
+// Blocks for the forward pass; `n_threads` 0: all cores. With n_cached 0 the private cache
+// is `own`'s, reused when it fits (a resident provider keeps one; a per-request one passes
+// a fresh one).
 Result<PrefillReport> prefill_region(const ProviderModel& model, const RegionTarget& target,
                                      std::span<const int32_t> ids, uint32_t n_cached, int n_threads,
-                                     const IdsSource& source);
+                                     const IdsSource& source, PrivateContext& own);
 
 // Where the file route writes, with the decoder's KV params and state version.
 struct StateFileTarget {
@@ -96,7 +99,9 @@ struct StateFileTarget {
 // Writes a sequence-state file of `ids` at positions 0..N-1 (statefile::StateFileWriter:
 // a temporary file renamed on success, so no partial file is left on any failure). Checks
 // the ids first: check_ids_in_vocabulary, then ERANGE when they do not fit the context.
+// The Context and its cache are `own`'s, as for prefill_region.
 Result<PrefillReport> prefill_state_file(const ProviderModel& model, const StateFileTarget& target,
-                                         std::span<const int32_t> ids, int n_threads, const IdsSource& source);
+                                         std::span<const int32_t> ids, int n_threads, const IdsSource& source,
+                                         PrivateContext& own);
 
 }  // namespace kvshare::refmodel

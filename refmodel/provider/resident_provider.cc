@@ -166,7 +166,7 @@ Result<PrefillReport> ResidentProvider::prefill_shared(const ProviderRequest& re
   // No chunk files: our mapping was faulted in when the region came, so writing through it
   // is the fast way now (kvshare/region/chunk_file.h: a warm mapping beats pwrite()).
   const RegionTarget target{region_->share.header(), region_->share.imported(), {}};
-  return prefill_region(model_, target, request.tokens, request.n_cached, n_threads_, kRequestSource);
+  return prefill_region(model_, target, request.tokens, request.n_cached, n_threads_, kRequestSource, own_);
 }
 
 Result<PrefillReport> ResidentProvider::prefill_file(const ProviderRequest& request) {
@@ -185,7 +185,7 @@ Result<PrefillReport> ResidentProvider::prefill_file(const ProviderRequest& requ
   target.params.type_v = *type_v;
   target.params.flash_attn = request.kv.flash_attn;
   target.state_version = version;
-  return prefill_state_file(model_, target, request.tokens, n_threads_, kRequestSource);
+  return prefill_state_file(model_, target, request.tokens, n_threads_, kRequestSource, own_);
 }
 
 int run_resident_provider(const ResidentOptions& options) {

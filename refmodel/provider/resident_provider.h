@@ -7,6 +7,9 @@
 // Lifetime of the region: mapped at a region request, after the previous one was unmapped;
 // written only while a prefill of its region_id runs; unmapped at the next region request
 // or when the channel closes. The decoder keeps its region whatever we do with our mapping.
+// The provider's own cache and the Context over it (PrivateContext) outlive requests,
+// regions and channels: made at the first prefill, made again only for a longer prompt or
+// other KV types.
 #pragma once
 
 #include <cstdint>
@@ -66,6 +69,10 @@ class ResidentProvider {
   ProviderModel model_;
   int n_threads_ = 0;
   std::optional<HeldRegion> region_;
+  // Both routes' private cache and Context, kept across requests and channels while the
+  // KV types stay the same: no cache to fault in and no attention scratch to unmap per
+  // prompt (private_kv.h). It keeps the longest prompt's working memory.
+  PrivateContext own_;
 };
 
 // kvshare-prefill's resident main: loads the model, then serves --serve-fd's channel until

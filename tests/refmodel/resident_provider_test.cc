@@ -306,6 +306,51 @@ TEST_F(ResidentSession, ExtendsCachedCellsAsThePerRequestCachedPrefill) {
   EXPECT_EQ(first_difference(resident.bytes(), per_request.bytes()), -1);
 }
 
+// The provider keeps its own cache and Context from one prompt to the next: what a longer
+// prompt left in them must not reach a shorter one's cells. The short prompt goes to a
+// fresh region, so every byte of it can be set against a fresh provider's.
+TEST_F(ResidentSession, WritesAShortPromptAfterALongOneAsAFreshProviderDoes) {
+  std::vector<int32_t> long_prompt;
+  for (int i = 0; i < 400; ++i) long_prompt.push_back(static_cast<int32_t>((i * 37 + 11) % 120 + 3));
+  MemfdRegion a(header_, "resident-a"), b(header_, "resident-b"), fresh(header_, "resident-fresh");
+  start();
+  send_region(1, a);
+  ASSERT_TRUE(call(shared_prefill(1, long_prompt)).ok);
+  send_region(2, b);
+  const ProviderReply reply = call(shared_prefill(2, prompt_));
+  ASSERT_TRUE(reply.ok) << reply.error;
+  ASSERT_TRUE(finish());
+
+  start();  // another provider, its first prompt
+  send_region(1, fresh);
+  ASSERT_TRUE(call(shared_prefill(1, prompt_)).ok);
+  ASSERT_FALSE(all_zero(fresh.bytes()));
+  EXPECT_EQ(first_difference(b.bytes(), fresh.bytes()), -1);
+}
+
+TEST_F(ResidentSession, WritesTheStateFileOfAShortPromptAfterALongOneAsAFreshProviderDoes) {
+  std::vector<int32_t> long_prompt;
+  for (int i = 0; i < 400; ++i) long_prompt.push_back(static_cast<int32_t>((i * 37 + 11) % 120 + 3));
+  const auto file_request = [&](const std::string& name, std::vector<int32_t> tokens) {
+    ProviderRequest request;
+    request.op = ProviderOp::prefill;
+    request.route = PrefillRoute::file;
+    request.state_file = (dir_ / name).string();
+    request.kv = {512, "f16", "f16", false};  // a transposed V: cells of a channel lie kv_size apart
+    request.tokens = std::move(tokens);
+    return request;
+  };
+  start();
+  ASSERT_TRUE(call(file_request("long.bin", long_prompt)).ok);
+  ASSERT_TRUE(call(file_request("short.bin", prompt_)).ok);
+  ASSERT_TRUE(finish());
+  start();
+  ASSERT_TRUE(call(file_request("fresh.bin", prompt_)).ok);
+  const auto fresh_bytes = kvshare::testing::read_file_bytes(dir_ / "fresh.bin");
+  ASSERT_FALSE(fresh_bytes.empty());
+  EXPECT_EQ(first_difference(kvshare::testing::read_file_bytes(dir_ / "short.bin"), fresh_bytes), -1);
+}
+
 TEST_F(ResidentSession, RefusesAStaleRegionIdWithEstaleNamingBothIds) {
   MemfdRegion a(header_, "resident-a");
   start();
