@@ -34,6 +34,14 @@ int main(int argc, char** argv) {
   auto* cache_k = app.add_option("--ctk,--cache-type-k", ctk, "K cache type, as llama-server's -ctk")->capture_default_str();
   auto* cache_v = app.add_option("--ctv,--cache-type-v", ctv, "V cache type, as llama-server's -ctv")->capture_default_str();
   auto* flash = app.add_option("--fa,--flash-attn", fa, "on|off|auto, as llama-server's -fa")->capture_default_str();
+  auto* parallel = app.add_option("--np,--parallel", r.params.n_seq_max,
+                                  "the decoder's slots, as llama-server's -np (file route: the state file carries one "
+                                  "KV stream per slot, as the decoder's cache has, unless --kv-unified)")
+                       ->check(CLI::Range(1u, 256u))
+                       ->capture_default_str();
+  bool kv_unified = false;
+  auto* unified = app.add_flag("--kvu,--kv-unified", kv_unified,
+                               "the decoder runs --kv-unified: one KV stream for every slot (file route)");
   auto* layout = app.add_option("--layout", r.layout_path, "layout header file (shared route)");
   auto* fd_list = app.add_option("--fds", fds, "inherited region descriptors n[,n...] in chunk order (shared route)");
   uint32_t n_cached = 0;
@@ -57,7 +65,8 @@ int main(int argc, char** argv) {
                        ->check(CLI::Range(3, INT_MAX));
   serve->excludes(serve_fd);
   // A resident provider takes the ids, the region and the KV params from each request.
-  for (auto* per_request : {tokens, out, layout, fd_list, cached, ctx_size, cache_k, cache_v, flash, version}) {
+  for (auto* per_request :
+       {tokens, out, layout, fd_list, cached, ctx_size, cache_k, cache_v, flash, version, parallel, unified}) {
     serve->excludes(per_request);
     serve_fd->excludes(per_request);
   }
@@ -65,7 +74,7 @@ int main(int argc, char** argv) {
   // only, so they are rewritten to their two-dash twins before parsing.
   std::vector<std::string> args(argv, argv + argc);
   for (auto& a : args)
-    if (a == "-ctk" || a == "-ctv" || a == "-fa") a = "-" + a;
+    if (a == "-ctk" || a == "-ctv" || a == "-fa" || a == "-np" || a == "-kvu") a = "-" + a;
   std::vector<char*> argv2;
   for (auto& a : args) argv2.push_back(a.data());
   try {
@@ -106,6 +115,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   r.params.flash_attn = fa != "off";
+  // llama-server's rule: one sequence is always unified; several are not unless -kvu.
+  r.params.kv_unified = r.params.n_seq_max == 1 || kv_unified;
+  if ((parallel->count() > 0 || unified->count() > 0) && out->count() == 0) {
+    fmt::print(stderr, "kvshare-prefill: -np/--kv-unified describe the decoder's cache for the state file (--out); "
+                       "on the shared route the layout header says it\n");
+    return 2;
+  }
   if (state_version == 0) {
     auto from_env = kvshare::state_version_from_env();
     if (!from_env) {

@@ -50,7 +50,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--backend", config.backend, "the decoder program (else llama-server on PATH, else kvshare-decoder)");
   app.add_flag("--print-backend", config.print_backend, "print the decoder's command line and exit");
-  app.add_option("--parallel", config.parallel, "-np: refused past 1, the route runs one slot");
+  app.add_option("--parallel", config.parallel,
+                 "-np: the decoder's slots (1..256); each request is handed into a free slot, one KV stream each "
+                 "(several need llama-server; docs/hybrid.md, \"Many slots\")")
+      ->capture_default_str();
   std::vector<std::string> refused_with_value;
   bool mtp = false, dflash = false, embedding = false, reranking = false;
   std::string mmproj, moe_slots, pm;
@@ -114,6 +117,10 @@ int main(int argc, char** argv) {
   if (!backend) {
     std::fprintf(stderr, "kvshare-serve: %s\n", backend.error().what().c_str());
     return 1;
+  }
+  if (auto valid = validate_backend(config, *backend); !valid) {
+    std::fprintf(stderr, "kvshare-serve: %s\n", valid.error().what().c_str());
+    return 2;
   }
   if (config.print_backend) {
     std::printf("%s\n", print_backend_line(config, *backend).c_str());

@@ -2,6 +2,8 @@
 
 #include <httplib.h>
 
+#include <fmt/format.h>
+
 #include <cerrno>
 
 namespace kvshare::route {
@@ -101,15 +103,15 @@ Result<std::vector<int32_t>> DecoderClient::tokenize(const std::string& text) co
   return ids;
 }
 
-Result<SlotReply> DecoderClient::slot_action(const std::string& action, const Json& body) const {
-  auto reply = post_json("/slots/0?action=" + action, body.dump());
+Result<SlotReply> DecoderClient::slot_action(const std::string& action, const Json& body, int slot) const {
+  auto reply = post_json(fmt::format("/slots/{}?action={}", slot, action), body.dump());
   if (!reply) return fail(reply.error());
-  SlotReply slot;
-  slot.status = reply->status;
-  slot.body = Json::parse(reply->body, nullptr, false);
-  if (slot.body.is_discarded()) slot.body = nullptr;
-  if (reply->status != 200) slot.error_message = error_message_of(reply->body);
-  return slot;
+  SlotReply answer;
+  answer.status = reply->status;
+  answer.body = Json::parse(reply->body, nullptr, false);
+  if (answer.body.is_discarded()) answer.body = nullptr;
+  if (reply->status != 200) answer.error_message = error_message_of(reply->body);
+  return answer;
 }
 
 }  // namespace kvshare::route

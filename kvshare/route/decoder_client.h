@@ -51,7 +51,7 @@ class DecoderClient {
   // POST /tokenize with add_special and parse_special on (as the completion path does).
   Result<std::vector<int32_t>> tokenize(const std::string& text) const;
 
-  Result<SlotReply> slot_action(const std::string& action, const nlohmann::json& body) const;
+  Result<SlotReply> slot_action(const std::string& action, const nlohmann::json& body, int slot = 0) const;
 
  private:
   std::string host_;

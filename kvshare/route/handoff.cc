@@ -86,14 +86,15 @@ Result<void> write_ids_file(const std::filesystem::path& path, std::span<const i
 
 Json ids_json(std::span<const int32_t> ids) { return Json(std::vector<int32_t>(ids.begin(), ids.end())); }
 
-// The decoder forgets slot 0 (its cached tokens no longer describe its cells). False when
-// it could not: the caller must then keep the decoder from reusing any of slot 0's cells.
-bool erase_slot(const HandoffContext& context) {
-  auto erased = context.decoder->slot_action("erase", Json::object());
+// The decoder forgets the slot (its cached tokens no longer describe its cells). False when
+// it could not: the caller must then keep the decoder from reusing any of the slot's cells.
+bool erase_slot(const HandoffContext& context, int slot) {
+  auto erased = context.decoder->slot_action("erase", Json::object(), slot);
   if (erased && erased->ok()) return true;
   context.metrics->count_fallback("erase_failed");
-  context.log(fmt::format("hybrid: POST /slots/0?action=erase failed ({}); the request goes to slot 0 with "
+  context.log(fmt::format("hybrid: POST /slots/{0}?action=erase failed ({1}); the request goes to slot {0} with "
                           "cache_prompt false, so the decoder recomputes every cell instead of reusing stale ones",
+                          slot,
                           erased ? fmt::format("{}: {}", erased->status, erased->error_message)
                                  : erased.error().what()));
   return false;
@@ -203,23 +204,23 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
   }
   // The restore must not land while an earlier request still decodes (llama-server defers
   // it by itself; waiting here keeps any decoder honest).
-  if (!context.slot->wait_idle(provider_timeout(config)))
+  if (!context.slot->wait_idle(report.slot, provider_timeout(config)))
     return forward_because("decoder_busy", fmt::format("the decoder was still generating an earlier reply {} ms "
                                                        "after the provider finished; no restore under it",
                                                        provider_timeout(config).count()));
   const Json body = {{"filename", state_name}, {"leave_one_token", true}};
   const auto restore_start = std::chrono::steady_clock::now();
-  auto restored = context.decoder->slot_action("restore", body);
+  auto restored = context.decoder->slot_action("restore", body, report.slot);
   const double restore_wall_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - restore_start).count();
   if (!restored) return forward_because("restore_failed", restored.error().what());
   if (!restored->ok())
     return restore_refused(context, state.path,
-                           fmt::format("POST /slots/0?action=restore answered {}: {}", restored->status,
-                                       restored->error_message));
+                           fmt::format("POST /slots/{}?action=restore answered {}: {}", report.slot,
+                                       restored->status, restored->error_message));
   const Json& n_restored = restored->body["n_restored"];
   if (!n_restored.is_number_integer() || n_restored.get<int64_t>() != static_cast<int64_t>(handoff_ids.size())) {
-    const bool erased = erase_slot(context);
+    const bool erased = erase_slot(context, report.slot);
     return forward_because("restore_short",
                            fmt::format("the slot holds {} tokens after the restore, expected {} (the prompt less its "
                                        "last token)", n_restored.dump(), handoff_ids.size()),
@@ -230,21 +231,21 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
   return {Step::handed_off, "", ""};
 }
 
-// POST adopt of cells 0..n-1 for `share_id` (both shared routes' last step): the decoder's
-// adopt time (its own figure, else the wall time since `start`), or, when it refused, the
-// forward with slot 0 erased (a provider wrote its cells).
-tl::expected<double, StepResult> adopt_cells(const HandoffContext& context, std::span<const int32_t> handoff_ids,
-                                             uint64_t share_id, std::chrono::steady_clock::time_point start,
-                                             size_t n_cached = 0) {
+// POST adopt of the slot's cells 0..n-1 for `share_id` (both shared routes' last step): the
+// decoder's adopt time (its own figure, else the wall time since `start`), or, when it
+// refused, the forward with the slot erased (a provider wrote its cells).
+tl::expected<double, StepResult> adopt_cells(const HandoffContext& context, int slot,
+                                             std::span<const int32_t> handoff_ids, uint64_t share_id,
+                                             std::chrono::steady_clock::time_point start, size_t n_cached = 0) {
   Json body = {{"tokens", ids_json(handoff_ids)}, {"share_id", share_id}, {"leave_one_token", true}};
   // The decoder checks that the cells it said it holds still hold these tokens.
   if (n_cached > 0) body["n_cached"] = n_cached;
-  auto adopted = context.decoder->slot_action("adopt", body);
+  auto adopted = context.decoder->slot_action("adopt", body, slot);
   const double wall_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   if (adopted && adopted->ok()) return adopted->timings_ms().value_or(wall_ms);
-  const bool erased = erase_slot(context);
+  const bool erased = erase_slot(context, slot);
   return tl::unexpected(forward_because("adopt_failed",
-                                        adopted ? fmt::format("POST /slots/0?action=adopt answered {}: {}",
+                                        adopted ? fmt::format("POST /slots/{}?action=adopt answered {}: {}", slot,
                                                               adopted->status, adopted->error_message)
                                                 : adopted.error().what(),
                                         !erased));
@@ -259,14 +260,14 @@ StepResult shared_route(const HandoffContext& context, std::span<const int32_t> 
   if (!broker)
     return {Step::take_file_route, "handshake_failed",
             fmt::format("the handshake cannot start ({})", broker.error().what())};
-  // The provider writes into the decoder's own cells: nothing may still decode from them.
-  if (!context.slot->wait_idle(provider_timeout(config)))
+  // The provider writes into the slot's own cells: nothing may still decode from them.
+  if (!context.slot->wait_idle(report.slot, provider_timeout(config)))
     return {Step::take_file_route, "decoder_busy", "the decoder is still generating an earlier reply"};
   const auto share_start = std::chrono::steady_clock::now();
   // With the ids the decoder answers how many of them its slot holds (n_cached) and keeps
   // those cells; a decoder that does not know the field answers without it: nothing held.
   auto shared = context.decoder->slot_action(
-      "share", Json{{"socket", broker->socket_path()}, {"tokens", ids_json(handoff_ids)}});
+      "share", Json{{"socket", broker->socket_path()}, {"tokens", ids_json(handoff_ids)}}, report.slot);
   if (!shared) return {Step::take_file_route, "handshake_failed", shared.error().what()};
   if (!shared->ok())
     return {Step::take_file_route, "share_refused",
@@ -331,7 +332,7 @@ StepResult shared_route(const HandoffContext& context, std::span<const int32_t> 
     note_provider_phases(report, run);
     report.prefill_ms = run.prefill_ms();
     if (!run.ok()) {
-      const bool erased = !run.started || erase_slot(context);
+      const bool erased = !run.started || erase_slot(context, report.slot);
       return forward_because(run.timed_out ? "provider_timeout" : "provider_failed",
                              provider_failure(run, config), !erased);
     }
@@ -340,7 +341,7 @@ StepResult shared_route(const HandoffContext& context, std::span<const int32_t> 
   report.n_cached = n_cached;
   report.n_prefilled = handoff_ids.size() - n_cached;
   const auto adopt_start = std::chrono::steady_clock::now();
-  auto adopted = adopt_cells(context, handoff_ids, share_id, adopt_start, n_cached);
+  auto adopted = adopt_cells(context, report.slot, handoff_ids, share_id, adopt_start, n_cached);
   if (!adopted) return std::move(adopted.error());
   report.phases.handoff_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - adopt_start).count();
   report.handoff_ms = shared->timings_ms().value_or(share_wall_ms) + *adopted;
@@ -386,7 +387,7 @@ StepResult remote_route(const HandoffContext& context, std::span<const int32_t> 
   listen.socket_name = fmt::format("kvshare-remote-{}.sock", sequence);
   auto listening = ask(listen, call_timeout);
   if (!listening) return {Step::take_file_route, receiver_failed(listening.error()), listening.error().what()};
-  if (!context.slot->wait_idle(provider_timeout(config)))
+  if (!context.slot->wait_idle(report.slot, provider_timeout(config)))
     return {Step::take_file_route, "decoder_busy", "the decoder is still generating an earlier reply"};
   // Drops the receiver's socket when the share does not come to a grant.
   auto drop_listen = [&] {
@@ -396,7 +397,7 @@ StepResult remote_route(const HandoffContext& context, std::span<const int32_t> 
     (void)receiver.call(revoke, call_timeout);
   };
   const auto share_start = std::chrono::steady_clock::now();
-  auto shared = context.decoder->slot_action("share", Json{{"socket", listening->socket_path}});
+  auto shared = context.decoder->slot_action("share", Json{{"socket", listening->socket_path}}, report.slot);
   if (!shared) {
     drop_listen();
     return {Step::take_file_route, "handshake_failed", shared.error().what()};
@@ -435,7 +436,7 @@ StepResult remote_route(const HandoffContext& context, std::span<const int32_t> 
       reason = receiver_failed(revoked.error());
       why = fmt::format("{}; {}", why, revoked.error().what());
     }
-    const bool erased = erase_slot(context);
+    const bool erased = erase_slot(context, report.slot);
     return forward_because(std::move(reason), std::move(why), !erased);
   };
   const DecoderClient provider(url->host, url->port, provider_timeout(config), config.prefill_remote_key);
@@ -464,7 +465,7 @@ StepResult remote_route(const HandoffContext& context, std::span<const int32_t> 
   const auto adopt_start = std::chrono::steady_clock::now();
   auto completed = ask(complete, call_timeout);
   if (!completed) return after_grant(receiver_failed(completed.error()), completed.error().what());
-  auto adopted = adopt_cells(context, handoff_ids, share_id, adopt_start);
+  auto adopted = adopt_cells(context, report.slot, handoff_ids, share_id, adopt_start);
   if (!adopted) return std::move(adopted.error());
   receiver.note_success();
   report.handoff_ms = shared->timings_ms().value_or(share_wall_ms) + *adopted;
@@ -479,10 +480,13 @@ std::string_view endpoint_path(Endpoint endpoint) {
 
 namespace {
 
-// "N prompt tokens" and, when the slot held some, ", P cached".
+// "N prompt tokens", when the slot held some ", P cached", and with several slots ", slot S".
 std::string prompt_words(const HandoffReport& report) {
-  if (report.n_cached == 0 && !report.decided_forward) return fmt::format("{} prompt tokens", report.n_prompt_tokens);
-  return fmt::format("{} prompt tokens, {} cached", report.n_prompt_tokens, report.n_cached);
+  std::string words = report.n_cached == 0 && !report.decided_forward
+                          ? fmt::format("{} prompt tokens", report.n_prompt_tokens)
+                          : fmt::format("{} prompt tokens, {} cached", report.n_prompt_tokens, report.n_cached);
+  if (report.n_slots > 1) words += fmt::format(", slot {}", report.slot);
+  return words;
 }
 
 }  // namespace
@@ -543,39 +547,60 @@ Result<std::optional<std::string>> request_prompt(Endpoint endpoint, const Json&
   return std::optional<std::string>();
 }
 
-std::string uncached_body(const Json& body) {
+std::string uncached_body(const Json& body, int slot) {
   Json forwarded = body;
-  forwarded["id_slot"] = 0;
+  forwarded["id_slot"] = slot;
   forwarded["cache_prompt"] = false;
   return forwarded.dump();
 }
 
-std::string forward_body(const Json& body) {
+std::string as_it_came_body(const std::string& body, int slot, int n_slots) {
+  if (n_slots <= 1) return body;
+  Json forwarded = Json::parse(body, nullptr, false);
+  if (!forwarded.is_object()) return body;
+  forwarded["id_slot"] = slot;
+  return forwarded.dump();
+}
+
+std::string forward_body(const Json& body, int slot) {
   Json forwarded = body;
-  forwarded["id_slot"] = 0;
+  forwarded["id_slot"] = slot;
   forwarded["cache_prompt"] = true;
   forwarded["leave_one_token"] = true;
   return forwarded.dump();
 }
 
-HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, const std::string& body) {
+HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, const std::string& body,
+                          const TakeSlot& take_slot) {
   HandoffReport report;
   report.body = body;
+  report.n_slots = context.slot ? context.slot->n_slots() : 1;
+  bool has_slot = false;
+  auto take = [&](std::span<const int32_t> ids) {
+    if (has_slot) return;
+    has_slot = true;
+    report.slot = take_slot(ids);
+  };
   auto fall_back = [&](const std::string& reason, const std::string& why, bool slot_may_be_stale = false) {
+    take({});
     report.route = HandoffRoute::none;
     report.fallback_reason = reason;
     report.slot_may_be_stale = slot_may_be_stale;
     // Only a JSON object reaches a step that can leave the slot stale.
-    report.body = slot_may_be_stale ? uncached_body(Json::parse(body)) : body;
+    report.body = slot_may_be_stale ? uncached_body(Json::parse(body), report.slot)
+                                    : as_it_came_body(body, report.slot, report.n_slots);
     context.metrics->count_fallback(reason);
     context.log(fmt::format("hybrid: fallback ({}): {}; forwarding the request {} (the decoder prefills it)", reason,
-                            why, slot_may_be_stale ? "to slot 0 with cache_prompt false" : "as it came"));
+                            why,
+                            slot_may_be_stale ? fmt::format("to slot {} with cache_prompt false", report.slot)
+                                              : std::string("as it came")));
     return report;
   };
 
-  // A request serve cannot tokenize still reaches slot 0: nothing is known of what it holds.
+  // A request serve cannot tokenize still reaches a slot: nothing is known of what it holds.
   auto fall_back_unknown = [&](const std::string& reason, const std::string& why) {
-    context.slot_record.forget();
+    take({});
+    context.slot_record(report.slot).forget();
     return fall_back(reason, why);
   };
   const auto tokenize_start = std::chrono::steady_clock::now();
@@ -589,8 +614,11 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
   report.n_prompt_tokens = ids->size();
   report.phases.tokenize_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - tokenize_start).count();
+  // The slot whose cells hold most of this prompt, among the free ones.
+  take(*ids);
+  SlotRecord& record = context.slot_record(report.slot);
   if (ids->size() < 2) {
-    report.slot_prompt_id = context.slot_record.remember_prompt(*ids);
+    report.slot_prompt_id = record.remember_prompt(*ids);
     return fall_back("prompt_too_short", fmt::format("the prompt has {} token(s): nothing to hand off before the "
                                                      "last one", ids->size()));
   }
@@ -599,12 +627,13 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
 
   // Whatever happens next, the slot's prompt is this one: a handoff puts it there, and a
   // forward has the decoder evaluate it.
-  const size_t n_cached_estimate = context.slot_record.estimate_cached(*ids);
-  report.slot_prompt_id = context.slot_record.remember_prompt(*ids);
+  const size_t n_cached_estimate = record.estimate_cached(*ids);
+  report.slot_prompt_id = record.remember_prompt(*ids);
   HandoffQuestion question;
   question.n_prompt = ids->size();
   question.n_cached = n_cached_estimate;
-  question.ctx_size = static_cast<size_t>(std::max(context.config->ctx_size, 0));
+  // Each slot has its share of -c (llama-server splits the context between its slots).
+  question.ctx_size = static_cast<size_t>(std::max(context.config->ctx_size, 0) / std::max(report.n_slots, 1));
   question.provider_incremental =
       context.config->prefill_remote.empty() && context.config->kv_share &&
       (context.resident_provider ? context.resident_provider->takes_cached() : context.provider_takes_cached.load());
@@ -614,6 +643,7 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
     report.decided_forward = true;
     report.n_cached = n_cached_estimate;
     report.decision = decision.why;
+    report.body = as_it_came_body(body, report.slot, report.n_slots);
     return report;  // as it came: the decoder's own prompt cache finds what it holds
   }
 
@@ -626,7 +656,7 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
     StepResult remote = remote_route(context, handoff_ids, sequence, report);
     if (remote.step == Step::handed_off) {
       report.route = HandoffRoute::remote;
-      report.body = forward_body(request);
+      report.body = forward_body(request, report.slot);
       context.metrics->count_handoff("remote", "ok");
       return report;
     }
@@ -647,7 +677,7 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
     if (shared.step == Step::handed_off) {
       report.route = HandoffRoute::shared;
       context.metrics->count_cached_tokens(report.n_cached);
-      report.body = forward_body(request);
+      report.body = forward_body(request, report.slot);
       context.metrics->count_handoff("shared", "ok");
       return report;
     }
@@ -667,7 +697,7 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
     return fall_back(file.reason, file.why, file.slot_may_be_stale);
   }
   report.route = tried_shared ? HandoffRoute::shared_then_file : HandoffRoute::file;
-  report.body = forward_body(request);
+  report.body = forward_body(request, report.slot);
   context.metrics->count_handoff("file", "ok");
   return report;
 }

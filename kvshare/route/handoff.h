@@ -1,20 +1,24 @@
-// One request's handoff (the seed's steps 1-3): template and tokenize on the decoder, have
-// the provider prefill the prompt less its last token, and put that KV into slot 0 — by
+// One request's handoff (the seed's steps 1-3): template and tokenize on the decoder, take a
+// slot, have the provider prefill the prompt less its last token, and put that KV into the
+// slot — by
 // the shared route (share -> fds -> provider -> adopt) when ONEBIT_KV_SHARE is on, else
 // (or when the decoder refuses to share) by the state file and a restore. Any failure
-// falls back, says why, and the request is forwarded as it came: the reply is always the
-// decoder's own, so it is always correct. Where a failed step may have left slot 0's
-// cells changed under tokens that no longer describe them (a provider that wrote and
+// falls back, says why, and the request is forwarded as it came (to its slot): the reply is
+// always the decoder's own, so it is always correct. Where a failed step may have left the
+// slot's cells changed under tokens that no longer describe them (a provider that wrote and
 // failed, a short restore, a refused adopt), the slot is erased; if even the erase fails
-// the request goes to slot 0 with cache_prompt false, so the decoder recomputes every
-// cell of the prompt instead of reusing any.
+// the request goes to the slot with cache_prompt false, so the decoder recomputes every
+// cell of the prompt instead of reusing any. With -np N each slot is one stream of the
+// decoder's cache: a handoff writes only its own slot's stream (docs/hybrid.md, "Many slots").
 #pragma once
 
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <filesystem>
 #include <functional>
 #include <optional>
+#include <span>
 #include <string>
 
 #include "kvshare/route/decoder_client.h"
@@ -42,6 +46,8 @@ struct HandoffReport {
   double prefill_ms = 0;                    // the provider's own figure, else its wall time
   double handoff_ms = 0;                    // the decoder's restore, or share + adopt
   std::string body;                         // what to forward
+  int slot = 0;                             // the decoder's slot the request took (id_slot)
+  int n_slots = 1;                          // the decoder's slots (-np): the lines name the slot when > 1
   bool slot_may_be_stale = false;           // the erase failed: forwarded with cache_prompt false
   size_t n_cached = 0;                      // prompt tokens the decoder's slot held and kept
   size_t n_prefilled = 0;                   // tokens the provider prefilled
@@ -63,7 +69,8 @@ struct HandoffReport {
 
 // The request's line (exact formats; times with 3 decimals). With P > 0 tokens the slot held,
 // "N prompt tokens:" reads "N prompt tokens, P cached:" and "prefill X ms" reads
-// "prefill X ms of M tokens" (M = what the provider prefilled):
+// "prefill X ms of M tokens" (M = what the provider prefilled); with several slots
+// ", slot S" follows the counts ("N prompt tokens, slot 2:"):
 //   hybrid: N prompt tokens: prefill X ms, restore Y ms, first byte Z ms
 //   hybrid: N prompt tokens: prefill X ms, share Y ms, first byte Z ms
 //   hybrid: N prompt tokens: prefill X ms, share 0.000 ms, restore Y ms, first byte Z ms
@@ -88,19 +95,23 @@ using LogSink = std::function<void(const std::string& line)>;
 // several prompts, media, not an object). Never throws, whatever JSON a client sent.
 Result<std::optional<std::string>> request_prompt(Endpoint endpoint, const nlohmann::json& request);
 
-// The request body with id_slot 0, cache_prompt true and leave_one_token true: what the
+// The request body with id_slot `slot`, cache_prompt true and leave_one_token true: what the
 // decoder gets after a handoff. `body` must be a JSON object.
-std::string forward_body(const nlohmann::json& body);
-// The request body with id_slot 0 and cache_prompt false: slot 0's cells may hold bytes its
-// cached tokens do not describe, and could not be erased; the decoder evaluates the whole
-// prompt again and overwrites them. `body` must be a JSON object.
-std::string uncached_body(const nlohmann::json& body);
+std::string forward_body(const nlohmann::json& body, int slot = 0);
+// The request body with id_slot `slot` and cache_prompt false: the slot's cells may hold
+// bytes its cached tokens do not describe, and could not be erased; the decoder evaluates
+// the whole prompt again and overwrites them. `body` must be a JSON object.
+std::string uncached_body(const nlohmann::json& body, int slot = 0);
+// A request forwarded as it came, in slot `slot`: with one slot the body untouched (the
+// decoder's only slot takes it), with several the body with id_slot set (a JSON object;
+// anything else goes untouched, and the decoder refuses it as it would have).
+std::string as_it_came_body(const std::string& body, int slot, int n_slots);
 
 struct HandoffContext {
   const ServeConfig* config = nullptr;
   const DecoderClient* decoder = nullptr;
   std::filesystem::path slot_dir;   // the decoder's --slot-save-path, 0700 (ids, state files, share sockets)
-  SlotQueue* slot = nullptr;
+  SlotQueue* slot = nullptr;       // the decoder's slots
   Metrics* metrics = nullptr;
   LogSink log;
   std::chrono::milliseconds handshake_timeout{10000};
@@ -113,16 +124,24 @@ struct HandoffContext {
   // provider's file goes to the restore unchecked and the decoder's refusal is the check; a
   // refused restore probes again and keeps what it learns (hence mutable, atomic).
   mutable std::atomic<uint32_t> decoder_state_version{0};
-  // What serve has measured of the decoder and the provider, and what it believes slot 0
-  // holds: the handoff decision's inputs (handoff_policy.h), updated by every request.
+  // What serve has measured of the decoder and the provider, and what it believes each slot
+  // holds (one record per slot, slot_records[id_slot]): the handoff decision's inputs
+  // (handoff_policy.h), updated by every request.
   mutable RateBook rates;
-  mutable SlotRecord slot_record;
+  mutable std::deque<SlotRecord> slot_records = std::deque<SlotRecord>(1);
+  SlotRecord& slot_record(int slot) const { return slot_records[static_cast<size_t>(slot)]; }
   // The provider takes --cached (prefills only what the slot does not hold) until it exits 2
   // on the flag: from then on it gets whole prompts.
   mutable std::atomic<bool> provider_takes_cached{true};
 };
 
-// Runs the handoff for `body` (the request as it came). The caller holds the slot.
-HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, const std::string& body);
+// Takes a slot for a request whose prompt is `ids` (empty when serve could not tokenize it)
+// and returns its id_slot; blocks until one is free. The caller keeps the hold.
+using TakeSlot = std::function<int(std::span<const int32_t> ids)>;
+
+// Runs the handoff for `body` (the request as it came): tokenizes it, calls take_slot once,
+// and hands off into that slot (report.slot).
+HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, const std::string& body,
+                          const TakeSlot& take_slot);
 
 }  // namespace kvshare::route

@@ -85,8 +85,10 @@ void on_first_relayed(RelayState& state) {
   } else if (state.report.decided_forward) {
     log_line(forwarded_line(state.report, first_byte_ms));
   } else {
-    log_line(fmt::format("hybrid: {} prompt tokens: forwarded as it came, first byte {:.3f} ms",
-                         state.report.n_prompt_tokens, first_byte_ms));
+    log_line(fmt::format("hybrid: {} prompt tokens{}: forwarded as it came, first byte {:.3f} ms",
+                         state.report.n_prompt_tokens,
+                         state.report.n_slots > 1 ? fmt::format(", slot {}", state.report.slot) : std::string(),
+                         first_byte_ms));
   }
 }
 
@@ -94,11 +96,14 @@ void on_relay_end(RelayState& state) {
   if (state.finished) return;
   state.finished = true;
   on_first_relayed(state);
+  // With several slots a request holds its slot until its reply ends (slot_queue.h).
+  if (state.hold) state.hold->release();
   if (!state.is_hybrid || !state.scanner) return;
   const ReplyTimings timings = state.scanner->finish();
   // What the decoder generated stays in its slot after the prompt: the next turn's estimate.
   if (timings.predicted_n)
-    state.context->slot_record.remember_generated(state.report.slot_prompt_id, *timings.predicted_n);
+    state.context->slot_record(state.report.slot).remember_generated(state.report.slot_prompt_id,
+                                                                     *timings.predicted_n);
   if (!state.report.handed_off()) {
     // A forward is the decoder's own prompt speed over what its slot did not hold.
     if (timings.prompt_n && timings.prompt_ms)
@@ -117,7 +122,7 @@ void on_relay_end(RelayState& state) {
 class Server {
  public:
   Server(const ServeConfig& config, const Backend& backend, const ServeRuntime& runtime)
-      : config_(config), backend_(backend), runtime_(runtime) {}
+      : config_(config), backend_(backend), runtime_(runtime), slot_(config.parallel) {}
 
   int run();
 
@@ -160,8 +165,12 @@ void Server::forward(const std::string& path, std::shared_ptr<RelayState> state,
   request.path = path;
   request.body = state->report.body;
   request.api_key = decoder_api_key();
-  // The slot is free for the next handoff as soon as the decoder has started on this one.
-  state->stream = UpstreamStream::start(std::move(request), [hold = state->hold] { hold->release(); });
+  // With one slot, the slot is free for the next handoff as soon as the decoder has started
+  // on this one (the decoder queues the next request's restore or adopt behind this reply,
+  // while its provider already runs); with several, at the reply's end (on_relay_end).
+  std::function<void()> on_head;
+  if (slot_.n_slots() == 1) on_head = [hold = state->hold] { hold->release(); };
+  state->stream = UpstreamStream::start(std::move(request), std::move(on_head));
   auto head = state->stream->wait_head();
   if (!head) {
     state->hold->release();
@@ -212,12 +221,17 @@ void Server::handle_completion(Endpoint endpoint, const httplib::Request& req, h
     state->decode = slot_.begin_decode();
     return forward(std::string(endpoint_path(endpoint)), state, res);
   }
-  state->hold = std::make_shared<SlotQueue::Hold>(slot_.acquire());
   state->is_hybrid = true;
   state->context = &context_;
   state->start = Clock::now();
-  state->report = run_handoff(context_, endpoint, req.body);
-  state->decode = slot_.begin_decode();
+  state->report = run_handoff(context_, endpoint, req.body, [this, &state](std::span<const int32_t> ids) {
+    // The free slot whose cells likely hold most of this prompt (a chat's next turn).
+    state->hold = std::make_shared<SlotQueue::Hold>(slot_.acquire([this, ids](int slot) {
+      return ids.empty() ? size_t{0} : context_.slot_record(slot).estimate_cached(ids);
+    }));
+    return state->hold->slot();
+  });
+  state->decode = slot_.begin_decode(state->report.slot);
   forward(std::string(endpoint_path(endpoint)), state, res);
 }
 
@@ -248,6 +262,7 @@ int Server::run() {
   context_.decoder = client_.get();
   context_.slot_dir = decoder_->slot_dir();
   context_.slot = &slot_;
+  context_.slot_records.resize(static_cast<size_t>(slot_.n_slots()));
   context_.metrics = &metrics_;
   context_.log = log_line;
   context_.handshake_timeout = runtime_.handshake_timeout;

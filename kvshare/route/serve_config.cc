@@ -34,15 +34,16 @@ std::string refusal_reason(std::string_view flag) {
   return "not supported by the hybrid route";
 }
 
-// "-np" / "--parallel" values past 1, wherever they are in `args`.
-std::optional<std::string> parallel_in(const std::vector<std::string>& args) {
+// An "-np" / "--parallel" in `args` (the decoder's flags after `--`) whose value is not
+// `parallel`, as it was given.
+std::optional<std::string> parallel_in(const std::vector<std::string>& args, int parallel) {
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& arg = args[i];
     std::string value;
     if ((arg == "-np" || arg == "--parallel") && i + 1 < args.size()) value = args[i + 1];
     else if (arg.rfind("--parallel=", 0) == 0) value = arg.substr(11);
     else continue;
-    if (value != "1") return arg + " " + value;
+    if (value != std::to_string(parallel)) return arg + " " + value;
   }
   return std::nullopt;
 }
@@ -85,14 +86,19 @@ const std::vector<std::string>& refused_flag_names() {
 }
 
 Result<void> validate(const ServeConfig& config) {
-  if (config.parallel != 1)
+  if (config.parallel < 1 || config.parallel > kMaxSlots)
+    return fail(EINVAL, "--parallel {}: expected 1..{} decoder slots (llama-server's -np; serve needs the number, so "
+                "-np -1, llama-server's auto, is not taken)", config.parallel, kMaxSlots);
+  if (auto parallel = parallel_in(config.backend_extra, config.parallel))
     return fail(EINVAL,
-                "--parallel {} refused: the hybrid route runs the decoder with one slot (-np 1) and hands each "
-                "prompt into slot 0; drop --parallel/-np",
-                config.parallel);
-  if (auto parallel = parallel_in(config.backend_extra))
-    return fail(EINVAL,
-                "backend flag \"{}\" refused: the hybrid route runs the decoder with one slot (-np 1); drop it", *parallel);
+                "backend flag \"{}\" refused: serve hands prompts into the decoder's slots and must know how many; "
+                "give -np N to kvshare-serve itself (before --)", *parallel);
+  if (config.parallel > 1 && !config.prefill_remote.empty())
+    return fail(EINVAL, "--parallel {} with --prefill-remote refused: a remote grant covers one stream of the "
+                "decoder's cache (slot 0); run the remote route with -np 1", config.parallel);
+  if (config.ctx_size > 0 && config.parallel >= 1 && config.ctx_size / config.parallel < 2)
+    return fail(EINVAL, "-c {} with -np {}: each slot gets {} cells, too few for a prompt; raise -c", config.ctx_size,
+                config.parallel, config.ctx_size / config.parallel);
   if (!config.refused_flags.empty())
     return fail(EINVAL, "{} refused: {}", config.refused_flags.front(), refusal_reason(config.refused_flags.front()));
   for (const std::string& arg : config.backend_extra) {
@@ -160,13 +166,21 @@ Result<Backend> resolve_backend(const ServeConfig& config, const std::string& pa
               embedded.string());
 }
 
+Result<void> validate_backend(const ServeConfig& config, const Backend& backend) {
+  if (config.parallel > 1 && backend.kind == BackendKind::kvshare_decoder)
+    return fail(EINVAL, "--parallel {} refused: the decoder {} is kvshare-decoder, which serves one slot; give "
+                "--backend PATH/llama-server (or put llama-server on PATH) for several slots, or drop -np",
+                config.parallel, backend.program.string());
+  return {};
+}
+
 std::vector<std::string> backend_command(const ServeConfig& config, const Backend& backend,
                                          const std::string& slot_dir, int port) {
   std::vector<std::string> argv = {backend.program.string(),
                                    "-m",
                                    config.model.string(),
                                    "-np",
-                                   "1",
+                                   std::to_string(config.parallel),
                                    "--slot-save-path",
                                    slot_dir,
                                    "-c",
@@ -211,7 +225,22 @@ std::vector<std::string> file_provider_command(const ServeConfig& config, const 
   if (config.kv_flags_given)
     argv.insert(argv.end(), {"--ctx-size", std::to_string(config.ctx_size), "--flash-attn", config.flash_attn,
                              "--cache-type-k", config.cache_type_k, "--cache-type-v", config.cache_type_v});
+  // A state file carries one KV stream per slot of the decoder's cache: with several slots
+  // the provider must know how many (always the given count: -c alone does not say it).
+  if (config.parallel > 1) {
+    argv.insert(argv.end(), {"--parallel", std::to_string(config.parallel)});
+    if (decoder_kv_unified(config)) argv.push_back("--kv-unified");
+  }
   return argv;
+}
+
+bool decoder_kv_unified(const ServeConfig& config) {
+  if (config.parallel == 1) return true;  // llama.cpp: one sequence is always unified
+  for (const std::string& arg : config.backend_extra) {
+    if (arg == "-kvu" || arg == "--kv-unified") return true;
+    if (arg == "-no-kvu" || arg == "--no-kv-unified") return false;
+  }
+  return false;  // llama-server's default when -np is given
 }
 
 std::vector<std::string> shared_provider_command(const ServeConfig& config, const std::string& ids_path) {

@@ -46,8 +46,10 @@ struct ServeConfig {
   // environment it inherits (never its command line: /proc/PID/cmdline is world-readable).
   std::vector<std::string> api_keys;
 
-  // Flags that exist only to be refused (--parallel N, --mtp, ...): the refusal names them.
-  int parallel = 1;                       // -np / --parallel
+  // -np / --parallel: the decoder's slots; each request is handed into a free one (one KV
+  // stream per slot unless the decoder runs --kv-unified).
+  int parallel = 1;
+  // Flags that exist only to be refused (--mtp, ...): the refusal names them.
   std::vector<std::string> refused_flags; // each refused flag as it was given
 };
 
@@ -73,8 +75,12 @@ void apply_env(ServeConfig& config, const ServeEnv& env);
 // appear (serve's own flags or the backend flags after `--`).
 const std::vector<std::string>& refused_flag_names();
 
+// The most decoder slots serve runs (-np).
+inline constexpr int kMaxSlots = 256;
+
 // Refuses what the route cannot do, with a message that names the flag and why:
-// --parallel/-np > 1, --mtp, --dflash, --mmproj, --moe-slots, --embedding(s), --reranking,
+// --parallel/-np outside 1..kMaxSlots, or with --prefill-remote past 1, or given again
+// after `--` with another value; --mtp, --dflash, --mmproj, --moe-slots, --embedding(s), --reranking,
 // --pm (also inside backend_extra); a missing model; a bad -fa value; a non-positive
 // -c or --provider-timeout. EINVAL.
 Result<void> validate(const ServeConfig& config);
@@ -89,11 +95,17 @@ struct Backend {
 // place looked at.
 Result<Backend> resolve_backend(const ServeConfig& config, const std::string& path_env,
                                 const std::filesystem::path& serve_dir);
+// What the chosen decoder cannot do for this config: kvshare-decoder serves one slot, so
+// -np N > 1 needs llama-server. EINVAL naming the decoder and the fix.
+Result<void> validate_backend(const ServeConfig& config, const Backend& backend);
 
-// The decoder child's argv: program, -m, -np 1, --slot-save-path, the KV flags, --host
+// The decoder child's argv: program, -m, -np N, --slot-save-path, the KV flags, --host
 // 127.0.0.1, --port, then the extra flags.
 std::vector<std::string> backend_command(const ServeConfig& config, const Backend& backend,
                                          const std::string& slot_dir, int port);
+
+// Whether the decoder keeps every slot in one KV stream: -np 1, or -kvu after `--`.
+bool decoder_kv_unified(const ServeConfig& config);
 
 // A local provider prefills (per request, resident, or at a socket): the shared and file routes.
 bool has_local_provider(const ServeConfig& config);
@@ -105,7 +117,8 @@ std::string provider_name(const ServeConfig& config);
 
 // The provider's argv for the file route (seed contract):
 //   PROGRAM --tokens IDS --out STATE --model M [--elfs DIR]
-// plus --ctx-size/--flash-attn/--cache-type-k/--cache-type-v when serve was given any KV flag.
+// plus --ctx-size/--flash-attn/--cache-type-k/--cache-type-v when serve was given any KV flag,
+// and --parallel N [--kv-unified] when the decoder has several slots.
 std::vector<std::string> file_provider_command(const ServeConfig& config, const std::string& ids_path,
                                                const std::string& state_path);
 // The provider's argv for the shared route, before --layout/--fds (the broker adds them):

@@ -4,6 +4,9 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <fstream>
 
 #include "support/test_support.h"
@@ -30,14 +33,57 @@ TEST(ServeConfigValidate, AcceptsTheDefaultsWithAModel) {
   EXPECT_TRUE(validate(config_with_model(dir)));
 }
 
-TEST(ServeConfigValidate, RefusesParallelAboveOneNamingTheFlag) {
+TEST(ServeConfigValidate, TakesSeveralSlotsAndRefusesCountsOutsideTheRange) {
+  TempDir dir;
+  ServeConfig config = config_with_model(dir);
+  config.parallel = 4;
+  EXPECT_TRUE(validate(config));
+  for (int parallel : {0, -1, kMaxSlots + 1}) {
+    config.parallel = parallel;
+    auto valid = validate(config);
+    ASSERT_FALSE(valid) << parallel;
+    EXPECT_EQ(valid.error().errno_value(), EINVAL);
+    EXPECT_NE(valid.error().message().find(fmt::format("--parallel {}:", parallel)), std::string::npos)
+        << valid.error().message();
+  }
+}
+
+TEST(ServeConfigValidate, RefusesSlotsTooSmallForAPromptAndSeveralSlotsOnTheRemoteRoute) {
+  TempDir dir;
+  ServeConfig config = config_with_model(dir);
+  config.parallel = 4;
+  config.ctx_size = 7;
+  auto valid = validate(config);
+  ASSERT_FALSE(valid);
+  EXPECT_NE(valid.error().message().find("each slot gets 1 cells"), std::string::npos) << valid.error().message();
+  config.ctx_size = 4096;
+  config.prefill_remote = "http://127.0.0.1:9000";
+  valid = validate(config);
+  ASSERT_FALSE(valid);
+  EXPECT_NE(valid.error().message().find("--prefill-remote refused"), std::string::npos) << valid.error().message();
+}
+
+TEST(ServeConfigValidate, SeveralSlotsNeedLlamaServerNotKvshareDecoder) {
   TempDir dir;
   ServeConfig config = config_with_model(dir);
   config.parallel = 2;
-  auto valid = validate(config);
+  auto valid = validate_backend(config, Backend{BackendKind::kvshare_decoder, "/opt/kvshare-decoder"});
   ASSERT_FALSE(valid);
-  EXPECT_EQ(valid.error().errno_value(), EINVAL);
-  EXPECT_NE(valid.error().message().find("--parallel 2 refused"), std::string::npos) << valid.error().message();
+  EXPECT_NE(valid.error().message().find("kvshare-decoder, which serves one slot"), std::string::npos)
+      << valid.error().message();
+  EXPECT_TRUE(validate_backend(config, Backend{BackendKind::llama_server, "/opt/llama-server"}));
+  config.parallel = 1;
+  EXPECT_TRUE(validate_backend(config, Backend{BackendKind::kvshare_decoder, "/opt/kvshare-decoder"}));
+}
+
+TEST(ServeConfigValidate, PassesTheSlotCountToTheDecoder) {
+  TempDir dir;
+  ServeConfig config = config_with_model(dir);
+  config.parallel = 3;
+  const auto argv = backend_command(config, Backend{BackendKind::llama_server, "/opt/llama-server"}, "/slots", 8081);
+  const auto np = std::find(argv.begin(), argv.end(), "-np");
+  ASSERT_NE(np, argv.end());
+  EXPECT_EQ(*(np + 1), "3");
 }
 
 TEST(ServeConfigValidate, RefusesEachFlagTheRouteCannotHonourWithItsReason) {
@@ -58,6 +104,8 @@ TEST(ServeConfigValidate, RefusesRefusedFlagsHiddenInTheBackendFlags) {
   auto valid = validate(config);
   ASSERT_FALSE(valid);
   EXPECT_NE(valid.error().message().find("\"-np 4\" refused"), std::string::npos) << valid.error().message();
+  config.backend_extra = {"-np", "1"};  // the same count serve passes: harmless
+  EXPECT_TRUE(validate(config));
   config.backend_extra = {"--mmproj=x.gguf"};
   valid = validate(config);
   ASSERT_FALSE(valid);
@@ -182,6 +230,23 @@ TEST(ProviderCommand, FollowsTheFileContractAndAddsElfsWhenSet) {
             "/p --tokens ids --out out --model m.gguf --elfs /elfs --ctx-size 4096 --flash-attn on --cache-type-k f16 "
             "--cache-type-v f16");
   EXPECT_EQ(join_command(shared_provider_command(config, "ids")), "/p --tokens ids --model m.gguf --elfs /elfs");
+}
+
+TEST(ProviderCommand, TellsTheFileRouteProviderTheDecodersSlots) {
+  ServeConfig config;
+  config.model = "m.gguf";
+  config.prefill_provider = "/p";
+  config.parallel = 4;
+  EXPECT_EQ(join_command(file_provider_command(config, "ids", "out")),
+            "/p --tokens ids --out out --model m.gguf --parallel 4");
+  config.backend_extra = {"-kvu"};
+  EXPECT_TRUE(decoder_kv_unified(config));
+  EXPECT_EQ(join_command(file_provider_command(config, "ids", "out")),
+            "/p --tokens ids --out out --model m.gguf --parallel 4 --kv-unified");
+  config.parallel = 1;
+  config.backend_extra = {};
+  EXPECT_TRUE(decoder_kv_unified(config));
+  EXPECT_EQ(join_command(file_provider_command(config, "ids", "out")), "/p --tokens ids --out out --model m.gguf");
 }
 
 TEST(PrefillRemoteUrl, TakesHttpHostAndPortWithAnOptionalTrailingSlash) {

@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -49,6 +52,67 @@ TEST(SlotQueue, WaitIdleWaitsForEveryDecodeInFlight) {
   std::thread finisher([&] { decode.reset(); });
   EXPECT_TRUE(queue.wait_idle(std::chrono::seconds(10)));
   finisher.join();
+}
+
+
+TEST(SlotQueue, HoldsAsManyRequestsAsSlotsEachInItsOwnSlot) {
+  SlotQueue queue(4);
+  std::vector<SlotQueue::Hold> holds;
+  for (int i = 0; i < 4; ++i) holds.push_back(queue.acquire());  // none of these may block
+  std::vector<int> slots;
+  for (const auto& hold : holds) slots.push_back(hold.slot());
+  EXPECT_EQ(slots, (std::vector<int>{0, 1, 2, 3}));
+  std::atomic<int> fifth_slot{-1};
+  std::thread fifth([&] { fifth_slot = queue.acquire().slot(); });
+  while (queue.waiting() != 5u) std::this_thread::yield();
+  EXPECT_EQ(fifth_slot.load(), -1);  // every slot is held: the fifth waits
+  holds[2].release();
+  fifth.join();
+  EXPECT_EQ(fifth_slot.load(), 2);
+}
+
+TEST(SlotQueue, GivesEachRequestTheFreeSlotItPrefers) {
+  SlotQueue queue(4);
+  SlotQueue::Hold busy = queue.acquire([](int slot) { return slot == 3 ? 10u : 0u; });
+  EXPECT_EQ(busy.slot(), 3);
+  // Slot 3 scores highest again but is held: the best free one wins.
+  SlotQueue::Hold next = queue.acquire([](int slot) { return slot == 3 ? 10u : slot == 1 ? 5u : 0u; });
+  EXPECT_EQ(next.slot(), 1);
+  EXPECT_EQ(queue.acquire().slot(), 0);  // no preference: the lowest free id
+}
+
+TEST(SlotQueue, KeepsArrivalOrderWithSeveralSlots) {
+  SlotQueue queue(2);
+  SlotQueue::Hold a = queue.acquire();
+  SlotQueue::Hold b = queue.acquire();
+  std::vector<int> order;
+  std::mutex order_mutex;
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 6; ++i) {
+    threads.emplace_back([&, i] {
+      SlotQueue::Hold hold = queue.acquire();
+      std::lock_guard lock(order_mutex);
+      order.push_back(i);
+    });
+    while (queue.waiting() != static_cast<uint64_t>(i + 3)) std::this_thread::yield();
+  }
+  a.release();
+  b.release();
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(order.size(), 6u);
+  // Each waiter took its slot after every earlier one: order of acquisition is arrival order
+  // (the push happens after the acquire, so two adjacent waiters may swap pushes; none may
+  // overtake by two).
+  for (size_t i = 0; i < order.size(); ++i) EXPECT_LE(std::abs(order[i] - static_cast<int>(i)), 1) << i;
+}
+
+TEST(SlotQueue, WaitIdleWaitsOnlyForItsOwnSlotsDecodes) {
+  SlotQueue queue(2);
+  auto decode = std::make_unique<SlotQueue::Decode>(queue.begin_decode(1));
+  EXPECT_TRUE(queue.wait_idle(0, std::chrono::milliseconds(0)));  // slot 1 decodes, slot 0 is idle
+  EXPECT_FALSE(queue.wait_idle(1, std::chrono::milliseconds(10)));
+  decode.reset();
+  EXPECT_TRUE(queue.wait_idle(1, std::chrono::milliseconds(0)));
 }
 
 }  // namespace
