@@ -6,7 +6,8 @@ One command runs the benches and redraws every plot:
     scripts/plot-bench.py --bench build/bin/kvshare-bench [--backend PATH-to-patched-llama-server]
 
 It runs `equal`, `handoff`, `route` and `conversation` (twice with --backend:
-kvshare-decoder and that llama-server), `serve`, `scatter` and `statefile` with --json,
+kvshare-decoder and that llama-server), `serve`, `scatter`, `statefile` and `load` (its
+llama-server configurations with --backend, else $LLAMA_SERVER_KVSHARE) with --json,
 keeps their lines in docs/plots/bench.jsonl and writes:
 
     handoff-cost.svg   what each route adds to writing the KV, vs prompt length (log-log), with
@@ -17,6 +18,9 @@ keeps their lines in docs/plots/bench.jsonl and writes:
                        resident route's overhead goes (serve's phases)
     throughput.svg     scatter and state-file GB/s beside memcpy and plain write()/read()
     conversation.svg   a chat's first byte turn by turn: the decoder alone, the shared and file routes
+    load.svg           many users at once: requests/s vs concurrent clients, one line per serve
+                       configuration (cpu -np 4, hybrid -np 1 and -np 4, kvshare-decoder -np 1), and
+                       their first byte p50 and p99
 
 `--groups route,conversation` runs only those groups and replaces their lines in the kept
 bench.jsonl (the others stay as they were measured).
@@ -304,12 +308,63 @@ def plot_conversation(lines, out, stamp):
     return save_figure(fig, out, "conversation.svg", stamp)
 
 
+# load: one line per serve configuration ("hybrid-np4/shared"); the relay grey, hybrid green.
+LOAD_STYLES = {"cpu-np1": ("#cccccc", "s"), "cpu-np4": ("#777777", "s"), "hybrid-np1": ("#a6dba0", "o"),
+               "hybrid-np4": ("#1b7837", "o"), "decoder-np1": ("#762a83", "^")}
+
+
+def plot_load(lines, out, stamp):
+    """requests/s vs concurrent clients per configuration; first byte p50 and p99 beside it."""
+    rows = of(lines, "load")
+    if not rows:
+        return None
+    configs = []
+    for line in rows:
+        if line["config"] not in configs:
+            configs.append(line["config"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    for config in configs:
+        series = sorted((line for line in rows if line["config"] == config), key=lambda line: line["clients"])
+        base, _, route = config.partition("/")
+        color, marker = LOAD_STYLES.get(base, (None, "o"))
+        style = "--" if route.startswith("file") else "-"
+        np_ = series[0]["np"]
+        label = "%s %s -np %d%s" % (series[0]["decoder"], series[0]["device"], np_, (" " + route) if route else "")
+        xs = [line["clients"] for line in series]
+        errorbar(left, xs, series, "rps", label, color, style=style + marker)
+        right.plot(xs, [line["first_byte_ms_p50"] for line in series], style + marker, color=color,
+                   label=label + " p50")
+        right.plot(xs, [line["first_byte_ms_p99"] for line in series], ":" + marker, color=color, alpha=0.6,
+                   label=label + " p99")
+    clients = sorted({line["clients"] for line in rows})
+    ratio = of(lines, "load_ratio")
+    title = "requests/s, %d-token prompts, %d tokens generated" % (rows[0]["tokens"], rows[0]["n_predict"])
+    if ratio:
+        title += "\n" + ", ".join("hybrid -np 4 / -np 1 at %d clients (%s): %.2f" % (r["clients"], r["route"], r["ratio"])
+                                  for r in ratio) + " (target >= 1.5)"
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(clients)
+        ax.set_xticklabels([str(c) for c in clients])
+        ax.set_xlabel("concurrent clients, each a closed loop")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    left.set_ylabel("completed requests / s (median, p25..p75 over rounds)")
+    left.set_title(title, fontsize=9)
+    left.set_ylim(bottom=0)
+    right.set_yscale("log")
+    right.set_ylabel("ms to first byte (p50 solid or dashed, p99 dotted)")
+    right.set_title("first byte under load")
+    return save_figure(fig, out, "load.svg", stamp)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--bench", help="kvshare-bench to run (build/bin/kvshare-bench)")
     source.add_argument("--from", dest="from_file", help="redraw from a kept bench.jsonl")
-    parser.add_argument("--backend", help="also run `route` with this decoder (a patched llama-server)")
+    parser.add_argument("--backend", help="also run `route` and `conversation` with this decoder (a patched "
+                        "llama-server); `load` runs its llama-server configurations with it")
     parser.add_argument("--out", default=DEFAULT_OUT, help="where the SVGs and bench.jsonl go (default docs/plots)")
     parser.add_argument("--note", default="", help="a few words on the machine, printed on every plot")
     parser.add_argument("--groups", help="run only these groups (comma-separated) and keep the other groups' "
@@ -319,7 +374,7 @@ def main():
     if args.from_file:
         lines = load_lines(args.from_file)
     else:
-        all_groups = ("equal", "handoff", "route", "conversation", "serve", "scatter", "statefile")
+        all_groups = ("equal", "handoff", "route", "conversation", "serve", "scatter", "statefile", "load")
         groups = args.groups.split(",") if args.groups else list(all_groups)
         unknown = [g for g in groups if g not in all_groups]
         if unknown:
@@ -330,6 +385,10 @@ def main():
             # The other groups' lines stay, and so does the meta line of the run that made them.
             lines = [line for line in load_lines(kept) if line.get("bench", "").split("_")[0] not in groups]
         for group in groups:
+            if group == "load":
+                # One run: the llama-server configurations and kvshare-decoder's side by side.
+                lines += run_group(args.bench, group, ["--backend", args.backend] if args.backend else [])
+                continue
             lines += run_group(args.bench, group)
             if args.backend and group in ("route", "conversation"):
                 lines += run_group(args.bench, group, ["--backend", args.backend])
@@ -345,7 +404,8 @@ def main():
     # Each plot, the groups it draws, stamped with the run that measured them (the last meta
     # line naming them, else the one of a whole run); a --groups run redraws only its plots.
     plots = ((plot_handoff_cost, ["equal"]), (plot_first_byte, ["route"]), (plot_resident, ["route"]),
-             (plot_throughput, ["scatter", "statefile"]), (plot_conversation, ["conversation"]))
+             (plot_throughput, ["scatter", "statefile"]), (plot_conversation, ["conversation"]),
+             (plot_load, ["load"]))
     metas = [line for line in lines if line.get("bench") == "meta"]
     for draw, drawn in plots:
         if args.groups and not args.from_file and not set(drawn) & set(groups):

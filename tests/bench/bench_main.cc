@@ -57,10 +57,11 @@ void print_usage(std::FILE* to = stderr) {
   std::fprintf(to,
                "usage: kvshare-bench GROUP [--json] [--smoke] [--tokens N[,N...]] [--benchmark_* flags] [-- group flags]\n"
                "       kvshare-bench route|conversation [--backend PATH] [--provider PATH] ...   (another decoder, e.g. llama-server)\n"
+               "       kvshare-bench load [--tokens T] [--json] [group flags]   (a group's flags may also come before --)\n"
                "       kvshare-bench all --smoke   (every group, tiny sizes: a check that they run)\n\n"
                "groups:\n");
   for (const auto& [name, group] : groups()) std::fprintf(to, "  %-10s %s\n", name.c_str(), group.help.c_str());
-  std::fprintf(to, "\ngroup flags (after --):\n");
+  std::fprintf(to, "\ngroup flags (after --, or before it):\n");
   for (const auto& [name, group] : groups())
     for (const GroupFlag& flag : group.flags)
       std::fprintf(to, "  %-10s %-22s %s\n", name.c_str(), flag_usage(flag).c_str(), flag.help.c_str());
@@ -77,6 +78,15 @@ int run_group(const Group& group, const BenchArgs& args, std::vector<char*> gben
 }
 
 }  // namespace
+
+// `name` among the flags of group `group_name`; nullptr when the group or the flag is unknown.
+const GroupFlag* group_flag(const std::string& group_name, const std::string& name) {
+  const auto group = groups().find(group_name);
+  if (group == groups().end()) return nullptr;
+  for (const GroupFlag& flag : group->second.flags)
+    if (flag.name == name) return &flag;
+  return nullptr;
+}
 
 bool add_group(Group group) {
   std::string name = group.name;
@@ -107,8 +117,14 @@ std::string check_group_flags(const Group& group, const std::vector<std::string>
         return known->name + " \"" + item + "\": not one of " + choices;
       from = comma + 1;
     }
-    if (known->value == "N" && (value.find_first_not_of("0123456789") != std::string::npos || std::atoi(value.c_str()) < 1))
-      return known->name + " \"" + value + "\": not a positive count";
+    // "N" a positive count; "N[,...]" a comma list of them ("--clients 1,4,16").
+    for (size_t from = 0; choices == "N" && from <= value.size();) {
+      const size_t comma = is_list ? std::min(value.find(',', from), value.size()) : value.size();
+      const std::string item = value.substr(from, comma - from);
+      if (item.empty() || item.find_first_not_of("0123456789") != std::string::npos || std::atoi(item.c_str()) < 1)
+        return known->name + " \"" + (is_list ? item : value) + "\": not a positive count";
+      from = comma + 1;
+    }
   }
   return "";
 }
@@ -189,6 +205,10 @@ int main(int argc, char** argv) {
       }
     } else if (arg.rfind("--benchmark_", 0) == 0) {
       gbench_argv.push_back(argv[i]);
+    } else if (const GroupFlag* flag = group_flag(group_name, arg)) {
+      // A flag of the group named may come before "--" too ("load --clients 1,4").
+      args.rest.push_back(arg);
+      if (!flag->value.empty() && i + 1 < argc) args.rest.push_back(argv[++i]);
     } else {
       std::fprintf(stderr, "kvshare-bench: unknown argument \"%s\"\n", arg.c_str());
       print_usage();

@@ -48,6 +48,10 @@ struct Group {
 // else the message naming the flag and what the group takes.
 std::string check_group_flags(const Group& group, const std::vector<std::string>& rest);
 
+// The flag `name` of group `group_name`, nullptr when either is unknown: kvshare-bench takes
+// a group's flags before "--" as well as after it.
+const GroupFlag* group_flag(const std::string& group_name, const std::string& name);
+
 // Adds a group; used from a static initialiser in each <group>_bench.cc:
 //   static const bool registered = kvshare::bench::add_group({...});
 bool add_group(Group group);
