@@ -158,8 +158,8 @@ uint64_t kvshare_decoder_region_bytes(const struct kvshare_decoder *decoder);
 /*
  * Connects to the broker listening on the AF_UNIX socket `socket_path`, sends it the
  * layout header and one fd per chunk (SCM_RIGHTS, one message), and stores the new
- * share_id in *share_id. Every earlier share_id is stale from now on, also when this
- * call fails. Blocks at most timeout_ms (<= 0: kvshare's default, 5000 ms); does not wait
+ * share_id in *share_id. Every earlier share_id of stream 0 is stale from now on, also
+ * when this call fails (kvshare_decoder_share_stream: other streams). Blocks at most timeout_ms (<= 0: kvshare's default, 5000 ms); does not wait
  * for the broker to answer. The decoder keeps its own fds.
  * Errors: -ENOTSUP (cannot share: kvshare_decoder_refusal()), a connect or send errno
  * (-ENOENT, -ECONNREFUSED, -EPIPE, -ETIMEDOUT) naming the socket path; a failed share's
