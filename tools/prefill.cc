@@ -49,6 +49,10 @@ int main(int argc, char** argv) {
                                 "shared route only: the region's cells 0..P-1 already hold the first P ids as "
                                 "positions 0..P-1 (the decoder kept them); compute ids P.. attending over them and "
                                 "write cells P.. only. 0 <= P < the number of ids; 0 is the same as none");
+  uint32_t stream = 0;
+  auto* stream_opt = app.add_option("--stream", stream,
+                                    "shared route only: the decoder's KV stream to write (slot S of llama-server -np N "
+                                    "without --kv-unified); below the layout header's n_stream; default 0");
   app.add_option("-t,--threads", r.n_threads, "threads (0: all cores)")->capture_default_str();
   uint32_t state_version = 0;
   auto* version = app.add_option("--state-version", state_version,
@@ -64,9 +68,9 @@ int main(int argc, char** argv) {
                                   "closes it")
                        ->check(CLI::Range(3, INT_MAX));
   serve->excludes(serve_fd);
-  // A resident provider takes the ids, the region and the KV params from each request.
-  for (auto* per_request :
-       {tokens, out, layout, fd_list, cached, ctx_size, cache_k, cache_v, flash, version, parallel, unified}) {
+  // A resident provider takes the ids, the region, the stream and the KV params from each request.
+  for (auto* per_request : {tokens, out, layout, fd_list, cached, stream_opt, ctx_size, cache_k, cache_v, flash, version,
+                            parallel, unified}) {
     serve->excludes(per_request);
     serve_fd->excludes(per_request);
   }
@@ -101,6 +105,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (cached->count() > 0) r.n_cached = n_cached;
+  if (stream_opt->count() > 0) r.stream = stream;
 
   auto type_k = kvshare::layout::parse_cache_type(ctk);
   auto type_v = kvshare::layout::parse_cache_type(ctv);

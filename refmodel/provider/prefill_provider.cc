@@ -46,6 +46,11 @@ Error cached_on_file_route_error() {
                        "cells; the file route (--out) writes a state file of every id from position 0");
 }
 
+Error stream_on_file_route_error() {
+  return Error(EINVAL, "--stream is for the shared route (--layout/--fds), where it names the decoder's KV stream "
+                       "(its slot); the file route (--out) writes one sequence's state file");
+}
+
 Result<PrefillReport> run_file_route(const PrefillRequest& r) {
   auto in = load_inputs(r);
   if (!in) return fail(in.error());
@@ -68,6 +73,8 @@ Result<PrefillReport> run_shared_route(const PrefillRequest& r, std::vector<Fd> 
   // Before the fds are imported: a prompt the region cannot take touches nothing.
   const uint32_t n_cached = r.n_cached.value_or(0);
   if (auto fits = check_region_fits(*theirs, in->tokens.size(), n_cached, source); !fits) return fail(fits.error());
+  const uint32_t stream = r.stream.value_or(0);
+  if (auto in_range = check_region_stream(*theirs, stream, n_cached, source); !in_range) return fail(in_range.error());
   if (fds.size() != theirs->layout.chunks.size())
     return fail(EINVAL, "--fds gives {} descriptors, layout header {} has {} chunks", fds.size(), r.layout_path,
                 theirs->layout.chunks.size());
@@ -76,7 +83,7 @@ Result<PrefillReport> run_shared_route(const PrefillRequest& r, std::vector<Fd> 
   auto share = ProviderShare::open(r.layout_path, fd_numbers, *ours);
   if (!share) return fail(share.error().with_context(fmt::format("model {}", r.model_path)));
   // A fresh mapping: memfd chunks are written through their descriptors (chunk_file.h).
-  const RegionTarget target{share->header(), share->imported(), share->imported().chunk_files()};
+  const RegionTarget target{share->header(), share->imported(), share->imported().chunk_files(), stream};
   PrivateContext own;
   return prefill_region(in->model, target, in->tokens, n_cached, r.n_threads, source, own);
 }
@@ -129,6 +136,14 @@ Result<std::vector<int32_t>> parse_token_ids(std::string_view text, std::string_
 }
 
 Result<void> check_prefill_usage(const PrefillRequest& request) {
+  if (request.stream && request.layout_path.empty()) return fail(stream_on_file_route_error());
+  if (request.stream && *request.stream > 0) {
+    // An unreadable header is a failed prefill (exit 1), reported by run_prefill.
+    if (auto header = read_header_file(request.layout_path); header) {
+      if (auto in_range = check_region_stream(*header, *request.stream, 0, ids_file_source(request)); !in_range)
+        return fail(in_range.error());
+    }
+  }
   if (!request.n_cached) return {};
   if (request.layout_path.empty()) return fail(cached_on_file_route_error());
   if (*request.n_cached == 0) return {};
@@ -148,6 +163,7 @@ Result<PrefillReport> run_prefill(const PrefillRequest& request) {
   std::vector<Fd> fds;
   for (int fd : request.fds) fds.emplace_back(fd);
   if (request.n_cached && request.layout_path.empty()) return fail(cached_on_file_route_error());
+  if (request.stream && request.layout_path.empty()) return fail(stream_on_file_route_error());
   if (!request.layout_path.empty()) {
     if (!request.out_path.empty()) return fail(EINVAL, "--out and --layout exclude each other: pick the file or the shared route");
     return run_shared_route(request, std::move(fds));

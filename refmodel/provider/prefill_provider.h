@@ -7,6 +7,7 @@
 //                 imports the decoder's regions (inherited fds), checks the layout header
 //                 against the model, and scatters the rows into the region
 //                 (xdna::scatter), where the decoder adopts them with no copy.
+//                 With --stream S it writes stream S's cells only (slot S of -np N).
 //                 With --cached P the region's cells 0..P-1 already hold the first P ids
 //                 (the decoder kept them): a Context over the region itself attends over
 //                 them and writes cells P.. only.
@@ -49,11 +50,16 @@ struct PrefillRequest {
   // positions 0..P-1, in the decoder's cache types; 0 <= P < the number of ids. Unset
   // and 0 are the same on the shared route; set at all on the file route is refused.
   std::optional<uint32_t> n_cached;
+  // --stream S (shared route only): the KV stream (the decoder's slot, -np N without
+  // --kv-unified) whose cells are written; below the header's n_stream. Unset and 0 are
+  // the same on the shared route; set at all on the file route is refused.
+  std::optional<uint32_t> stream;
   int n_threads = 0;              // 0: all cores
 };
 
 // The refusals that are the caller's usage, not a failed prefill (kvshare-prefill exits 2
-// for them): --cached on the file route, --cached not below the number of ids. Reads the
+// for them): --cached or --stream on the file route, --cached not below the number of ids,
+// --stream past the layout header's n_stream. Reads the
 // ids file for the latter; an ids file that cannot be read or parsed is left to
 // run_prefill, which names what is wrong with it.
 Result<void> check_prefill_usage(const PrefillRequest& request);

@@ -64,7 +64,8 @@ Result<PrefillReport> scatter_into_region(const ProviderModel& model, const Regi
   const auto t0 = Clock::now();
   auto ok = (*ctx)->prefill(ids, [&](const LayerRows& rows) -> Result<void> {
     const auto w0 = Clock::now();
-    const xdna::ScatterBatch batch = scatter_batch_of(rows, rotation_disabled, n_threads);
+    xdna::ScatterBatch batch = scatter_batch_of(rows, rotation_disabled, n_threads);
+    batch.stream = target.stream;
     auto scattered = xdna::scatter(scatter_target, batch);
     write_ms += ms_since(w0);
     return scattered;
@@ -125,11 +126,27 @@ Result<void> check_region_fits(const layout::ShareHeader& header, size_t n_ids, 
   return {};
 }
 
+Result<void> check_region_stream(const layout::ShareHeader& header, uint32_t stream, uint32_t n_cached,
+                                 const IdsSource& source) {
+  const uint32_t n_stream = header.memory.kv_caches.empty() ? 1 : header.memory.kv_caches[0].n_stream;
+  if (stream >= n_stream)
+    return fail(EINVAL, "{} {}: the decoder's KV cache has n_stream {} (streams 0..{}; -np {}{})", source.stream,
+                stream, n_stream, n_stream - 1, header.params.n_seq_max, header.params.kv_unified ? ", unified" : "");
+  // TODO(#27): a single-stream view of the region for the incremental route.
+  if (n_cached > 0 && n_stream > 1)
+    return fail(ENOTSUP, "{} {} with {} {}: the incremental shared route reads the region through a context of one "
+                "stream, this cache has {}; prefill the whole prompt ({} 0)", source.cached, n_cached, source.stream,
+                stream, n_stream, source.cached);
+  return {};
+}
+
 Result<PrefillReport> prefill_region(const ProviderModel& model, const RegionTarget& target,
                                      std::span<const int32_t> ids, uint32_t n_cached, int n_threads,
                                      const IdsSource& source, PrivateContext& own) {
   if (auto known = check_ids_in_vocabulary(model, ids, source); !known) return fail(known.error());
   if (auto fits = check_region_fits(target.header, ids.size(), n_cached, source); !fits) return fail(fits.error());
+  if (auto in_range = check_region_stream(target.header, target.stream, n_cached, source); !in_range)
+    return fail(in_range.error());
   // With cached cells the provider reads the region as well as writing it.
   auto access = target.imported.begin_cpu_access(n_cached > 0 ? DmaBufCpuAccess::Mode::read_write
                                                               : DmaBufCpuAccess::Mode::write);

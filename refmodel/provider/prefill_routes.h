@@ -38,6 +38,7 @@ struct IdsSource {
   std::string ids;                // "ids file ids.txt"
   std::string cached = "--cached";
   std::string n_ctx = "-c";
+  std::string stream = "--stream";
 };
 
 // A model loaded for prefills: read-only mapped, the mapping kept as long as the model.
@@ -75,13 +76,23 @@ struct RegionTarget {
   // Empty: every write goes through the mapping, for a resident provider that faulted it
   // in once when it mapped the region.
   std::vector<ChunkFile> chunk_files;
+  // The KV stream written (the decoder's slot, llama-server -np N without --kv-unified):
+  // only its cells change, the other streams keep every byte.
+  uint32_t stream = 0;
 };
+
+// EINVAL naming `source.stream` when `stream` is past the region's n_stream; ENOTSUP for
+// n_cached > 0 on a cache of several streams (the incremental route's Context over the
+// region holds one stream). Nothing is written by then.
+Result<void> check_region_stream(const layout::ShareHeader& header, uint32_t stream, uint32_t n_cached,
+                                 const IdsSource& source);
 
 // Prefills `ids` into the region. n_cached 0: a private KV cache for the prompt, each
 // layer's rows scattered into cells 0..N-1 (xdna::scatter). n_cached P > 0: cells
 // 0..P-1 hold ids 0..P-1 already; a Context over the region itself attends over them and
 // writes cells P..N-1 only. Holds the dma-buf CPU-access bracket (read_write when P > 0)
-// during the writes. Checks the ids first (check_ids_in_vocabulary, check_region_fits).
+// during the writes. Only target.stream's cells are written. Checks the ids and the stream
+// first (check_ids_in_vocabulary, check_region_fits, check_region_stream).
 // Blocks for the forward pass; `n_threads` 0: all cores. With n_cached 0 the private cache
 // is `own`'s, reused when it fits (a resident provider keeps one; a per-request one passes
 // a fresh one).

@@ -175,7 +175,7 @@ Result<double> shared_side(const ProviderRows& rows, uint32_t n_tokens, bool thr
     if (!listening) return fail(listening.error());
     broker.emplace(std::move(*listening));
   }
-  auto id = share.share(broker->socket_path(), 5000);
+  auto id = share.share(broker->socket_path(), 0, 5000);
   if (!id) return fail(id.error());
   auto received = broker->receive(5000);
   if (!received) return fail(received.error());
@@ -209,7 +209,7 @@ Result<HeldRegion*> held_region() {
   if (held) return &*held;
   auto broker = ShareBroker::listen(settings().dir);
   if (!broker) return fail(broker.error());
-  auto id = decoder().share(broker->socket_path(), 5000);
+  auto id = decoder().share(broker->socket_path(), 0, 5000);
   if (!id) return fail(id.error());
   auto received = broker->receive(5000);
   if (!received) return fail(received.error());
@@ -235,7 +235,7 @@ Result<double> resident_side(const ProviderRows& rows, uint32_t n_tokens, const 
     if (!listening) return fail(listening.error());
     broker.emplace(std::move(*listening));
   }
-  auto id = share.share(broker->socket_path(), 5000);
+  auto id = share.share(broker->socket_path(), 0, 5000);
   if (!id) return fail(id.error());
   auto received = broker->receive(5000);
   if (!received) return fail(received.error());

@@ -73,7 +73,7 @@ Result<void> one_share_handoff(DecoderShare& share, uint64_t n_tokens, bool firs
   }
   const auto start = Clock::now();
   {
-    auto id = share.share(broker->socket_path(), 5000);
+    auto id = share.share(broker->socket_path(), 0, 5000);
     if (!id) return fail(id.error());
     auto received = broker->receive(5000);
     if (!received) return fail(received.error());

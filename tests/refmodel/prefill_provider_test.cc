@@ -480,6 +480,27 @@ TEST_F(PrefillTool, RefusesCachedThatLeavesNoIdToPrefillAsBadUsage) {
   }
 }
 
+TEST_F(PrefillTool, RefusesStreamOnTheFileRouteAsBadUsage) {
+  auto r = run("1\n2\n3\n", fmt::format("--out {} --stream 1", (dir / "s.bin").string()));
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--stream is for the shared route (--layout/--fds)"), std::string::npos) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "s.bin"));
+}
+
+TEST_F(PrefillTool, RefusesAStreamPastTheHeadersNStreamAsBadUsage) {
+  auto m = testing::load_generated({});
+  auto params = testing::small_params(768);
+  params.n_seq_max = 3;
+  params.kv_unified = false;
+  auto header = layout::make_share_header(layout::model_fingerprint(m->metadata(), m->tensor_infos()), m->shape(),
+                                          params);
+  ASSERT_TRUE(header) << header.error().what();
+  write_text(dir / "layout.json", layout::to_json(*header));
+  auto r = run("1\n2\n3\n", fmt::format("--layout {} --fds 3 --stream 3 3</dev/null", (dir / "layout.json").string()));
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--stream 3: the decoder's KV cache has n_stream 3"), std::string::npos) << r.err;
+}
+
 // kvshare-serve asks a provider for --cached only if it knows the flag: one that does
 // not must say so with the usage status.
 TEST_F(PrefillTool, RefusesAnUnknownFlagWithExitTwo) {

@@ -270,6 +270,104 @@ class ResidentSession : public kvshare::testing::FdLeakCheck {
   Result<ChannelEnd> ended_ = fail(EINPROGRESS, "the session has not ended");
 };
 
+// Stream `stream`'s bytes of every KV tensor of `region`, in layout order: a cache tensor
+// is [width, kv_size, n_stream] (a transposed V too), so each stream is one contiguous
+// slice of nbytes / n_stream.
+std::vector<std::byte> stream_bytes(const MemfdRegion& region, uint32_t stream) {
+  const layout::ShareHeader& header = region.header();
+  const std::vector<std::byte> all = region.bytes();
+  std::vector<uint64_t> chunk_base{0};
+  for (const auto& chunk : header.layout.chunks) chunk_base.push_back(chunk_base.back() + chunk.size_bytes);
+  std::vector<std::byte> out;
+  for (const auto& t : header.layout.tensors) {
+    const uint64_t n_stream = static_cast<uint64_t>(t.tensor.ne[2]);
+    const uint64_t slice = t.tensor.nbytes / n_stream;
+    const auto begin = all.begin() + static_cast<std::ptrdiff_t>(chunk_base[t.chunk] + t.offset + stream * slice);
+    out.insert(out.end(), begin, begin + static_cast<std::ptrdiff_t>(slice));
+  }
+  return out;
+}
+
+// Issue #27: slot 2 of llama-server -np 3 (no --kv-unified) is stream 2 of every cache
+// tensor. Both forms of the provider write exactly stream 0's bytes, moved to stream 2, and
+// leave the other slots' streams as they were.
+TEST_F(ResidentSession, WritesTheStreamOfThePrefillMessageAsThePerRequestStreamFlag) {
+  layout::KvParams three = params_;
+  three.n_ctx = 3 * params_.n_ctx;
+  three.n_seq_max = 3;
+  three.kv_unified = false;
+  const layout::ShareHeader header3 = header_of(model_, three);
+  ASSERT_EQ(header3.memory.kv_caches.front().n_stream, 3u);
+  write_text(dir_ / "layout3.json", layout::to_json(header3));
+  MemfdRegion resident(header3, "resident-s2"), per_request(header3, "per-request-s2"), slot0(header3, "slot0");
+  auto run_per_request = [&](const MemfdRegion& region, uint32_t stream) {
+    write_text(dir_ / "ids.txt", ids_lines(prompt_));
+    PrefillRequest request;
+    request.model_path = model_path_.string();
+    request.tokens_path = (dir_ / "ids.txt").string();
+    request.layout_path = (dir_ / "layout3.json").string();
+    request.fds = region.duplicate_fds();
+    request.stream = stream;
+    request.n_threads = 1;
+    return run_prefill(request);
+  };
+  start();
+  send_region(1, resident);
+  ProviderRequest prefill = shared_prefill(1, prompt_);
+  prefill.stream = 2;
+  const ProviderReply reply = call(prefill);
+  ASSERT_TRUE(reply.ok) << reply.error;
+  ASSERT_TRUE(run_per_request(per_request, 2));
+  ASSERT_TRUE(run_per_request(slot0, 0));
+
+  const std::vector<std::byte> moved = stream_bytes(slot0, 0);
+  ASSERT_FALSE(all_zero(moved));
+  EXPECT_EQ(first_difference(stream_bytes(resident, 2), moved), -1);
+  EXPECT_EQ(first_difference(stream_bytes(per_request, 2), moved), -1);
+  for (uint32_t other : {0u, 1u}) {
+    EXPECT_TRUE(all_zero(stream_bytes(resident, other))) << "stream " << other;
+    EXPECT_TRUE(all_zero(stream_bytes(per_request, other))) << "stream " << other;
+  }
+  EXPECT_EQ(first_difference(resident.bytes(), per_request.bytes()), -1);
+}
+
+TEST_F(ResidentSession, RefusesAStreamPastNStreamAndWritesNothing) {
+  layout::KvParams three = params_;
+  three.n_ctx = 3 * params_.n_ctx;
+  three.n_seq_max = 3;
+  three.kv_unified = false;
+  const layout::ShareHeader header3 = header_of(model_, three);
+  write_text(dir_ / "layout3.json", layout::to_json(header3));
+  MemfdRegion resident(header3, "resident-s3"), per_request(header3, "per-request-s3");
+  start();
+  send_region(1, resident);
+  ProviderRequest prefill = shared_prefill(1, prompt_);
+  prefill.stream = 3;
+  const ProviderReply refused = call(prefill);
+  ASSERT_FALSE(refused.ok);
+  EXPECT_EQ(refused.error_errno, EINVAL);
+  EXPECT_NE(refused.error.find("field \"stream\" 3: the decoder's KV cache has n_stream 3"), std::string::npos)
+      << refused.error;
+  EXPECT_TRUE(all_zero(resident.bytes()));
+  EXPECT_TRUE(call(shared_prefill(1, prompt_)).ok);  // and it goes on serving
+
+  write_text(dir_ / "ids.txt", ids_lines(prompt_));
+  PrefillRequest request;
+  request.model_path = model_path_.string();
+  request.tokens_path = (dir_ / "ids.txt").string();
+  request.layout_path = (dir_ / "layout3.json").string();
+  request.fds = per_request.duplicate_fds();
+  request.stream = 3;
+  auto usage = check_prefill_usage(request);
+  ASSERT_FALSE(usage);
+  EXPECT_NE(usage.error().message().find("--stream 3: the decoder's KV cache has n_stream 3"), std::string::npos)
+      << usage.error().what();
+  auto report = run_prefill(request);
+  ASSERT_FALSE(report);
+  EXPECT_EQ(report.error().errno_value(), EINVAL);
+  EXPECT_TRUE(all_zero(per_request.bytes()));
+}
+
 TEST_F(ResidentSession, WritesTheRegionAsThePerRequestProviderAndTakesASecondPrefillOnIt) {
   MemfdRegion resident(header_, "resident-a"), per_request(header_, "per-request-a");
   start();
