@@ -27,9 +27,9 @@ extern "C" {
 #endif
 
 #define KVSHARE_C_API_VERSION 1
-/* The newest version node this header declares (KVSHARE_1.3): an engine built against an
+/* The newest version node this header declares (KVSHARE_1.4): an engine built against an
  * older header lacks the calls of the nodes after it. */
-#define KVSHARE_C_API_MINOR 3
+#define KVSHARE_C_API_MINOR 4
 
 /*
  * The KV parameters llama-server takes (-c, -np, -kvu, -ctk, -ctv, -fa, --swa-full, -ub).
@@ -176,6 +176,29 @@ int kvshare_decoder_share(struct kvshare_decoder *decoder, const char *socket_pa
  */
 int kvshare_decoder_adopt(struct kvshare_decoder *decoder, uint64_t n_tokens, uint64_t share_id);
 
+/*
+ * Since KVSHARE_1.4: one stream per slot. llama-server -np N without --kv-unified keeps
+ * one KV stream per slot (every cache tensor is [width, kv_size, n_stream]); a share of
+ * stream s hands over slot s's cells while the other slots go on decoding from theirs.
+ * kvshare_decoder_share and kvshare_decoder_adopt are these calls with stream 0.
+ *
+ * kvshare_decoder_share_stream: as kvshare_decoder_share, for the cells of `stream`. Share
+ * ids increase across streams; a share of stream s makes only stream s's earlier ids
+ * stale. Refused before connecting, spending no id: -EINVAL for stream >= n_stream
+ * (naming both), -ENOTSUP for a memory whose slots have no stream each (a unified cache
+ * with n_seq_max > 1, a recurrent state with rs_size > 1): the file route serves those.
+ *
+ * kvshare_decoder_adopt_stream: as kvshare_decoder_adopt, for stream `stream`: -ESTALE
+ * when share_id is not that stream's latest share sent to a broker (or was adopted),
+ * -EINVAL when it is the latest share of another stream (naming both) or stream >=
+ * n_stream. On 0 the caller marks cells 0..n_tokens-1 of that stream as its slot's
+ * sequence positions 0..n_tokens-1.
+ */
+int kvshare_decoder_share_stream(struct kvshare_decoder *decoder, const char *socket_path, uint32_t stream,
+                                 int timeout_ms, uint64_t *share_id);
+int kvshare_decoder_adopt_stream(struct kvshare_decoder *decoder, uint64_t n_tokens, uint64_t share_id,
+                                 uint32_t stream);
+
 /* ------------------------------------------------------------------------------------
  * Provider side: the process that writes a prompt's K and V into the decoder's cache.
  *
@@ -245,6 +268,20 @@ int kvshare_provider_end_write(struct kvshare_provider *provider);
 int kvshare_provider_scatter(struct kvshare_provider *provider, uint32_t il, uint32_t pos0, uint32_t n_tokens,
                              int32_t src_type, const void *rows, uint64_t row_stride, uint32_t n_embd_k_gqa,
                              uint32_t n_embd_v_gqa);
+
+/*
+ * Since KVSHARE_1.4. The stream kvshare_provider_scatter writes: cells pos0.. of that
+ * stream only, the other streams (other slots of llama-server -np N, decoding meanwhile)
+ * are never touched. 0 on open; a resident provider's PREFILL_SHARED sets the stream of
+ * the region it hands out from serve's message (kvshare_resident_request.stream), so an
+ * engine that scatters through the region needs no change.
+ * kvshare_provider_set_stream: -EINVAL (nothing changes) for stream >= n_stream.
+ * kvshare_provider_n_stream: the streams of the first KV cache, 1 when there is none
+ * (or the handle is not open).
+ */
+int kvshare_provider_set_stream(struct kvshare_provider *provider, uint32_t stream);
+uint32_t kvshare_provider_stream(const struct kvshare_provider *provider);
+uint32_t kvshare_provider_n_stream(const struct kvshare_provider *provider);
 
 /*
  * Since KVSHARE_1.1. Imports every chunk of the share into the first AMD XDNA NPU under
@@ -388,7 +425,9 @@ struct kvshare_resident_request {
     const int32_t *tokens;           /* PREFILL_*: the handoff's ids (the prompt less its last token) */
     const char *state_file;          /* PREFILL_FILE: the absolute path to write; else NULL */
     uint32_t state_version;          /* PREFILL_FILE: the decoder's LLAMA_STATE_SEQ_VERSION, 0 = the provider's latest */
-    uint32_t reserved;
+    /* Since KVSHARE_1.4 (before: reserved, 0). PREFILL_SHARED: the KV stream (the
+     * decoder's slot) to write; the region's kvshare_provider_stream is set to it. */
+    uint32_t stream;
     /* REGION: the header's KV params (the decoder's: what the engine must run with).
      * PREFILL_FILE: serve's n_ctx, type_k, type_v and flash_attn; the rest llama-server's
      * defaults (kvshare_kv_params_init). */

@@ -10,7 +10,9 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <algorithm>
 #include <functional>
+#include <map>
 #include <memory>
 #include <new>
 #include <optional>
@@ -149,8 +151,9 @@ struct kvshare_decoder {
   std::string last_error;
   // The latest share whose message reached a broker: a share that failed to send has no
   // provider, so its id (spent by DecoderShare) must not be adoptable. Mirrors
-  // kvshare-decoder's engine (refmodel/decoder/refmodel_engine.cc).
-  uint64_t sent_share_id = 0;
+  // kvshare-decoder's engine (refmodel/decoder/refmodel_engine.cc). Per stream: a share
+  // of one stream leaves the others' adoptable.
+  std::map<uint32_t, uint64_t> sent_share_ids;
 
   bool can_share() const { return share.has_value() && share->can_share(); }
 };
@@ -162,6 +165,7 @@ struct kvshare_provider {
   std::optional<kvshare::xdna::NpuShare> npu;  // after kvshare_provider_import_npu
   uint32_t n_embd_head_k = 0;  // every layer's head size when all agree, for scatter's rotation
   uint32_t n_embd_head_v = 0;
+  uint32_t stream = 0;    // the KV stream scatter writes (< n_stream, kvshare_provider_set_stream)
   std::string last_error;
 };
 
@@ -342,6 +346,11 @@ uint64_t kvshare_decoder_region_bytes(const kvshare_decoder* decoder) {
 }
 
 int kvshare_decoder_share(kvshare_decoder* decoder, const char* socket_path, int timeout_ms, uint64_t* share_id) {
+  return kvshare_decoder_share_stream(decoder, socket_path, 0, timeout_ms, share_id);
+}
+
+int kvshare_decoder_share_stream(kvshare_decoder* decoder, const char* socket_path, uint32_t stream, int timeout_ms,
+                                 uint64_t* share_id) {
   if (decoder == nullptr) return -EINVAL;
   kvshare_decoder& d = *decoder;
   return guarded(d.last_error, "kvshare_decoder_share", [&] {
@@ -353,18 +362,22 @@ int kvshare_decoder_share(kvshare_decoder* decoder, const char* socket_path, int
       d.last_error = kvshare_decoder_refusal(&d);
       return -ENOTSUP;
     }
-    auto id = d.share->share(socket_path, timeout_ms > 0 ? timeout_ms : kvshare::kShareTimeoutMs);
+    auto id = d.share->share(socket_path, stream, timeout_ms > 0 ? timeout_ms : kvshare::kShareTimeoutMs);
     if (!id) {
       d.last_error = id.error().what();
       return negative_errno(id.error());
     }
-    d.sent_share_id = *id;
+    d.sent_share_ids[stream] = *id;
     if (share_id != nullptr) *share_id = *id;
     return 0;
   });
 }
 
 int kvshare_decoder_adopt(kvshare_decoder* decoder, uint64_t n_tokens, uint64_t share_id) {
+  return kvshare_decoder_adopt_stream(decoder, n_tokens, share_id, 0);
+}
+
+int kvshare_decoder_adopt_stream(kvshare_decoder* decoder, uint64_t n_tokens, uint64_t share_id, uint32_t stream) {
   if (decoder == nullptr) return -EINVAL;
   kvshare_decoder& d = *decoder;
   return guarded(d.last_error, "kvshare_decoder_adopt", [&] {
@@ -372,15 +385,20 @@ int kvshare_decoder_adopt(kvshare_decoder* decoder, uint64_t n_tokens, uint64_t 
       d.last_error = kvshare_decoder_refusal(&d);
       return -ENOTSUP;
     }
-    if (d.sent_share_id == 0 || share_id != d.sent_share_id) {
-      // A share whose message never reached a broker has no provider: nothing to adopt.
-      d.last_error = d.sent_share_id == 0
-                         ? fmt::format("share_id {}: no share has been sent to a broker yet", share_id)
-                         : fmt::format("share_id {} is not the latest share sent to a broker ({})", share_id,
-                                       d.sent_share_id);
+    // A share whose message never reached a broker has no provider: nothing to adopt. Any
+    // other mismatch (a stream past n_stream, another stream's share) DecoderShare names.
+    const auto sent = d.sent_share_ids.find(stream);
+    const bool sent_elsewhere = std::any_of(d.sent_share_ids.begin(), d.sent_share_ids.end(),
+                                            [&](const auto& entry) { return entry.second == share_id; });
+    if (!sent_elsewhere && (sent == d.sent_share_ids.end() || sent->second != share_id)) {
+      d.last_error = sent == d.sent_share_ids.end()
+                         ? fmt::format("share_id {}: no share has been sent to a broker yet (of stream {})", share_id,
+                                       stream)
+                         : fmt::format("share_id {} is not the latest share sent to a broker ({}, of stream {})",
+                                       share_id, sent->second, stream);
       return -ESTALE;
     }
-    auto plan = d.share->adopt(n_tokens, share_id);
+    auto plan = d.share->adopt(n_tokens, share_id, stream);
     if (!plan) {
       d.last_error = plan.error().what();
       return negative_errno(plan.error());
@@ -497,6 +515,7 @@ int kvshare_provider_scatter(kvshare_provider* provider, uint32_t il, uint32_t p
     batch.layers.push_back({il, rows, n_embd_k_gqa, n_embd_v_gqa});
     batch.pos0 = pos0;
     batch.n_tokens = n_tokens;
+    batch.stream = p.stream;
     batch.src_type = static_cast<layout::GgmlType>(src_type);
     batch.row_stride = row_stride;
     batch.rotation_disabled = !heads_agree || kvshare::statefile::attn_rotation_disabled_by_env();
@@ -507,6 +526,27 @@ int kvshare_provider_scatter(kvshare_provider* provider, uint32_t il, uint32_t p
     }
     return 0;
   });
+}
+
+uint32_t kvshare_provider_n_stream(const kvshare_provider* provider) {
+  if (provider == nullptr || !provider->share) return 1;
+  return kvshare::share_n_stream(provider->share->header().memory);
+}
+
+uint32_t kvshare_provider_stream(const kvshare_provider* provider) { return provider == nullptr ? 0 : provider->stream; }
+
+int kvshare_provider_set_stream(kvshare_provider* provider, uint32_t stream) {
+  if (provider == nullptr) return -EINVAL;
+  kvshare_provider& p = *provider;
+  if (!p.share) return provider_not_open(&p);
+  const uint32_t n_stream = kvshare_provider_n_stream(&p);
+  if (stream >= n_stream) {
+    p.last_error = fmt::format("provider: stream {} but the KV cache has n_stream {} (streams 0..{})", stream,
+                               n_stream, n_stream - 1);
+    return -EINVAL;
+  }
+  p.stream = stream;
+  return 0;
 }
 
 int kvshare_provider_import_npu(kvshare_provider* provider, const char* accel_dir) {
@@ -622,6 +662,7 @@ struct kvshare_resident {
   uint64_t pending_region_id = 0;
   kvshare_provider* region = nullptr;    // the latest REGION's, until taken, replaced or ended
   uint64_t held_region_id = 0;           // the REGION last answered ok (0: none)
+  uint32_t held_n_stream = 1;            // that region's streams (kvshare_provider_n_stream)
   std::vector<int32_t> tokens;           // the pending PREFILL's
   std::string state_file;
   std::string last_error;
@@ -704,6 +745,7 @@ int take_region_request(kvshare_resident& r, kvshare::ProviderCall& call, kvshar
   }
   r.region = p.release();
   r.pending_region_id = region_id;
+  r.held_n_stream = kvshare_provider_n_stream(r.region);
   out->kind = KVSHARE_REQUEST_REGION;
   out->region_id = region_id;
   out->region = r.region;
@@ -745,7 +787,14 @@ int take_prefill_request(kvshare_resident& r, kvshare::ProviderCall& call, kvsha
     out->state_file = r.state_file.c_str();
     out->state_version = q.state_version;
   }
+  if (shared && q.stream >= r.held_n_stream)
+    return refuse(EINVAL, fmt::format("\"stream\" {}: region {}'s KV cache has n_stream {}; nothing was written",
+                                      q.stream, q.region_id, r.held_n_stream));
+  // The engine scatters through the region it was handed: it then writes the stream serve
+  // named, unchanged. A region the engine took is its own to set (out->stream).
+  if (shared && r.region != nullptr) (void)kvshare_provider_set_stream(r.region, q.stream);
   r.tokens = std::move(q.tokens);
+  out->stream = shared ? q.stream : 0;
   out->kind = shared ? KVSHARE_REQUEST_PREFILL_SHARED : KVSHARE_REQUEST_PREFILL_FILE;
   out->region_id = shared ? q.region_id : 0;
   out->share_id = q.share_id;

@@ -132,6 +132,12 @@ Result<Message> parse_object(Json& json, std::string_view source, bool header_is
   }
 
   if (message.share_id == 0) return fail(EINVAL, "handshake from {}: field \"share_id\" is 0; shares count from 1", source);
+  // Absent: a decoder from before streams, which shared stream 0 only.
+  if (json.contains("stream")) {
+    auto stream = unsigned_field(json, source, "", "stream", UINT32_MAX);
+    if (!stream) return fail(stream.error());
+    message.stream = static_cast<uint32_t>(*stream);
+  }
   auto fds = field(json, source, "", "fds");
   if (!fds) return fail(fds.error());
   if (!(*fds)->is_array() || (*fds)->empty() || (*fds)->size() > kMaxFds)
@@ -172,6 +178,7 @@ std::string encode_json(const Message& message) {
     json["reason"] = message.reason;
     return dump(json);
   }
+  json["stream"] = message.stream;
   Json fds = Json::array();
   for (const auto& fd : message.fds) {
     Json entry;

@@ -43,6 +43,9 @@ struct Message {
   MessageType type = MessageType::share;
   uint64_t share_id = 0;      // share: fresh per share; refuse: the share refused (0: none)
   // share only:
+  // The KV stream whose cells the share hands over (slot s of llama-server -np N without
+  // --kv-unified). Always written; a message without it (an older decoder) reads as 0.
+  uint32_t stream = 0;
   std::vector<FdEntry> fds;   // exactly the SCM_RIGHTS fds, same order
   // The layout header (docs/layout.md). A sender sets `header_json` to its compact text
   // (layout::to_json), spliced into the message verbatim: a decoder serializes its header
@@ -68,7 +71,8 @@ std::vector<std::byte> length_prefixed(std::string_view body);
 Result<std::vector<std::byte>> encode_frame(const Message& message);
 
 // Parses and validates the JSON of one message: version (a newer one is refused by
-// name), type, share_id, and for share the fds (chunks 0..n-1 in order, known kinds,
+// name), type, share_id, and for share the stream (u32, absent = 0; not checked against
+// the header here: check_share_message does), the fds (chunks 0..n-1 in order, known kinds,
 // positive sizes, at most kMaxFds) and a header object. Does NOT interpret the header:
 // layout::parse_share_header does that. Errors name `source` and the field.
 //

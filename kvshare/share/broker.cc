@@ -31,8 +31,17 @@ bool replace_all(std::string& text, std::string_view from, const std::string& to
   return found;
 }
 
-// The fds must be exactly the layout's chunks: a decoder and its header cannot disagree.
+// The fds must be exactly the layout's chunks, and the stream one the memory has: a
+// decoder and its header cannot disagree.
 Result<void> check_entries(const ReceivedShare& share, std::string_view peer) {
+  for (const auto& cache : share.header.memory.kv_caches) {
+    if (share.stream >= cache.n_stream)
+      return fail(EINVAL, "handshake from {}: field \"stream\" is {}, the header's \"{}\" KV cache has n_stream {}",
+                  peer, share.stream, cache.role, cache.n_stream);
+  }
+  if (share.header.memory.kv_caches.empty() && share.stream != 0)
+    return fail(EINVAL, "handshake from {}: field \"stream\" is {}, the header's memory has no KV cache (one stream)",
+                peer, share.stream);
   const auto& chunks = share.header.layout.chunks;
   if (share.entries.size() != chunks.size())
     return fail(EINVAL, "handshake from {}: field \"fds\" has {} entries, the header's layout has {} chunks", peer,
@@ -125,6 +134,7 @@ Result<ReceivedShare> receive_share(handshake::Listener& listener, int timeout_m
   }
   ReceivedShare share;
   share.share_id = received->message.share_id;
+  share.stream = received->message.stream;
   share.peer = peer;
   share.entries = std::move(received->message.fds);
   share.fds = std::move(received->fds);
@@ -154,6 +164,7 @@ Result<ReceivedShare> check_share_message(handshake::Message message, std::vecto
     return fail(EINVAL, "handshake from {}: a refusal, not a share", what);
   ReceivedShare share;
   share.share_id = message.share_id;
+  share.stream = message.stream;
   share.peer = peer;
   share.entries = std::move(message.fds);
   share.fds = std::move(fds);

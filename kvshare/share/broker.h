@@ -28,6 +28,7 @@ namespace kvshare {
 
 struct ReceivedShare {
   uint64_t share_id = 0;
+  uint32_t stream = 0;                     // the KV stream handed over (checked: < n_stream)
   handshake::PeerCredentials peer;
   layout::ShareHeader header;              // parsed and validated
   bool header_was_known = false;           // its bytes were the last validated header's: not parsed again
@@ -44,8 +45,9 @@ Result<std::vector<std::string>> expand_provider_argv(const std::vector<std::str
                                                       const std::vector<handshake::FdEntry>& entries);
 
 // A share message and its fds as a decoder sent them, checked as ShareBroker::receive checks
-// them: the header parsed and validated (in full: no remembered header), the fds exactly the
-// layout's chunks (count, sizes, hashes, fd kind and size). A resident provider checks the
+// them: the header parsed and validated (in full: no remembered header), the stream one the
+// memory has (EINVAL naming field "stream" past n_stream), the fds exactly the layout's
+// chunks (count, sizes, hashes, fd kind and size). A resident provider checks the
 // region serve forwards to it so (kvshare/share/provider_channel.h). `what` names the
 // sender in errors ("kvshare-serve (pid 4121)": "handshake from kvshare-serve (pid 4121): ..."). Every fd is closed on a failure.
 Result<ReceivedShare> check_share_message(handshake::Message message, std::vector<Fd> fds,

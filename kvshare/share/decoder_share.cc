@@ -28,6 +28,30 @@ bool adoptable_memory_kind(layout::MemoryKind kind) {
          kind == layout::MemoryKind::recurrent || kind == layout::MemoryKind::hybrid;
 }
 
+uint32_t share_n_stream(const layout::MemoryShape& memory) {
+  return memory.kv_caches.empty() ? 1 : memory.kv_caches.front().n_stream;
+}
+
+Result<void> check_share_stream(const layout::ShareHeader& header, uint32_t stream) {
+  for (const auto& cache : header.memory.kv_caches) {
+    if (stream >= cache.n_stream)
+      return fail(EINVAL, "share of stream {}: the \"{}\" KV cache has n_stream {} (streams 0..{}; -np {}{})", stream,
+                  cache.role, cache.n_stream, cache.n_stream - 1, header.params.n_seq_max,
+                  header.params.kv_unified ? ", unified" : "");
+  }
+  if (header.memory.recurrent && header.memory.recurrent->rs_size > 1)
+    return fail(ENOTSUP, "share of stream {}: the shared route hands over a recurrent state only with one sequence "
+                "(-np 1), this decoder has rs_size {} (-np {}): llama.cpp assigns recurrent cells at decode time; the "
+                "file route serves this slot", stream, header.memory.recurrent->rs_size, header.params.n_seq_max);
+  if (!header.memory.kv_caches.empty() && header.memory.kv_caches.front().n_stream == 1 && header.params.n_seq_max > 1)
+    return fail(ENOTSUP, "share of stream {}: a unified KV cache (--kv-unified, or llama-server's -np auto) keeps "
+                "every slot's cells in one stream (-np {}, n_stream 1); the shared route needs one stream per slot: "
+                "run -np N without --kv-unified; the file route serves this slot", stream, header.params.n_seq_max);
+  if (stream >= share_n_stream(header.memory))
+    return fail(EINVAL, "share of stream {}: this memory has {} stream(s)", stream, share_n_stream(header.memory));
+  return {};
+}
+
 int http_status_for(const Error& error) {
   switch (error.errno_value()) {
     case ENOTSUP: return 501;
@@ -43,6 +67,7 @@ DecoderShare DecoderShare::start(layout::ShareHeader header, bool enabled, const
   DecoderShare share;
   share.flag_set_ = enabled;
   share.header_ = std::move(header);
+  share.streams_.resize(share_n_stream(share.header_.memory));
   if (!enabled) return share;
   auto regions = export_regions(share.header_.layout, options);
   if (!regions) {
@@ -65,7 +90,7 @@ DecoderShare::DecoderShare(DecoderShare&& other) noexcept
       export_failure_(std::move(other.export_failure_)),
       startup_warning_(std::move(other.startup_warning_)),
       latest_share_id_(other.latest_share_id_),
-      latest_adopted_(other.latest_adopted_) {}
+      streams_(std::move(other.streams_)) {}
 
 Result<TensorView> DecoderShare::view(std::string_view name) const {
   if (!can_share()) return fail(ENOTSUP, "{}", share_unavailable_reason(flag_set_, export_failure_));
@@ -82,14 +107,21 @@ uint64_t DecoderShare::latest_share_id() const {
   return latest_share_id_;
 }
 
-Result<uint64_t> DecoderShare::share(const std::string& socket_path, int timeout_ms) {
+uint64_t DecoderShare::latest_share_id(uint32_t stream) const {
+  std::lock_guard lock(mutex_);
+  return stream < streams_.size() ? streams_[stream].latest_share_id : 0;
+}
+
+Result<uint64_t> DecoderShare::share(const std::string& socket_path, uint32_t stream, int timeout_ms) {
+  // A slot that has no stream of its own is refused before anything is spent or sent.
+  if (auto checked = check_share_stream(header_, stream); !checked) return fail(checked.error());
   // Only the id under the lock: connect and send may each wait their timeout, and adopt
   // must not wait behind them. Everything else read below is fixed at start().
   uint64_t share_id = 0;
   {
     std::lock_guard lock(mutex_);
     share_id = ++latest_share_id_;
-    latest_adopted_ = false;
+    streams_[stream] = StreamShares{share_id, false};
   }
   if (!can_share()) {
     const std::string reason = share_unavailable_reason(flag_set_, export_failure_);
@@ -101,6 +133,7 @@ Result<uint64_t> DecoderShare::share(const std::string& socket_path, int timeout
   }
   handshake::Message message;
   message.share_id = share_id;
+  message.stream = stream;
   message.header_json = header_json_;
   std::vector<int> fds;
   for (const auto& region : regions_) {
@@ -116,22 +149,36 @@ Result<uint64_t> DecoderShare::share(const std::string& socket_path, int timeout
   return share_id;
 }
 
-Result<AdoptPlan> DecoderShare::adopt(uint64_t n_tokens, uint64_t share_id) {
+Result<AdoptPlan> DecoderShare::adopt(uint64_t n_tokens, uint64_t share_id, uint32_t stream) {
   std::lock_guard lock(mutex_);
   if (!can_share()) return fail(ENOTSUP, "{}", share_unavailable_reason(flag_set_, export_failure_));
-  if (latest_share_id_ == 0)
-    return fail(ESTALE, "adopt of share_id {}: no share has been made since this decoder started", share_id);
-  if (share_id != latest_share_id_)
-    return fail(ESTALE, "adopt of share_id {}: it is stale, the latest share is {}", share_id, latest_share_id_);
-  if (latest_adopted_) return fail(ESTALE, "adopt of share_id {}: it was already adopted", share_id);
+  if (stream >= streams_.size())
+    return fail(EINVAL, "adopt of share_id {} into stream {}: this decoder has {} stream(s)", share_id, stream,
+                streams_.size());
+  StreamShares& shares = streams_[stream];
+  if (share_id != shares.latest_share_id) {
+    // Only each stream's latest id is remembered: an older id of another stream reads as stale.
+    for (size_t other = 0; other < streams_.size(); ++other) {
+      if (other != stream && share_id != 0 && streams_[other].latest_share_id == share_id)
+        return fail(EINVAL, "adopt of share_id {} into stream {}: that share was made for stream {}", share_id,
+                    stream, other);
+    }
+  }
+  if (shares.latest_share_id == 0)
+    return fail(ESTALE, "adopt of share_id {}: no share has been made of stream {} since this decoder started",
+                share_id, stream);
+  if (share_id != shares.latest_share_id)
+    return fail(ESTALE, "adopt of share_id {}: it is stale, the latest share is {} (of stream {})", share_id,
+                shares.latest_share_id, stream);
+  if (shares.latest_adopted) return fail(ESTALE, "adopt of share_id {}: it was already adopted", share_id);
   if (n_tokens == 0) return fail(EINVAL, "adopt of share_id {}: 0 tokens, nothing to adopt", share_id);
   for (const auto& cache : header_.memory.kv_caches) {
     if (n_tokens > cache.kv_size)
       return fail(ERANGE, "adopt of share_id {}: {} tokens do not fit the \"{}\" KV cache of {} cells", share_id,
                   n_tokens, cache.role, cache.kv_size);
   }
-  latest_adopted_ = true;
-  return AdoptPlan{share_id, static_cast<uint32_t>(n_tokens)};
+  shares.latest_adopted = true;
+  return AdoptPlan{share_id, static_cast<uint32_t>(n_tokens), stream};
 }
 
 }  // namespace kvshare

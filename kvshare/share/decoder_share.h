@@ -3,8 +3,9 @@
 // the provider's work on adopt.
 //
 // Lifetime and writers: the decoder owns the regions for as long as its cache lives.
-// Between a successful share(id) and adopt(n, id), the provider may write cells 0..n-1 of
-// every cache tensor and the decoder must not touch them; after adopt the decoder owns
+// Between a successful share(id) of stream s and adopt(n, id, s), the provider may write
+// cells 0..n-1 of stream s of every cache tensor and the decoder must not touch them (the
+// other streams stay the decoder's: llama-server's other slots decode from them); after adopt the decoder owns
 // every byte again (a late provider write is a protocol violation the kernel cannot stop:
 // the broker waits for its provider to exit before the router calls adopt).
 #pragma once
@@ -26,12 +27,23 @@ namespace kvshare {
 inline constexpr int kShareTimeoutMs = 5000;
 
 // What the decoder applies to its cell metadata when adopt succeeds: cells 0..n_tokens-1
-// of stream 0 take positions 0..n_tokens-1 of sequence 0 (llama_kv_cells_adopt); no byte
-// of K or V moves.
+// of `stream` take positions 0..n_tokens-1 of that stream's sequence (llama_kv_cells_adopt;
+// with -np N and no --kv-unified, slot s decodes from stream s); no byte of K or V moves.
 struct AdoptPlan {
   uint64_t share_id = 0;
   uint32_t n_tokens = 0;
+  uint32_t stream = 0;
 };
+
+// The streams a share may name: n_stream of the KV caches (every cache of a memory has the
+// same), 1 for a memory without one (recurrent only).
+uint32_t share_n_stream(const layout::MemoryShape& memory);
+
+// Whether a share of `stream` can hand over a slot's cells of this memory: EINVAL for a
+// stream past n_stream (naming both); ENOTSUP for a recurrent part with rs_size > 1
+// (llama.cpp assigns recurrent cells at decode time) and for a unified cache with
+// n_seq_max > 1 (every slot's cells in one stream). Those two are for the file route.
+Result<void> check_share_stream(const layout::ShareHeader& header, uint32_t stream);
 
 // The line a decoder that cannot export logs once at start (the seed's share_degrade).
 // `flag_set`: ONEBIT_KV_SHARE was set; `backend_reason`: why no backend exported.
@@ -73,21 +85,31 @@ class DecoderShare {
   Result<TensorView> view(std::string_view name) const;
   Result<LayerDestination> layer(uint32_t cache_index, uint32_t il) const;
 
-  // Connects to the broker at `socket_path`, checks who listens there
+  // Hands stream `stream`'s cells (slot `stream` of llama-server -np N) to a provider:
+  // connects to the broker at `socket_path`, checks who listens there
   // (handshake::connect_checked_listener: our uid or root, in a 0700 directory of ours;
   // EPERM naming the path and the fault otherwise, before any fd is sent), sends the
-  // header and one fd per chunk, and returns the new share_id (every earlier id is stale
-  // from now on, even when this call fails). Blocks at most `timeout_ms`; does not wait
-  // for the broker to answer.
+  // header, the stream and one fd per chunk, and returns the new share_id. Ids increase
+  // across streams; every earlier id of the same stream is stale from now on, even when
+  // this call fails, and the other streams' ids stay adoptable. Blocks at most
+  // `timeout_ms`; does not wait for the broker to answer.
+  // Refused before connecting, spending no id (check_share_stream): EINVAL for a stream
+  // past n_stream, ENOTSUP for a memory whose slots do not have a stream each.
   // A decoder that cannot export sends the broker a refusal (best effort, so it need
   // not wait for its timeout) and fails with ENOTSUP naming both causes.
-  Result<uint64_t> share(const std::string& socket_path, int timeout_ms = kShareTimeoutMs);
+  // Mind the order: share(path, 2000) names stream 2000; a timeout goes third.
+  Result<uint64_t> share(const std::string& socket_path, uint32_t stream = 0, int timeout_ms = kShareTimeoutMs);
 
-  // Accepts the provider's cells: share_id must be the latest share and not yet adopted
-  // (ESTALE), n_tokens must be 1..kv_size of every KV cache (ERANGE / EINVAL).
-  Result<AdoptPlan> adopt(uint64_t n_tokens, uint64_t share_id);
+  // Accepts the provider's cells of `stream`: share_id must be that stream's latest share
+  // and not yet adopted (ESTALE); the latest share of another stream is EINVAL naming
+  // both streams; n_tokens must be 1..kv_size of every KV cache (ERANGE / EINVAL).
+  Result<AdoptPlan> adopt(uint64_t n_tokens, uint64_t share_id, uint32_t stream = 0);
 
+  // The latest share of any stream (0: none yet).
   uint64_t latest_share_id() const;
+  // The latest share of `stream` (0: none yet, or a stream past n_stream).
+  uint64_t latest_share_id(uint32_t stream) const;
+  uint32_t n_stream() const { return share_n_stream(header_.memory); }
 
  private:
   DecoderShare() = default;
@@ -98,9 +120,14 @@ class DecoderShare {
   bool flag_set_ = false;
   std::string export_failure_;
   std::string startup_warning_;
+  // What adopt needs of one stream's shares.
+  struct StreamShares {
+    uint64_t latest_share_id = 0;
+    bool latest_adopted = false;
+  };
   mutable std::mutex mutex_;   // share and adopt may come from different HTTP threads
-  uint64_t latest_share_id_ = 0;
-  bool latest_adopted_ = false;
+  uint64_t latest_share_id_ = 0;       // of any stream: ids increase across streams
+  std::vector<StreamShares> streams_;  // [n_stream]
 };
 
 }  // namespace kvshare

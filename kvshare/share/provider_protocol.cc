@@ -125,6 +125,7 @@ std::string encode_provider_request(const ProviderRequest& request) {
       if (request.route == PrefillRoute::shared) {
         json["region_id"] = request.region_id;
         json["share_id"] = request.share_id;
+        json["stream"] = request.stream;
         json["n_cached"] = request.n_cached;
       } else {
         json["state_file"] = request.state_file;
@@ -201,6 +202,12 @@ Result<ProviderRequest> parse_provider_request(std::string_view text, std::strin
         if (!region_id) return fail(region_id.error());
         auto share_id = id_field(read, "share_id");
         if (!share_id) return fail(share_id.error());
+        // Absent (a serve from before streams): stream 0, the only one it shared.
+        if (read.find("stream") != nullptr) {
+          auto stream = read.u32("stream");
+          if (!stream) return fail(stream.error());
+          request.stream = *stream;
+        }
         auto n_cached = read.u32("n_cached");
         if (!n_cached) return fail(n_cached.error());
         request.region_id = *region_id;

@@ -14,7 +14,7 @@
 //                                + the share's fds: the decoder's region, to map and keep until the next
 //                                region (or the channel closes)
 //   serve -> provider   prefill  {"kvshare_provider":1,"op":"prefill","route":"shared","region_id":G,
-//                                "share_id":S,"n_cached":P,"tokens":[..]}
+//                                "share_id":S,"stream":T,"n_cached":P,"tokens":[..]}
 //                             or {"kvshare_provider":1,"op":"prefill","route":"file","state_file":PATH,
 //                                "state_version":V,"kv":{"n_ctx":..,"type_k":..,"type_v":..,"flash_attn":..},
 //                                "tokens":[..]}
@@ -72,6 +72,9 @@ struct ProviderRequest {
   // prefill
   PrefillRoute route = PrefillRoute::shared;
   uint64_t share_id = 0;               // shared: the decoder's share the cells are written for
+  // shared: the KV stream (the decoder's slot) whose cells are written; always encoded,
+  // absent parses as 0. Checked against the region's n_stream by the provider, not here.
+  uint32_t stream = 0;
   uint32_t n_cached = 0;               // shared: cells 0..P-1 already hold ids 0..P-1 (docs/provider.md --cached)
   std::vector<int32_t> tokens;         // the handoff's ids (the prompt less its last token), at least 1
   std::string state_file;              // file: the absolute path to write (serve removes it after the restore)

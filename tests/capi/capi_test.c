@@ -1037,6 +1037,202 @@ static void share_requested_reads_set_and_non_empty(void) {
     unsetenv("ONEBIT_KV_SHARE");
 }
 
+/* KVSHARE_1.4: llama-server -np 3 without --kv-unified, one KV stream per slot. */
+static struct kvshare_kv_params three_slot_params(void) {
+    struct kvshare_kv_params params = small_params();
+    params.n_ctx = 768;
+    params.n_seq_max = 3;
+    params.kv_unified = 0;
+    return params;
+}
+
+/* Shares a decoder's stream to a fresh socket; the message (malloc'd) and its fds out. */
+static char *share_stream_to(struct kvshare_decoder *d, const char *name, uint32_t stream, uint64_t *share_id,
+                             int *fds, int *n_fds) {
+    char socket_path[4096];
+    int listener = listen_at(name, socket_path, sizeof socket_path);
+    char *message = NULL;
+    *n_fds = 0;
+    int rc = kvshare_decoder_share_stream(d, socket_path, stream, 2000, share_id);
+    CHECK_RC(rc, 0);
+    if (rc == 0) message = receive_share(listener, fds, 16, n_fds);
+    close(listener);
+    unlink(socket_path);
+    return message;
+}
+
+static void share_stream_stales_only_its_own_streams_shares(void) {
+    struct kvshare_kv_params params = three_slot_params();
+    struct kvshare_decoder *d = NULL;
+    CHECK_RC(kvshare_decoder_open(model_path("llama", 3), &params, &d), 0);
+    int fds[16], n_fds = 0;
+    uint64_t id = 0, s0 = 0, s1 = 0, s0_again = 0;
+    char socket_path[4096];
+    snprintf(socket_path, sizeof socket_path, "%s/capi-nobody.sock", work_dir);
+    /* Past n_stream: refused before connecting (nobody listens there), no id spent. */
+    CHECK_RC(kvshare_decoder_share_stream(d, socket_path, 3, 500, &id), -EINVAL);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "stream 3");
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "n_stream 3");
+
+    char *message = share_stream_to(d, "capi-s0.sock", 0, &s0, fds, &n_fds);
+    CHECK_CONTAINS(message, "\"stream\":0");
+    for (int i = 0; i < n_fds; ++i) close(fds[i]);
+    free(message);
+    message = share_stream_to(d, "capi-s1.sock", 1, &s1, fds, &n_fds);
+    CHECK_CONTAINS(message, "\"stream\":1");
+    for (int i = 0; i < n_fds; ++i) close(fds[i]);
+    free(message);
+    CHECK(s0 == 1 && s1 == 2); /* ids increase across streams */
+
+    /* Stream 1's share is not stream 0's to adopt, and the other way round. */
+    CHECK_RC(kvshare_decoder_adopt_stream(d, 4, s1, 0), -EINVAL);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "stream 1");
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "stream 0");
+    CHECK_RC(kvshare_decoder_adopt_stream(d, 4, s0, 1), -EINVAL);
+    CHECK_RC(kvshare_decoder_adopt_stream(d, 4, s0, 3), -EINVAL);
+    CHECK_RC(kvshare_decoder_adopt_stream(d, 4, s1, 1), 0);
+
+    /* A second share of stream 0 stales stream 0's first share only. */
+    message = share_stream_to(d, "capi-s0b.sock", 0, &s0_again, fds, &n_fds);
+    for (int i = 0; i < n_fds; ++i) close(fds[i]);
+    free(message);
+    CHECK_RC(kvshare_decoder_adopt(d, 4, s0), -ESTALE);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "stream 0");
+    CHECK_RC(kvshare_decoder_adopt(d, 4, s0_again), 0);
+    CHECK_RC(kvshare_decoder_adopt_stream(d, 4, s1, 1), -ESTALE);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "already adopted");
+    kvshare_decoder_close(d);
+
+    /* One stream for every slot (--kv-unified with -np 2): the file route's. */
+    params = small_params();
+    params.n_ctx = 512;
+    params.n_seq_max = 2;
+    params.kv_unified = 1;
+    CHECK_RC(kvshare_decoder_open(model_path("llama", 3), &params, &d), 0);
+    CHECK_RC(kvshare_decoder_share_stream(d, socket_path, 0, 500, &id), -ENOTSUP);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "unified");
+    CHECK_RC(kvshare_decoder_share(d, socket_path, 500, &id), -ENOTSUP);
+    kvshare_decoder_close(d);
+}
+
+/* The provider writes the stream its handle names: stream 1's cells change, streams 0 and
+ * 2 keep every byte, and a stream past n_stream is refused with nothing written. */
+static void provider_scatter_writes_only_its_stream(void) {
+    struct kvshare_kv_params params = three_slot_params();
+    struct kvshare_decoder *d = NULL;
+    const char *model = model_path("llama", 3);
+    CHECK_RC(kvshare_decoder_open(model, &params, &d), 0);
+    int fds[16], n_fds = 0;
+    uint64_t share_id = 0;
+    char *message = share_stream_to(d, "capi-pstream.sock", 1, &share_id, fds, &n_fds);
+    char layout_path[4096], fd_list[256] = "";
+    snprintf(layout_path, sizeof layout_path, "%s/capi-pstream.json", work_dir);
+    if (message != NULL) write_layout_file(message, layout_path);
+    free(message);
+    for (int i = 0; i < n_fds; ++i)
+        snprintf(fd_list + strlen(fd_list), sizeof fd_list - strlen(fd_list), "%s%d", i ? "," : "", fds[i]);
+    struct kvshare_provider *p = NULL;
+    CHECK_RC(kvshare_provider_open(layout_path, fd_list, model, &p), 0);
+    if (failures == 0) {
+        CHECK(kvshare_provider_n_stream(p) == 3);
+        CHECK(kvshare_provider_stream(p) == 0);
+        struct kvshare_tensor_info dk = {.struct_size = sizeof dk};
+        CHECK_RC(kvshare_decoder_tensor(d, "cache_k_l0", &dk), 0);
+        CHECK(dk.ne[2] == 3);
+        unsigned char *before = malloc(dk.nbytes);
+        memset(dk.data, 0x5a, dk.nbytes); /* the other slots' cells, as they decode */
+        memcpy(before, dk.data, dk.nbytes);
+
+        CHECK_RC(kvshare_provider_set_stream(p, 3), -EINVAL);
+        CHECK_CONTAINS(kvshare_provider_last_error(p), "stream 3");
+        CHECK_CONTAINS(kvshare_provider_last_error(p), "n_stream 3");
+        CHECK(kvshare_provider_stream(p) == 0);
+        CHECK(memcmp(before, dk.data, dk.nbytes) == 0);
+        CHECK_RC(kvshare_provider_set_stream(p, 1), 0);
+        CHECK(kvshare_provider_stream(p) == 1);
+        scatter_cells(p, 0, 4);
+
+        const size_t row = (size_t)dk.row_bytes, stream_bytes = row * (size_t)dk.ne[1];
+        const unsigned char *cells = dk.data;
+        CHECK(memcmp(before, cells, stream_bytes) == 0);                                    /* stream 0 */
+        CHECK(memcmp(before + 2 * stream_bytes, cells + 2 * stream_bytes, stream_bytes) == 0); /* stream 2 */
+        CHECK(memcmp(before + stream_bytes + 4 * row, cells + stream_bytes + 4 * row, stream_bytes - 4 * row) == 0);
+        const uint16_t *k1 = (const uint16_t *)(cells + stream_bytes);
+        CHECK(k1[0] == f16_bits(1.0f) && k1[3 * (size_t)dk.ne[0]] == f16_bits(4.0f));
+        free(before);
+    } else {
+        fprintf(stderr, "provider open: %s\n", kvshare_provider_last_error(p));
+    }
+    kvshare_provider_close(p);
+    CHECK(kvshare_provider_n_stream(NULL) == 1);
+    CHECK_RC(kvshare_decoder_adopt_stream(d, 4, share_id, 1), 0);
+    unlink(layout_path);
+    kvshare_decoder_close(d);
+}
+
+/* The resident loop sets the region's stream from each prefill message; a stream past
+ * n_stream is answered EINVAL before the engine sees it. */
+static void resident_prefill_names_the_stream_of_the_region(void) {
+    const char *model = model_path("llama", 3);
+    struct decoder_share s;
+    memset(&s, 0, sizeof s);
+    struct kvshare_kv_params params = three_slot_params();
+    CHECK_RC(kvshare_decoder_open(model, &params, &s.d), 0);
+    s.message = share_stream_to(s.d, "capi-rstream.sock", 2, &s.share_id, s.fds, &s.n_fds);
+    if (s.message == NULL) {
+        close_decoder_share(&s);
+        return;
+    }
+    int pair[2];
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) == 0);
+    const int serve = pair[0];
+    struct kvshare_resident *r = NULL;
+    CHECK_RC(kvshare_resident_from_fd(pair[1], model, &r), 0);
+    CHECK_RC(kvshare_resident_hello(r, KVSHARE_ROUTE_SHARED, 1), 0);
+    free(serve_receive(serve));
+    serve_send_region(serve, 1, &s);
+    struct kvshare_resident_request q = {.struct_size = sizeof q};
+    CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
+    struct kvshare_provider *region = q.region;
+    CHECK(q.kind == KVSHARE_REQUEST_REGION && region != NULL);
+    CHECK_RC(kvshare_resident_reply_ok(r, 1.0, 0), 0);
+    free(serve_receive(serve));
+
+    char json[512];
+    snprintf(json, sizeof json,
+             "{\"kvshare_provider\":1,\"op\":\"prefill\",\"route\":\"shared\",\"region_id\":1,\"share_id\":%llu,"
+             "\"stream\":3,\"n_cached\":0,\"tokens\":[11,12]}",
+             (unsigned long long)s.share_id);
+    serve_send(serve, json, NULL, 0);
+    snprintf(json, sizeof json,
+             "{\"kvshare_provider\":1,\"op\":\"prefill\",\"route\":\"shared\",\"region_id\":1,\"share_id\":%llu,"
+             "\"stream\":2,\"n_cached\":0,\"tokens\":[11,12]}",
+             (unsigned long long)s.share_id);
+    serve_send(serve, json, NULL, 0);
+    CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
+    CHECK(q.kind == KVSHARE_REQUEST_PREFILL_SHARED && q.stream == 2);
+    char *refused = serve_receive(serve);
+    CHECK_CONTAINS(refused, "\"ok\":false");
+    CHECK_CONTAINS(refused, "\"stream\\\" 3");
+    CHECK_CONTAINS(refused, "n_stream 3");
+    free(refused);
+    if (region != NULL) {
+        CHECK(kvshare_provider_stream(region) == 2);
+        scatter_cells(region, 0, 2);
+    }
+    CHECK_RC(kvshare_resident_reply_ok(r, 1.0, 2), 0);
+    free(serve_receive(serve));
+    struct kvshare_tensor_info dk = {.struct_size = sizeof dk};
+    CHECK_RC(kvshare_decoder_tensor(s.d, "cache_k_l0", &dk), 0);
+    const uint16_t *k = dk.data;
+    const size_t stream_elems = (size_t)dk.ne[0] * (size_t)dk.ne[1];
+    CHECK(k[2 * stream_elems] == f16_bits(1.0f) && k[0] == 0 && k[stream_elems] == 0);
+    CHECK_RC(kvshare_decoder_adopt_stream(s.d, 2, s.share_id, 2), 0);
+    close(serve);
+    kvshare_resident_close(r);
+    close_decoder_share(&s);
+}
+
 struct test {
     const char *name;
     void (*run)(void);
@@ -1059,6 +1255,9 @@ static const struct test tests[] = {
     {"ResidentHandsOutFilePrefillsWithTheirKvParams", resident_hands_out_file_prefills_with_their_kv_params},
     {"ResidentListenerSaysHelloToEachServe", resident_listener_says_hello_to_each_serve},
     {"ResidentRefusesMisuseByName", resident_refuses_misuse_by_name},
+    {"ShareStreamStalesOnlyItsOwnStreamsShares", share_stream_stales_only_its_own_streams_shares},
+    {"ProviderScatterWritesOnlyItsStream", provider_scatter_writes_only_its_stream},
+    {"ResidentPrefillNamesTheStreamOfTheRegion", resident_prefill_names_the_stream_of_the_region},
 };
 
 static void remove_work_dir(void) {

@@ -333,7 +333,7 @@ TEST_F(BrokerReceive, ReceivesAOneMebibyteHeaderSentBeforeReceiveIsCalled) {
   auto broker = ShareBroker::listen();
   ASSERT_TRUE(broker);
   // The route's order: share's HTTP answer first, receive after.
-  auto share_id = big.share(broker->socket_path(), 2000);
+  auto share_id = big.share(broker->socket_path(), 0, 2000);
   ASSERT_TRUE(share_id) << share_id.error().what();
   auto share = broker->receive(2000);
   ASSERT_TRUE(share) << share.error().what();
@@ -344,7 +344,7 @@ TEST_F(BrokerReceive, ReceivesAOneMebibyteHeaderSentBeforeReceiveIsCalled) {
 TEST_F(BrokerReceive, RefusesAReplayedShareId) {
   auto broker = ShareBroker::listen();
   ASSERT_TRUE(broker);
-  auto id = decoder.share.share(broker->socket_path(), 2000);
+  auto id = decoder.share.share(broker->socket_path(), 0, 2000);
   ASSERT_TRUE(id);
   ASSERT_TRUE(broker->receive(2000));
   ASSERT_TRUE(decoder.share.adopt(4, *id));
@@ -358,8 +358,8 @@ TEST_F(BrokerReceive, RefusesAdoptOfAShareThatAnotherSocketReceived) {
   auto first_broker = ShareBroker::listen();
   auto second_broker = ShareBroker::listen();
   ASSERT_TRUE(first_broker && second_broker);
-  auto first = decoder.share.share(first_broker->socket_path(), 2000);
-  auto second = decoder.share.share(second_broker->socket_path(), 2000);
+  auto first = decoder.share.share(first_broker->socket_path(), 0, 2000);
+  auto second = decoder.share.share(second_broker->socket_path(), 0, 2000);
   ASSERT_TRUE(first && second);
   ASSERT_TRUE(first_broker->receive(2000));
   ASSERT_TRUE(second_broker->receive(2000));

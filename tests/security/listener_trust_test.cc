@@ -44,7 +44,7 @@ TEST_F(ListenerTrust, SharesWithTheBrokersOwnSocket) {
   auto decoder = exporting_decoder();
   auto broker = ShareBroker::listen();
   ASSERT_TRUE(broker) << broker.error().what();
-  auto share_id = decoder.share(broker->socket_path(), 2000);
+  auto share_id = decoder.share(broker->socket_path(), 0, 2000);
   ASSERT_TRUE(share_id) << share_id.error().what();
   auto share = broker->receive(2000);
   ASSERT_TRUE(share) << share.error().what();
@@ -81,7 +81,7 @@ TEST_F(ListenerTrust, RefusesAListenerOfAnotherUidAndSendsItNoFd) {
   ASSERT_EQ(::rename(their_path.c_str(), our_path.c_str()), 0) << std::strerror(errno);
 
   auto decoder = exporting_decoder();
-  expect_refusal(decoder.share(our_path, 1000), EPERM, "runs as uid 65534");
+  expect_refusal(decoder.share(our_path, 0, 1000), EPERM, "runs as uid 65534");
   Arrivals seen;
   ASSERT_EQ(::read(report[0], &seen, sizeof seen), static_cast<ssize_t>(sizeof seen));
   EXPECT_EQ(wait_exit(child, 5000), 0);
@@ -100,7 +100,7 @@ TEST_F(ListenerTrust, RefusesAnAbstractNamespacePathAndNeverConnects) {
   const int listener = listen_at(address, static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + name.size()));
   ASSERT_GE(listener, 0) << std::strerror(errno);
   auto decoder = exporting_decoder();
-  expect_refusal(decoder.share(name, 1000), EPERM, "abstract namespace");
+  expect_refusal(decoder.share(name, 0, 1000), EPERM, "abstract namespace");
   const Arrivals seen = accept_and_drain(listener, 50);
   EXPECT_EQ(seen.connections, 0);
   EXPECT_EQ(seen.fds, 0);
@@ -109,7 +109,7 @@ TEST_F(ListenerTrust, RefusesAnAbstractNamespacePathAndNeverConnects) {
 
 TEST_F(ListenerTrust, ShowsTheNulOfAnAbstractPathInItsMessage) {
   auto decoder = exporting_decoder();
-  auto refused = decoder.share(std::string("\0evil", 5), 1000);
+  auto refused = decoder.share(std::string("\0evil", 5), 0, 1000);
   ASSERT_FALSE(refused);
   EXPECT_THAT(refused.error().message(), HasSubstr("\"\\0evil\""));
 }
@@ -121,7 +121,7 @@ TEST_F(ListenerTrust, RefusesASymlinkToTheBrokersSocket) {
   const std::string link = elsewhere / "share.sock";
   ASSERT_EQ(::symlink(broker->socket_path().c_str(), link.c_str()), 0);
   auto decoder = exporting_decoder();
-  expect_refusal(decoder.share(link, 1000), EPERM, "is a symbolic link");
+  expect_refusal(decoder.share(link, 0, 1000), EPERM, "is a symbolic link");
   auto nothing = broker->receive(100);
   ASSERT_FALSE(nothing);
   EXPECT_EQ(nothing.error().errno_value(), ETIMEDOUT);
@@ -135,7 +135,7 @@ TEST_F(ListenerTrust, RefusesASocketReachedThroughASymlinkedDirectory) {
   const std::string linked_dir = elsewhere / "dir";
   ASSERT_EQ(::symlink(broker->directory().c_str(), linked_dir.c_str()), 0);
   auto decoder = exporting_decoder();
-  expect_refusal(decoder.share(linked_dir + "/share.sock", 1000), EPERM, "is a symbolic link");
+  expect_refusal(decoder.share(linked_dir + "/share.sock", 0, 1000), EPERM, "is a symbolic link");
   auto nothing = broker->receive(100);
   ASSERT_FALSE(nothing);
   EXPECT_EQ(nothing.error().errno_value(), ETIMEDOUT);
@@ -146,7 +146,7 @@ TEST_F(ListenerTrust, RefusesAWorldWritableDirectory) {
   ASSERT_TRUE(broker);
   ASSERT_EQ(::chmod(broker->directory().c_str(), 01777), 0);
   auto decoder = exporting_decoder();
-  expect_refusal(decoder.share(broker->socket_path(), 1000), EPERM, "has mode 1777: group or others can reach");
+  expect_refusal(decoder.share(broker->socket_path(), 0, 1000), EPERM, "has mode 1777: group or others can reach");
   auto nothing = broker->receive(100);
   ASSERT_FALSE(nothing);
   EXPECT_THAT(nothing.error().message(), HasSubstr("nobody connected"));
@@ -157,7 +157,7 @@ TEST_F(ListenerTrust, RefusesADirectoryOnlyGroupReadable) {
   ASSERT_TRUE(broker);
   ASSERT_EQ(::chmod(broker->directory().c_str(), 0750), 0);
   auto decoder = exporting_decoder();
-  expect_refusal(decoder.share(broker->socket_path(), 1000), EPERM, "has mode 0750");
+  expect_refusal(decoder.share(broker->socket_path(), 0, 1000), EPERM, "has mode 0750");
 }
 
 TEST_F(ListenerTrust, RefusesADirectoryOwnedByAnotherUid) {
@@ -166,7 +166,7 @@ TEST_F(ListenerTrust, RefusesADirectoryOwnedByAnotherUid) {
   ASSERT_TRUE(broker);
   ASSERT_EQ(::chown(broker->directory().c_str(), kNobodyUid, kNobodyGid), 0);
   auto decoder = exporting_decoder();
-  expect_refusal(decoder.share(broker->socket_path(), 1000), EPERM, "is owned by uid 65534");
+  expect_refusal(decoder.share(broker->socket_path(), 0, 1000), EPERM, "is owned by uid 65534");
   auto nothing = broker->receive(100);
   ASSERT_FALSE(nothing);
   EXPECT_THAT(nothing.error().message(), HasSubstr("nobody connected"));
@@ -174,7 +174,7 @@ TEST_F(ListenerTrust, RefusesADirectoryOwnedByAnotherUid) {
 
 TEST_F(ListenerTrust, RefusesARelativePath) {
   auto decoder = exporting_decoder();
-  expect_refusal(decoder.share("share.sock", 1000), EPERM, "the path is relative");
+  expect_refusal(decoder.share("share.sock", 0, 1000), EPERM, "the path is relative");
 }
 
 TEST_F(ListenerTrust, RefusesAPathThatIsNotASocket) {
@@ -182,7 +182,7 @@ TEST_F(ListenerTrust, RefusesAPathThatIsNotASocket) {
   const std::string file = ours / "share.sock";
   kvshare::testing::write_file_bytes(file, {});
   auto decoder = exporting_decoder();
-  expect_refusal(decoder.share(file, 1000), ENOTSOCK, "is a regular file, not a socket");
+  expect_refusal(decoder.share(file, 0, 1000), ENOTSOCK, "is a regular file, not a socket");
 }
 
 TEST_F(ListenerTrust, ADecoderThatCannotExportSendsEvenItsRefusalOnlyToACheckedListener) {
@@ -190,7 +190,7 @@ TEST_F(ListenerTrust, ADecoderThatCannotExportSendsEvenItsRefusalOnlyToACheckedL
   ASSERT_TRUE(broker);
   ASSERT_EQ(::chmod(broker->directory().c_str(), 0777), 0);
   auto decoder = DecoderShare::start(kvshare::testing::small_share_header(), false, memfd_only());
-  expect_refusal(decoder.share(broker->socket_path(), 1000), ENOTSUP, "cannot share its KV cache");
+  expect_refusal(decoder.share(broker->socket_path(), 0, 1000), ENOTSUP, "cannot share its KV cache");
   auto nothing = broker->receive(100);
   ASSERT_FALSE(nothing);
   EXPECT_THAT(nothing.error().message(), HasSubstr("nobody connected"));
@@ -198,7 +198,7 @@ TEST_F(ListenerTrust, ADecoderThatCannotExportSendsEvenItsRefusalOnlyToACheckedL
 
 TEST_F(ListenerTrust, MapsARefusedListenerToHttp403) {
   auto decoder = exporting_decoder();
-  auto refused = decoder.share("relative.sock", 1000);
+  auto refused = decoder.share("relative.sock", 0, 1000);
   ASSERT_FALSE(refused);
   EXPECT_EQ(http_status_for(refused.error()), 403);
 }

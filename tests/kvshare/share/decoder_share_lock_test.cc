@@ -53,7 +53,7 @@ TEST(DecoderShare, AnswersWhileAShareWaitsForABrokerThatDoesNotAccept) {
   const int share_timeout_ms = static_cast<int>(std::chrono::milliseconds(testing::kLoadedDeadline).count());
   std::atomic<bool> share_returned{false};
   std::thread blocked([&] {
-    (void)decoder.share(path, share_timeout_ms);
+    (void)decoder.share(path, 0, share_timeout_ms);
     share_returned = true;
   });
   // Once the share has its id it is in (or about to enter) the connect that waits.

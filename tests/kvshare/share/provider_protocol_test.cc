@@ -29,6 +29,15 @@ std::string handshake_share_json() {
   return {json, bytes.size() - handshake::kLengthBytes};
 }
 
+// `text` as a sender writes it now: "stream":0 after `after` (a vector from before streams,
+// whose shares and shared prefills were all stream 0's).
+std::string with_stream_zero(std::string text, const std::string& after) {
+  const size_t at = text.find(after);
+  EXPECT_NE(at, std::string::npos) << after;
+  if (at != std::string::npos) text.insert(at + after.size(), "\"stream\":0,");
+  return text;
+}
+
 const std::vector<int32_t> kVectorTokens{1, 15043, 29892, 920, 526, 366};
 
 TEST(ProviderProtocol, DecodesTheHelloReplyVectorFieldByFieldAndReencodesItToTheSameBytes) {
@@ -64,15 +73,17 @@ TEST(ProviderProtocol, DecodesTheRegionRequestVectorFieldByFieldAndReencodesItTo
   ASSERT_EQ(header->layout.chunks.size(), 1u);
   EXPECT_EQ(header->layout.chunks[0].size_bytes, share.fds[0].size_bytes);
   EXPECT_EQ(header->layout.chunks[0].layout_hash, share.fds[0].layout_hash);
-  // The share is the handshake vector's JSON, spliced as it is.
-  EXPECT_EQ(handshake::encode_json(share), handshake_share_json());
-  EXPECT_EQ(encode_provider_request(*request), text);
+  EXPECT_EQ(share.stream, 0u);
+  // The share is the handshake vector's JSON, spliced as it is, with the "stream" a
+  // decoder now always writes.
+  EXPECT_EQ(handshake::encode_json(share), with_stream_zero(handshake_share_json(), "\"share_id\":1,"));
+  EXPECT_EQ(encode_provider_request(*request), with_stream_zero(text, "\"share_id\":1,"));
   // And from the decoded values, the header through layout::to_json as a decoder sends it.
   ProviderRequest again{.op = ProviderOp::region, .region_id = 1};
   again.share.share_id = 1;
   again.share.fds = share.fds;
   again.share.header_json = layout::to_json(*header, false);
-  EXPECT_EQ(encode_provider_request(again), text);
+  EXPECT_EQ(encode_provider_request(again), with_stream_zero(text, "\"share_id\":1,"));
 }
 
 TEST(ProviderProtocol, DecodesTheRegionReplyVectorFieldByFieldAndReencodesItToTheSameBytes) {
@@ -95,8 +106,32 @@ TEST(ProviderProtocol, DecodesTheSharedPrefillRequestVectorFieldByFieldAndReenco
   EXPECT_EQ(request->region_id, 1u);
   EXPECT_EQ(request->share_id, 2u);
   EXPECT_EQ(request->n_cached, 3u);
+  EXPECT_EQ(request->stream, 0u);  // from before streams: absent reads as 0
+  EXPECT_EQ(request->tokens, kVectorTokens);
+  EXPECT_EQ(encode_provider_request(*request), with_stream_zero(text, "\"share_id\":2,"));
+}
+
+TEST(ProviderProtocol, DecodesTheSharedPrefillOfStream2VectorAndReencodesItToTheSameBytes) {
+  const std::string text = vector_text("provider-prefill-shared-stream-request-v1.json");
+  auto request = parse_provider_request(text, "vector");
+  ASSERT_TRUE(request) << request.error().what();
+  EXPECT_EQ(request->route, PrefillRoute::shared);
+  EXPECT_EQ(request->region_id, 1u);
+  EXPECT_EQ(request->share_id, 2u);
+  EXPECT_EQ(request->stream, 2u);
+  EXPECT_EQ(request->n_cached, 3u);
   EXPECT_EQ(request->tokens, kVectorTokens);
   EXPECT_EQ(encode_provider_request(*request), text);
+}
+
+TEST(ProviderProtocol, RefusesAStreamThatIsNotAU32NamingIt) {
+  nlohmann::ordered_json json =
+      nlohmann::ordered_json::parse(vector_text("provider-prefill-shared-stream-request-v1.json"));
+  json["stream"] = -1;
+  auto refused = parse_provider_request(json.dump(), "serve");
+  ASSERT_FALSE(refused);
+  EXPECT_EQ(refused.error().errno_value(), EINVAL);
+  EXPECT_NE(refused.error().message().find("\"stream\""), std::string::npos) << refused.error().what();
 }
 
 TEST(ProviderProtocol, DecodesTheFilePrefillRequestVectorFieldByFieldAndReencodesItToTheSameBytes) {

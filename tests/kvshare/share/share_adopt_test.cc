@@ -46,7 +46,7 @@ TEST_F(ShareAdopt, DecoderReadsTheProvidersWritesThroughItsOwnMappingAfterAdopt)
 
   auto broker = ShareBroker::listen();                       // 1. listen
   ASSERT_TRUE(broker) << broker.error().what();
-  auto share_id = decoder.share(broker->socket_path(), 2000);  // 2. share
+  auto share_id = decoder.share(broker->socket_path(), 0, 2000);  // 2. share
   ASSERT_TRUE(share_id) << share_id.error().what();
   auto share = broker->receive(2000);                          // 3. fds
   ASSERT_TRUE(share) << share.error().what();
@@ -108,7 +108,7 @@ TEST_F(ShareAdopt, ParsesADecodersHeaderOnceAndKnowsItsBytesAfterwards) {
   for (int round = 0; round < 3; ++round) {
     auto broker = ShareBroker::listen();
     ASSERT_TRUE(broker) << broker.error().what();
-    ASSERT_TRUE(decoder.share(broker->socket_path(), 2000));
+    ASSERT_TRUE(decoder.share(broker->socket_path(), 0, 2000));
     auto share = broker->receive(2000);
     ASSERT_TRUE(share) << share.error().what();
     EXPECT_EQ(share->header_was_known, round > 0) << "round " << round;
@@ -120,7 +120,7 @@ TEST_F(ShareAdopt, ParsesADecodersHeaderOnceAndKnowsItsBytesAfterwards) {
   ASSERT_TRUE(other_decoder.can_share()) << other_decoder.startup_warning();
   auto broker = ShareBroker::listen();
   ASSERT_TRUE(broker) << broker.error().what();
-  ASSERT_TRUE(other_decoder.share(broker->socket_path(), 2000));
+  ASSERT_TRUE(other_decoder.share(broker->socket_path(), 0, 2000));
   auto share = broker->receive(2000);
   ASSERT_TRUE(share) << share.error().what();
   EXPECT_FALSE(share->header_was_known);
@@ -136,7 +136,7 @@ TEST_F(ShareAdopt, PassesOnlyTheToldDescriptorsToTheProvider) {
   auto decoder = DecoderShare::start(testing::small_share_header(), true, memfd_only());
   auto broker = ShareBroker::listen();
   ASSERT_TRUE(broker);
-  ASSERT_TRUE(decoder.share(broker->socket_path(), 2000));
+  ASSERT_TRUE(decoder.share(broker->socket_path(), 0, 2000));
   auto share = broker->receive(2000);
   ASSERT_TRUE(share) << share.error().what();
   auto run = broker->run_provider(*share, provider_argv(1), 20000);
@@ -153,7 +153,7 @@ TEST_F(ShareAdopt, CleansUpTheHeaderFileAndTheSocket) {
     ASSERT_TRUE(broker);
     directory = broker->directory();
     socket_path = broker->socket_path();
-    ASSERT_TRUE(decoder.share(socket_path, 2000));
+    ASSERT_TRUE(decoder.share(socket_path, 0, 2000));
     auto share = broker->receive(2000);
     ASSERT_TRUE(share) << share.error().what();
     auto run = broker->run_provider(*share, provider_argv(1), 20000);
@@ -171,7 +171,7 @@ TEST_F(ShareAdopt, ProviderRefusesAHeaderWithOtherKvTypesNamingTheField) {
   auto decoder = DecoderShare::start(testing::small_share_header(), true, memfd_only());
   auto broker = ShareBroker::listen();
   ASSERT_TRUE(broker);
-  ASSERT_TRUE(decoder.share(broker->socket_path(), 2000));
+  ASSERT_TRUE(decoder.share(broker->socket_path(), 0, 2000));
   auto share = broker->receive(2000);
   ASSERT_TRUE(share) << share.error().what();
   auto run = broker->run_provider(*share, provider_argv(1, "q8_0"), 20000);
@@ -183,7 +183,7 @@ TEST_F(ShareAdopt, ProviderRefusesAHeaderWithOtherKvTypesNamingTheField) {
 TEST_F(ShareAdopt, ShareFailsWhenNobodyListens) {
   testing::TempDir dir;
   auto decoder = DecoderShare::start(testing::small_share_header(), true, memfd_only());
-  auto share_id = decoder.share((dir / "share.sock").string(), 200);
+  auto share_id = decoder.share((dir / "share.sock").string(), 0, 200);
   ASSERT_FALSE(share_id);
   EXPECT_EQ(share_id.error().errno_value(), ENOENT);
   EXPECT_EQ(http_status_for(share_id.error()), 500);
@@ -193,8 +193,8 @@ TEST_F(ShareAdopt, RefusesAStaleShareId) {
   auto decoder = DecoderShare::start(testing::small_share_header(), true, memfd_only());
   auto broker = ShareBroker::listen();
   ASSERT_TRUE(broker);
-  auto first = decoder.share(broker->socket_path(), 2000);
-  auto second = decoder.share(broker->socket_path(), 2000);
+  auto first = decoder.share(broker->socket_path(), 0, 2000);
+  auto second = decoder.share(broker->socket_path(), 0, 2000);
   ASSERT_TRUE(first && second);
   EXPECT_GT(*second, *first);
   auto stale = decoder.adopt(3, *first);
@@ -213,7 +213,7 @@ TEST_F(ShareAdopt, RefusesMoreTokensThanTheCacheHolds) {
   auto decoder = DecoderShare::start(testing::small_share_header(256), true, memfd_only());
   auto broker = ShareBroker::listen();
   ASSERT_TRUE(broker);
-  auto id = decoder.share(broker->socket_path(), 2000);
+  auto id = decoder.share(broker->socket_path(), 0, 2000);
   ASSERT_TRUE(id);
   auto plan = decoder.adopt(257, *id);
   ASSERT_FALSE(plan);
@@ -231,13 +231,136 @@ TEST_F(ShareAdopt, RefusesAdoptBeforeAnyShare) {
   EXPECT_NE(plan.error().message().find("no share has been made"), std::string::npos);
 }
 
+// Issue #27: with one stream per slot, a share of one slot made every other slot's share
+// stale, so two slots could not hand over at once.
+TEST_F(ShareAdopt, AShareOfOneStreamStalesOnlyThatStreamsEarlierShares) {
+  auto decoder = DecoderShare::start(testing::three_stream_share_header(), true, memfd_only());
+  ASSERT_TRUE(decoder.can_share()) << decoder.startup_warning();
+  ASSERT_EQ(decoder.n_stream(), 3u);
+  auto broker = ShareBroker::listen();
+  ASSERT_TRUE(broker);
+  auto s0 = decoder.share(broker->socket_path(), 0, 2000);
+  auto s1 = decoder.share(broker->socket_path(), 1, 2000);
+  ASSERT_TRUE(s0 && s1);
+  EXPECT_GT(*s1, *s0);  // ids increase across streams
+  EXPECT_EQ(decoder.latest_share_id(), *s1);
+  EXPECT_EQ(decoder.latest_share_id(0), *s0);
+  auto plan0 = decoder.adopt(3, *s0, 0);
+  ASSERT_TRUE(plan0) << plan0.error().what();
+  EXPECT_EQ(plan0->stream, 0u);
+  auto plan1 = decoder.adopt(3, *s1, 1);
+  ASSERT_TRUE(plan1) << plan1.error().what();
+  EXPECT_EQ(plan1->stream, 1u);
+
+  auto s0_again = decoder.share(broker->socket_path(), 0, 2000);
+  auto s1_again = decoder.share(broker->socket_path(), 1, 2000);
+  auto s0_third = decoder.share(broker->socket_path(), 0, 2000);
+  ASSERT_TRUE(s0_again && s1_again && s0_third);
+  auto stale = decoder.adopt(3, *s0_again, 0);
+  ASSERT_FALSE(stale);
+  EXPECT_EQ(stale.error().errno_value(), ESTALE);
+  EXPECT_NE(stale.error().message().find("of stream 0"), std::string::npos) << stale.error().what();
+  EXPECT_TRUE(decoder.adopt(3, *s1_again, 1)) << "a share of stream 0 made stream 1's share stale";
+  EXPECT_TRUE(decoder.adopt(3, *s0_third, 0));
+}
+
+TEST_F(ShareAdopt, RefusesAdoptOfAnotherStreamsShareNamingBothStreams) {
+  auto decoder = DecoderShare::start(testing::three_stream_share_header(), true, memfd_only());
+  auto broker = ShareBroker::listen();
+  ASSERT_TRUE(broker);
+  auto s2 = decoder.share(broker->socket_path(), 2, 2000);
+  ASSERT_TRUE(s2) << s2.error().what();
+  auto wrong = decoder.adopt(3, *s2, 1);
+  ASSERT_FALSE(wrong);
+  EXPECT_EQ(wrong.error().errno_value(), EINVAL);
+  EXPECT_NE(wrong.error().message().find("into stream 1: that share was made for stream 2"), std::string::npos)
+      << wrong.error().what();
+  auto past = decoder.adopt(3, *s2, 3);
+  ASSERT_FALSE(past);
+  EXPECT_EQ(past.error().errno_value(), EINVAL);
+  EXPECT_TRUE(decoder.adopt(3, *s2, 2));  // the refusals left it adoptable
+}
+
+TEST_F(ShareAdopt, RefusesAStreamPastNStreamBeforeConnecting) {
+  testing::TempDir dir;
+  auto decoder = DecoderShare::start(testing::three_stream_share_header(), true, memfd_only());
+  auto id = decoder.share((dir / "nobody.sock").string(), 3, 100);  // nobody listens: refused first
+  ASSERT_FALSE(id);
+  EXPECT_EQ(id.error().errno_value(), EINVAL);
+  EXPECT_NE(id.error().message().find("share of stream 3: the \"kv\" KV cache has n_stream 3"), std::string::npos)
+      << id.error().what();
+  EXPECT_EQ(decoder.latest_share_id(), 0u);  // no id spent
+  auto single = DecoderShare::start(testing::small_share_header(), true, memfd_only());
+  auto one = single.share((dir / "nobody.sock").string(), 1, 100);
+  ASSERT_FALSE(one);
+  EXPECT_EQ(one.error().errno_value(), EINVAL);
+  EXPECT_NE(one.error().message().find("n_stream 1"), std::string::npos) << one.error().what();
+}
+
+TEST_F(ShareAdopt, RefusesAUnifiedCacheOfSeveralSlotsForTheFileRoute) {
+  testing::TempDir dir;
+  auto header = testing::small_share_header(512, layout::GgmlType::F16, 2, 2, true);
+  ASSERT_EQ(header.memory.kv_caches.front().n_stream, 1u);
+  auto decoder = DecoderShare::start(header, true, memfd_only());
+  auto id = decoder.share((dir / "nobody.sock").string(), 0, 100);
+  ASSERT_FALSE(id);
+  EXPECT_EQ(id.error().errno_value(), ENOTSUP);
+  EXPECT_EQ(http_status_for(id.error()), 501);
+  EXPECT_NE(id.error().message().find("a unified KV cache"), std::string::npos) << id.error().what();
+  EXPECT_NE(id.error().message().find("without --kv-unified"), std::string::npos) << id.error().what();
+  EXPECT_NE(id.error().message().find("the file route serves this slot"), std::string::npos);
+}
+
+TEST_F(ShareAdopt, RefusesARecurrentStateOfSeveralSequencesForTheFileRoute) {
+  testing::TempDir dir;
+  auto shape = layout::derive_model_shape(layout::testing::mkmodel_mamba2().metadata());
+  ASSERT_TRUE(shape) << shape.error().what();
+  layout::KvParams params;
+  params.n_ctx = 256;
+  params.n_seq_max = 2;
+  params.kv_unified = false;
+  auto header = layout::make_share_header({"mamba2", "streams", 2, 256, 0, 0x1}, *shape, params);
+  ASSERT_TRUE(header) << header.error().what();
+  ASSERT_TRUE(header->memory.recurrent);
+  ASSERT_EQ(header->memory.recurrent->rs_size, 2u);
+  auto decoder = DecoderShare::start(*header, true, memfd_only());
+  auto id = decoder.share((dir / "nobody.sock").string(), 0, 100);
+  ASSERT_FALSE(id);
+  EXPECT_EQ(id.error().errno_value(), ENOTSUP);
+  EXPECT_NE(id.error().message().find("recurrent state only with one sequence (-np 1)"), std::string::npos)
+      << id.error().what();
+  EXPECT_NE(id.error().message().find("rs_size 2"), std::string::npos);
+}
+
+TEST_F(ShareAdopt, TheBrokerReceivesTheStreamAndRefusesOnePastNStream) {
+  auto decoder = DecoderShare::start(testing::three_stream_share_header(), true, memfd_only());
+  auto broker = ShareBroker::listen();
+  ASSERT_TRUE(broker);
+  ASSERT_TRUE(decoder.share(broker->socket_path(), 2, 2000));
+  auto share = broker->receive(2000);
+  ASSERT_TRUE(share) << share.error().what();
+  EXPECT_EQ(share->stream, 2u);
+
+  // The same message with a stream the header has not, as a broken decoder would send it.
+  handshake::Message message;
+  message.share_id = 9;
+  message.stream = 3;
+  message.fds = share->entries;
+  message.header = nlohmann::ordered_json::parse(layout::to_json(share->header, false));
+  auto refused = check_share_message(std::move(message), std::move(share->fds), share->peer, "test decoder");
+  ASSERT_FALSE(refused);
+  EXPECT_EQ(refused.error().errno_value(), EINVAL);
+  EXPECT_NE(refused.error().message().find("field \"stream\" is 3, the header's \"kv\" KV cache has n_stream 3"),
+            std::string::npos) << refused.error().what();
+}
+
 TEST_F(ShareAdopt, ADecoderWithoutTheFlagRefusesNamingBothCausesAndTellsTheBroker) {
   auto decoder = DecoderShare::start(testing::small_share_header(), false, memfd_only());
   EXPECT_FALSE(decoder.can_share());
   EXPECT_TRUE(decoder.startup_warning().empty());  // nobody asked for sharing: nothing to warn about
   auto broker = ShareBroker::listen();
   ASSERT_TRUE(broker);
-  auto id = decoder.share(broker->socket_path(), 2000);
+  auto id = decoder.share(broker->socket_path(), 0, 2000);
   ASSERT_FALSE(id);
   EXPECT_EQ(id.error().errno_value(), ENOTSUP);
   EXPECT_EQ(http_status_for(id.error()), 501);
@@ -260,7 +383,7 @@ TEST_F(ShareAdopt, ADecoderWhoseBackendCannotExportWarnsOnceAndRefuses) {
   EXPECT_FALSE(decoder.can_share());
   EXPECT_NE(decoder.startup_warning().find("share_degrade: this decoder cannot export its KV memory"),
             std::string::npos) << decoder.startup_warning();
-  auto id = decoder.share((dir / "nobody.sock").string(), 100);
+  auto id = decoder.share((dir / "nobody.sock").string(), 0, 100);
   ASSERT_FALSE(id);
   EXPECT_EQ(id.error().errno_value(), ENOTSUP);
   EXPECT_NE(id.error().message().find("ONEBIT_KV_SHARE is set, and the KV backend cannot export"), std::string::npos)

@@ -12,7 +12,7 @@
 namespace kvshare::testing {
 
 inline layout::ShareHeader small_share_header(uint32_t n_ctx = 256, layout::GgmlType type_k = layout::GgmlType::F16,
-                                              uint32_t n_layer = 2) {
+                                              uint32_t n_layer = 2, uint32_t n_seq_max = 1, bool kv_unified = true) {
   using layout::GgufValue;
   layout::GgufMetadata metadata;
   metadata.set("general.architecture", GgufValue{std::string("llama")});
@@ -28,9 +28,16 @@ inline layout::ShareHeader small_share_header(uint32_t n_ctx = 256, layout::Ggml
   layout::KvParams params;
   params.n_ctx = n_ctx;
   params.type_k = type_k;
+  params.n_seq_max = n_seq_max;
+  params.kv_unified = kv_unified;
   auto header = layout::make_share_header(model, *shape, params);
   if (!header) std::abort();
   return *header;
+}
+
+// llama-server -np 3 without --kv-unified: three streams (slots) of 256 cells each.
+inline layout::ShareHeader three_stream_share_header() {
+  return small_share_header(768, layout::GgmlType::F16, 2, 3, false);
 }
 
 // The byte the child provider writes at (layer, K or V, row, column): distinct per tensor
