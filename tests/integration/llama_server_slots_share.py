@@ -16,6 +16,9 @@ as the broker of two sockets:
 - the shares and adopts while slot 0 keeps generating (a share or adopt of slot s waits only
   for slot s);
 - llama-kvshare-prefill --stream 3 of that three-stream share is a usage error (exit 2).
+The same with llama-kvshare-prefill --serve as a resident provider (this test plays
+kvshare-serve): one region, then a shared prefill per slot whose message names its stream;
+a stream past the region's is refused (EINVAL) and the provider serves on.
 With --kv-unified -np 2 every slot's cells are in one stream: a share of slot 1 is refused
 with 501 naming the unified cache, so a caller falls back to the file route.
 
@@ -274,6 +277,112 @@ def test_slots_1_and_2_handed_over_while_slot_0_generates():
                   "%s: slot %d after the handoff the candidates are %s, after its own prefill %s" %
                   (name, slot, top_logprobs(got), top_logprobs(own)))
             print("  slot %d: reply %r" % (slot, own["content"]), flush=True)
+
+
+class Resident:
+    """llama-kvshare-prefill --model M --serve PATH, and this test as its serve: the resident
+    protocol's frames (a u32 little-endian length, then the JSON; fds in SCM_RIGHTS)."""
+
+    def __init__(self, name):
+        directory = tempfile.mkdtemp(prefix="prov-", dir=WORK)
+        os.chmod(directory, 0o700)
+        path = os.path.join(directory, "provider.sock")
+        self.log_path = os.path.join(WORK, name + ".log")
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([PREFILL, "--model", model(), "--serve", path, "-t", "2"],
+                                         stdout=subprocess.DEVNULL, stderr=log)
+        wait_until(lambda: os.path.exists(path) or self.proc.poll() is not None, 60, "no socket at " + path)
+        check(self.proc.poll() is None, "the resident provider exited %s:\n%s" % (self.proc.returncode, self.log()))
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.sock.settimeout(120)
+        hello = self.receive()
+        check(hello is not None and hello.get("op") == "hello" and hello.get("ok"), "hello %s" % hello)
+
+    def log(self):
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-4000:]
+
+    def receive(self):
+        def exactly(n):
+            data = b""
+            while len(data) < n:
+                chunk = self.sock.recv(n - len(data))
+                if not chunk:
+                    return None
+                data += chunk
+            return data
+        head = exactly(4)
+        return None if head is None else json.loads(exactly(struct.unpack("<I", head)[0]))
+
+    def ask(self, body, fds=()):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        frame = struct.pack("<I", len(data)) + data
+        sent = socket.send_fds(self.sock, [frame], list(fds)) if fds else self.sock.send(frame)
+        self.sock.sendall(frame[sent:])
+        reply = self.receive()
+        check(reply is not None, "the resident provider closed the channel:\n%s" % self.log())
+        return reply
+
+    def stop(self):
+        self.sock.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def test_resident_provider_prefills_slots_1_and_2():
+    name = "qwen3-c768-np3-resident"
+    args = ["-m", model(), "-c", "768", "-np", "3", "-no-kvu", "--slot-save-path", WORK + "/"]
+    with LlamaServer(LLAMA, args + COMMON_ARGS, log_path=os.path.join(WORK, name + ".log"),
+                     env={"ONEBIT_KV_SHARE": "1"}) as server:
+        resident = Resident(name + "-provider")
+        try:
+            shared = {}
+            for slot in (2, 1):
+                reply, message, fds = share(server, slot, "%s-s%d" % (name, slot))
+                try:
+                    if slot == 2:
+                        # the region once (slot 2's share message spliced in); slot 1's share is of the same region
+                        body = b'{"kvshare_provider":1,"op":"region","region_id":1,"share":%s}' % \
+                            json.dumps(message).encode()
+                        answer = resident.ask(body, fds)
+                        check(answer.get("ok") and answer.get("op") == "region",
+                              "%s: region: %s\n%s" % (name, answer, resident.log()))
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+                shared[slot] = reply
+            # a stream the region has not: refused, nothing written, the provider serves on
+            bad = resident.ask({"kvshare_provider": 1, "op": "prefill", "route": "shared", "region_id": 1,
+                                "share_id": shared[1]["share_id"], "n_cached": 0, "tokens": PROMPTS[1],
+                                "stream": 3})
+            check(not bad.get("ok") and "stream" in json.dumps(bad), "%s: prefill of stream 3: %s" % (name, bad))
+            for slot in (2, 1):
+                done = resident.ask({"kvshare_provider": 1, "op": "prefill", "route": "shared", "region_id": 1,
+                                     "share_id": shared[slot]["share_id"], "n_cached": 0, "tokens": PROMPTS[slot],
+                                     "stream": slot})
+                check(done.get("ok") and done.get("n_prefilled") == len(PROMPTS[slot]),
+                      "%s: prefill of stream %d: %s\n%s" % (name, slot, done, resident.log()))
+        finally:
+            resident.stop()
+        for slot in (1, 2):
+            status, adopted = server.post("/slots/%d?action=adopt" % slot,
+                                          {"tokens": PROMPTS[slot], "share_id": shared[slot]["share_id"]})
+            check(status == 200, "%s: adopt in slot %d: %s %s" % (name, slot, status, adopted))
+        handed = {slot: completion(server, slot, PROMPTS[slot], True) for slot in (1, 2)}
+        for slot in (1, 2):
+            server.post("/slots/%d?action=erase" % slot, {})
+            own = completion(server, slot, PROMPTS[slot], False)
+            got = handed[slot]
+            check(got["timings"]["prompt_n"] == 1 and got["content"] == own["content"] and
+                  same_logprobs(top_logprobs(got), top_logprobs(own)),
+                  "%s: slot %d after the resident handoff %r (prompt_n %s), after its own prefill %r" %
+                  (name, slot, got["content"], got["timings"]["prompt_n"], own["content"]))
 
 
 def test_unified_cache_refuses_slot_1():
