@@ -272,7 +272,7 @@ def test_1_incremental_handoff_equals_a_whole_prompt_handoff_and_the_own_prefill
     run_turn1()
     reply, layout, fds = share(DECODER, ids, name="inc")
     check(reply["n_cached"] == expected, "share n_cached %s, the common prefix is %d" % (reply["n_cached"], expected))
-    check(list(reply) == ["id_slot", "share_id", "backend", "n_fds", "region_bytes", "n_cached", "timings"],
+    check(list(reply) == ["id_slot", "share_id", "stream", "backend", "n_fds", "region_bytes", "n_cached", "timings"],
           "share reply keys %s" % list(reply))
     code, out, err = provide(ids, layout, fds, cached=reply["n_cached"], name="inc-ids")
     check(code == 0, "incremental prefill exit %d:\n%s" % (code, err))

@@ -241,7 +241,7 @@ def test_the_real_server_refuses_what_kvshare_decoder_refuses():
         listener, sock_path = broker_socket("broker.sock")
         status, shared = decoder_post(port, "/slots/0?action=share", {"socket": sock_path})
         check(status == 200, "share: %s %s" % (status, shared))
-        check(list(shared) == ["id_slot", "share_id", "backend", "n_fds", "region_bytes", "n_cached", "timings"],
+        check(list(shared) == ["id_slot", "share_id", "stream", "backend", "n_fds", "region_bytes", "n_cached", "timings"],
               "share reply keys %s" % list(shared))
         receive_the_share(listener, shared["n_fds"])
         share_id = shared["share_id"]

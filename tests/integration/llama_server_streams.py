@@ -15,7 +15,10 @@ server started directly (ONEBIT_KV_SHARE=1, no kvshare-serve, which runs one slo
 - llama-kvshare-prefill (beside the server, or LLAMA_KVSHARE_PREFILL) places its context in
   those fds and prefills a prompt, the server adopts it, and a completion of that prompt
   on slot 0 evaluates its last token only and replies as the server does after its own
-  prefill of it.
+  prefill of it;
+- except with -kvu and several slots: every slot's cells are in one stream, which kvshare
+  (KVSHARE_1.4) does not hand over; share answers 501 naming the unified cache, and the
+  caller falls back to the file route.
 
 usage: llama_server_streams.py BIN_DIR
 """
@@ -134,6 +137,12 @@ def check_streams(arch, n_ctx, n_seq_max, unified, caches):
         status, shared = server.post("/slots/0?action=share", {"socket": sock_path})
         if status != 200:
             listener.close()
+        if unified and n_seq_max > 1:
+            message = shared.get("error", {}).get("message", "") if isinstance(shared, dict) else ""
+            check(status == 501 and "unified" in message, "%s: share of a unified cache of %d slots: %s %s" %
+                  (name, n_seq_max, status, shared))
+            print("  %s: exported, share refused (501): a unified cache of %d slots" % (name, n_seq_max), flush=True)
+            return
         check(status == 200, "%s: share: %s %s" % (name, status, shared))
         message, fds = receive_share(listener)
         try:
