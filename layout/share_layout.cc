@@ -73,4 +73,27 @@ const SharedTensor* ShareLayout::find(uint32_t cache_index, uint32_t il, TensorK
   return nullptr;
 }
 
+Result<void> narrow_to_stream(MemoryShape& memory, ShareLayout& layout, uint32_t stream) {
+  for (KvCacheShape& cache : memory.kv_caches)
+    if (stream >= cache.n_stream)
+      return fail(EINVAL, "stream {} is past the {} KV cache's {} streams", stream, cache.role, cache.n_stream);
+  auto narrow = [](CacheTensor& tensor, uint32_t n_stream) {
+    tensor.ne[2] = 1;
+    tensor.nbytes /= n_stream;
+  };
+  for (KvCacheShape& cache : memory.kv_caches) {
+    if (cache.n_stream == 1) continue;
+    for (CacheTensor& tensor : cache.tensors) narrow(tensor, cache.n_stream);
+  }
+  for (SharedTensor& placed : layout.tensors) {
+    if (placed.cache_index >= memory.kv_caches.size()) continue;  // recurrent: one stream of cells
+    KvCacheShape& cache = memory.kv_caches[placed.cache_index];
+    if (cache.n_stream == 1) continue;
+    narrow(placed.tensor, cache.n_stream);
+    placed.offset += uint64_t{stream} * placed.tensor.nbytes;
+  }
+  for (KvCacheShape& cache : memory.kv_caches) cache.n_stream = 1;
+  return {};
+}
+
 }  // namespace kvshare::layout

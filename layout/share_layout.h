@@ -47,6 +47,13 @@ struct ShareLayout {
 // Chunks and places every tensor of every cache object of `memory`.
 ShareLayout share_layout(const MemoryShape& memory);
 
+// Narrows `memory` and `layout` to stream `stream` of every multi-stream KV cache: each
+// such tensor becomes its [.., .., 1, 1] slice (a stream is contiguous in ggml's layout,
+// V transposed or not) at its offset plus stream * the slice's bytes. What a reader of one
+// sequence (the reference transformer) sees of a region with one stream per slot.
+// EINVAL when `stream` is past a cache's n_stream. Recurrent tensors are unchanged.
+Result<void> narrow_to_stream(MemoryShape& memory, ShareLayout& layout, uint32_t stream);
+
 // The per-chunk hash step: h = (h ^ v) * prime for v = type, ne[0..3] as 64-bit words.
 uint64_t layout_hash_step(uint64_t hash, const CacheTensor& tensor);
 

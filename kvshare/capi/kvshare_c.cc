@@ -783,6 +783,8 @@ int take_prefill_request(kvshare_resident& r, kvshare::ProviderCall& call, kvsha
     out->kv.type_k = static_cast<int32_t>(*type_k);
     out->kv.type_v = static_cast<int32_t>(*type_v);
     out->kv.flash_attn = q.kv.flash_attn;
+    out->kv.n_seq_max = q.kv.n_seq_max;
+    out->kv.kv_unified = q.kv.kv_unified;
     r.state_file = std::move(q.state_file);
     out->state_file = r.state_file.c_str();
     out->state_version = q.state_version;

@@ -107,6 +107,8 @@ ProviderKvParams provider_kv_params(const ServeConfig& config) {
   kv.type_k = config.cache_type_k;
   kv.type_v = config.cache_type_v;
   kv.flash_attn = config.flash_attn != "off";
+  kv.n_seq_max = static_cast<uint32_t>(config.parallel);
+  kv.kv_unified = decoder_kv_unified(config);
   return kv;
 }
 
@@ -312,6 +314,8 @@ StepResult shared_route(const HandoffContext& context, std::span<const int32_t> 
                                                        provider_timeout(config));
     std::vector<std::string> argv = shared_provider_command(config, ids_path.string());
     argv.insert(argv.end(), {"--layout", "{layout}", "--fds", "{fds}"});
+    // The slot's stream; stream 0 goes unsaid, so a provider from before streams serves -np 1.
+    if (share->stream > 0) argv.insert(argv.end(), {"--stream", std::to_string(share->stream)});
     if (cached > 0) argv.insert(argv.end(), {"--cached", std::to_string(cached)});
     return provider_run_from(broker->run_provider(*share, argv, static_cast<int>(provider_timeout(config).count())));
   };

@@ -191,6 +191,7 @@ ProviderRun ResidentProvider::prefill_shared(const ReceivedShare& share, std::sp
   request.op = ProviderOp::prefill;
   request.route = PrefillRoute::shared;
   request.share_id = share.share_id;
+  request.stream = share.stream;
   request.n_cached = n_cached;
   request.tokens.assign(ids.begin(), ids.end());
   return prefill(request, &share, timeout);

@@ -92,6 +92,18 @@ Result<ProviderKvParams> kv_field(const Reader& read) {
   params.type_k = std::move(*type_k);
   params.type_v = std::move(*type_v);
   params.flash_attn = *flash_attn;
+  if (fields.find("n_seq_max") != nullptr) {
+    auto n_seq_max = fields.u32("n_seq_max");
+    if (!n_seq_max) return fail(n_seq_max.error());
+    if (*n_seq_max == 0) return fail(EINVAL, "{}: \"n_seq_max\" is 0, expected the decoder's slots (>= 1)", source);
+    params.n_seq_max = *n_seq_max;
+    params.kv_unified = params.n_seq_max == 1;
+  }
+  if (fields.find("kv_unified") != nullptr) {
+    auto kv_unified = fields.boolean("kv_unified");
+    if (!kv_unified) return fail(kv_unified.error());
+    params.kv_unified = *kv_unified || params.n_seq_max == 1;
+  }
   return params;
 }
 
@@ -134,6 +146,10 @@ std::string encode_provider_request(const ProviderRequest& request) {
                           {"type_k", request.kv.type_k},
                           {"type_v", request.kv.type_v},
                           {"flash_attn", request.kv.flash_attn}};
+        if (request.kv.n_seq_max > 1) {
+          json["kv"]["n_seq_max"] = request.kv.n_seq_max;
+          json["kv"]["kv_unified"] = request.kv.kv_unified;
+        }
       }
       json["tokens"] = request.tokens;
       break;

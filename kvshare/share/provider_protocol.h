@@ -59,6 +59,10 @@ struct ProviderKvParams {
   std::string type_k = "f16";
   std::string type_v = "f16";
   bool flash_attn = true;
+  // The decoder's slots (-np) and -kvu: a state file carries one KV stream per stream of the
+  // cache it is restored into. Encoded only when n_seq_max > 1; absent parses as 1, unified.
+  uint32_t n_seq_max = 1;
+  bool kv_unified = true;
   friend bool operator==(const ProviderKvParams&, const ProviderKvParams&) = default;
 };
 

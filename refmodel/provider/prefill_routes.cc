@@ -28,6 +28,9 @@ Result<PrefillReport> extend_region(const ProviderModel& model, const RegionTarg
                                     const IdsSource& source) {
   const auto chunks = target.imported.chunk_bytes();
   KvMemory kv{target.header.memory, target.header.layout, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end())};
+  // The reference transformer holds one sequence: it reads and writes the slot's stream only.
+  if (auto narrowed = layout::narrow_to_stream(kv.memory, kv.layout, target.stream); !narrowed)
+    return fail(narrowed.error().with_context(fmt::format("shared route, {} {}", source.stream, target.stream)));
   auto ctx = Context::create(model.model, std::move(kv), n_threads);
   if (!ctx) return fail(ctx.error().with_context("shared route, the decoder's region"));
   const auto t0 = Clock::now();
@@ -132,11 +135,7 @@ Result<void> check_region_stream(const layout::ShareHeader& header, uint32_t str
   if (stream >= n_stream)
     return fail(EINVAL, "{} {}: the decoder's KV cache has n_stream {} (streams 0..{}; -np {}{})", source.stream,
                 stream, n_stream, n_stream - 1, header.params.n_seq_max, header.params.kv_unified ? ", unified" : "");
-  // TODO(#27): a single-stream view of the region for the incremental route.
-  if (n_cached > 0 && n_stream > 1)
-    return fail(ENOTSUP, "{} {} with {} {}: the incremental shared route reads the region through a context of one "
-                "stream, this cache has {}; prefill the whole prompt ({} 0)", source.cached, n_cached, source.stream,
-                stream, n_stream, source.cached);
+  (void)n_cached;  // the incremental route reads the stream's slice (extend_region)
   return {};
 }
 

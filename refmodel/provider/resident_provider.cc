@@ -184,6 +184,8 @@ Result<PrefillReport> ResidentProvider::prefill_file(const ProviderRequest& requ
   target.params.type_k = *type_k;
   target.params.type_v = *type_v;
   target.params.flash_attn = request.kv.flash_attn;
+  target.params.n_seq_max = request.kv.n_seq_max;
+  target.params.kv_unified = request.kv.kv_unified;
   target.state_version = version;
   return prefill_state_file(model_, target, request.tokens, n_threads_, kRequestSource, own_);
 }

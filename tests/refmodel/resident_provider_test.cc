@@ -404,6 +404,35 @@ TEST_F(ResidentSession, ExtendsCachedCellsAsThePerRequestCachedPrefill) {
   EXPECT_EQ(first_difference(resident.bytes(), per_request.bytes()), -1);
 }
 
+// A chat's next turn in slot 1 of a decoder with one stream per slot: the cached cells are
+// stream 1's, and the incremental prefill reads and writes that stream alone.
+TEST_F(ResidentSession, ExtendsCachedCellsOfItsOwnStreamOnly) {
+  layout::KvParams three = params_;
+  three.n_ctx = 3 * params_.n_ctx;
+  three.n_seq_max = 3;
+  three.kv_unified = false;
+  const layout::ShareHeader header3 = header_of(model_, three);
+  MemfdRegion slot1(header3, "slot1"), slot0(header3, "slot0");
+  const uint32_t p = static_cast<uint32_t>(prompt_.size()) / 2;
+  const std::vector<int32_t> head(prompt_.begin(), prompt_.begin() + p);
+  start();
+  for (auto [region_id, stream] : {std::pair<uint64_t, uint32_t>{1, 1}, {2, 0}}) {
+    send_region(region_id, region_id == 1 ? slot1 : slot0);  // the provider holds one region at a time
+    ProviderRequest first = shared_prefill(region_id, head);
+    first.stream = stream;
+    ASSERT_TRUE(call(first).ok);
+    ProviderRequest next = shared_prefill(region_id, prompt_, p);
+    next.stream = stream;
+    const ProviderReply reply = call(next);
+    ASSERT_TRUE(reply.ok) << reply.error;
+    EXPECT_EQ(reply.n_prefilled, prompt_.size() - p);
+  }
+  const std::vector<std::byte> moved = stream_bytes(slot0, 0);
+  ASSERT_FALSE(all_zero(moved));
+  EXPECT_EQ(first_difference(stream_bytes(slot1, 1), moved), -1);
+  for (uint32_t other : {0u, 2u}) EXPECT_TRUE(all_zero(stream_bytes(slot1, other))) << "stream " << other;
+}
+
 // The provider keeps its own cache and Context from one prompt to the next: what a longer
 // prompt left in them must not reach a shorter one's cells. The short prompt goes to a
 // fresh region, so every byte of it can be set against a fresh provider's.
