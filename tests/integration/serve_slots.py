@@ -165,6 +165,15 @@ def test_file_route_sixteen_clients():
     finish(sixteen_clients(False, TOOLS["kvshare-prefill"]))
 
 
+def test_file_route_llama_provider():
+    """llama-kvshare-prefill told --parallel 4: its state file carries the decoder's 4 streams."""
+    finish(sixteen_clients(False, LLAMA_PREFILL))
+
+
+def test_file_route_resident_llama_provider():
+    finish(sixteen_clients(False, LLAMA_PREFILL, ["--provider-resident"]))
+
+
 def test_shared_route_sixteen_clients():
     finish(sixteen_clients(True, TOOLS["kvshare-prefill"]))
 
