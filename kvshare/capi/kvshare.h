@@ -199,6 +199,27 @@ int kvshare_decoder_share_stream(struct kvshare_decoder *decoder, const char *so
 int kvshare_decoder_adopt_stream(struct kvshare_decoder *decoder, uint64_t n_tokens, uint64_t share_id,
                                  uint32_t stream);
 
+/*
+ * Since KVSHARE_1.4: a run of cells. A unified KV cache of several slots (--kv-unified,
+ * llama-server's -np auto) keeps every slot's cells in one stream, wherever llama.cpp puts
+ * them: the decoder reserves a contiguous run of free cells for the sequence and the share
+ * names it. The provider writes prompt position p into cell first_cell + p of `stream`,
+ * only for p < n_cells.
+ *
+ * kvshare_decoder_share_cells: as kvshare_decoder_share_stream, for cells
+ * first_cell..first_cell+n_cells-1 of `stream` (n_cells 0: to the end of the stream;
+ * first_cell 0 and n_cells 0: the whole stream, exactly kvshare_decoder_share_stream).
+ * Refused before connecting, spending no id: -EINVAL for a range past the kv_size of any
+ * KV cache (naming first_cell, n_cells and kv_size); -ENOTSUP for a unified cache of
+ * several slots without a range, for an iSWA memory's unified caches with one (the SWA
+ * cache's cells are placed independently) and for a recurrent state with rs_size > 1.
+ * kvshare_decoder_adopt_stream of such a share refuses more than n_cells tokens
+ * (-ERANGE naming both); on 0 the caller marks cells first_cell..first_cell+n_tokens-1
+ * as the sequence's positions 0..n_tokens-1.
+ */
+int kvshare_decoder_share_cells(struct kvshare_decoder *decoder, const char *socket_path, uint32_t stream,
+                                uint32_t first_cell, uint32_t n_cells, int timeout_ms, uint64_t *share_id);
+
 /* ------------------------------------------------------------------------------------
  * Provider side: the process that writes a prompt's K and V into the decoder's cache.
  *
@@ -282,6 +303,23 @@ int kvshare_provider_scatter(struct kvshare_provider *provider, uint32_t il, uin
 int kvshare_provider_set_stream(struct kvshare_provider *provider, uint32_t stream);
 uint32_t kvshare_provider_stream(const struct kvshare_provider *provider);
 uint32_t kvshare_provider_n_stream(const struct kvshare_provider *provider);
+
+/*
+ * Since KVSHARE_1.4. The cells kvshare_provider_scatter writes (the share's range): a
+ * scatter's positions pos0..pos0+n_tokens-1 must lie within [0, n_cells) and are written
+ * at cells first_cell+pos0.. of `stream` (-EINVAL past n_cells, nothing written). n_cells 0
+ * is to the end of the stream; first_cell 0 and n_cells 0 is no range (the whole stream:
+ * kvshare_provider_set_stream(p, s) is kvshare_provider_set_cells(p, s, 0, 0)).
+ * -EINVAL (nothing changes) for stream >= n_stream or cells past the stream's kv_size (of
+ * any KV cache). A resident provider's PREFILL_SHARED sets them on the region it hands out
+ * from serve's message ("first_cell", "n_cells"), as it sets the stream.
+ * kvshare_provider_first_cell: where position 0 goes (0 when none was set).
+ * kvshare_provider_n_cells: the positions scatter may write (kv_size when no range).
+ */
+int kvshare_provider_set_cells(struct kvshare_provider *provider, uint32_t stream, uint32_t first_cell,
+                               uint32_t n_cells);
+uint32_t kvshare_provider_first_cell(const struct kvshare_provider *provider);
+uint32_t kvshare_provider_n_cells(const struct kvshare_provider *provider);
 
 /*
  * Since KVSHARE_1.1. Imports every chunk of the share into the first AMD XDNA NPU under
@@ -426,7 +464,8 @@ struct kvshare_resident_request {
     const char *state_file;          /* PREFILL_FILE: the absolute path to write; else NULL */
     uint32_t state_version;          /* PREFILL_FILE: the decoder's LLAMA_STATE_SEQ_VERSION, 0 = the provider's latest */
     /* Since KVSHARE_1.4 (before: reserved, 0). PREFILL_SHARED: the KV stream (the
-     * decoder's slot) to write; the region's kvshare_provider_stream is set to it. */
+     * decoder's slot) to write; the region's kvshare_provider_stream is set to it, and its
+     * cells to the message's range (kvshare_resident_cells). */
     uint32_t stream;
     /* REGION: the header's KV params (the decoder's: what the engine must run with).
      * PREFILL_FILE: serve's n_ctx, type_k, type_v and flash_attn; the rest llama-server's
@@ -505,6 +544,16 @@ int kvshare_resident_hello(struct kvshare_resident *resident, int routes_mask, i
  * (a message that does not parse), -EPIPE / -ECONNRESET, each naming serve's pid.
  */
 int kvshare_resident_next(struct kvshare_resident *resident, int timeout_ms, struct kvshare_resident_request *out);
+
+/*
+ * Since KVSHARE_1.4. The range of the PREFILL_SHARED request handed out and not yet
+ * answered: *first_cell and *n_cells as serve's message named them (0, 0: no range, the
+ * whole stream; either pointer may be NULL). The region held already has them set
+ * (kvshare_provider_set_cells), so an engine that scatters through it needs no change;
+ * an engine that took the region sets them itself. 0, or -EINVAL for a NULL handle.
+ * (kvshare_resident_request has no room for them: its layout is that of KVSHARE_1.3.)
+ */
+int kvshare_resident_cells(const struct kvshare_resident *resident, uint32_t *first_cell, uint32_t *n_cells);
 
 /*
  * Since KVSHARE_1.3. The REGION request's provider, now the caller's to close with

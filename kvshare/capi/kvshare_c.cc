@@ -165,7 +165,9 @@ struct kvshare_provider {
   std::optional<kvshare::xdna::NpuShare> npu;  // after kvshare_provider_import_npu
   uint32_t n_embd_head_k = 0;  // every layer's head size when all agree, for scatter's rotation
   uint32_t n_embd_head_v = 0;
-  uint32_t stream = 0;    // the KV stream scatter writes (< n_stream, kvshare_provider_set_stream)
+  uint32_t stream = 0;    // the KV stream scatter writes (< n_stream, kvshare_provider_set_cells)
+  uint32_t first_cell = 0;  // where scatter's position 0 goes (kvshare_provider_set_cells)
+  uint32_t n_cells = 0;     // positions scatter may write, 0 with first_cell 0: no range (kv_size)
   std::string last_error;
 };
 
@@ -351,6 +353,11 @@ int kvshare_decoder_share(kvshare_decoder* decoder, const char* socket_path, int
 
 int kvshare_decoder_share_stream(kvshare_decoder* decoder, const char* socket_path, uint32_t stream, int timeout_ms,
                                  uint64_t* share_id) {
+  return kvshare_decoder_share_cells(decoder, socket_path, stream, 0, 0, timeout_ms, share_id);
+}
+
+int kvshare_decoder_share_cells(kvshare_decoder* decoder, const char* socket_path, uint32_t stream,
+                                uint32_t first_cell, uint32_t n_cells, int timeout_ms, uint64_t* share_id) {
   if (decoder == nullptr) return -EINVAL;
   kvshare_decoder& d = *decoder;
   return guarded(d.last_error, "kvshare_decoder_share", [&] {
@@ -362,7 +369,8 @@ int kvshare_decoder_share_stream(kvshare_decoder* decoder, const char* socket_pa
       d.last_error = kvshare_decoder_refusal(&d);
       return -ENOTSUP;
     }
-    auto id = d.share->share(socket_path, stream, timeout_ms > 0 ? timeout_ms : kvshare::kShareTimeoutMs);
+    auto id = d.share->share(socket_path, kvshare::ShareCells{stream, first_cell, n_cells},
+                             timeout_ms > 0 ? timeout_ms : kvshare::kShareTimeoutMs);
     if (!id) {
       d.last_error = id.error().what();
       return negative_errno(id.error());
@@ -509,11 +517,17 @@ int kvshare_provider_scatter(kvshare_provider* provider, uint32_t il, uint32_t p
       p.last_error = fmt::format("scatter of layer {}: source type {} is not a ggml type id", il, src_type);
       return -EINVAL;
     }
+    if (p.n_cells > 0 && uint64_t{pos0} + n_tokens > p.n_cells) {
+      p.last_error = fmt::format("scatter of layer {}: positions {}..{} pass the share's n_cells {} (cells {}..{} of "
+                                 "stream {}); nothing was written", il, pos0, uint64_t{pos0} + n_tokens - 1,
+                                 p.n_cells, p.first_cell, uint64_t{p.first_cell} + p.n_cells - 1, p.stream);
+      return -EINVAL;
+    }
     const bool heads_agree = p.n_embd_head_k != UINT32_MAX && p.n_embd_head_v != UINT32_MAX;
     const kvshare::xdna::ScatterTarget target = provider_target(p);
     kvshare::xdna::ScatterBatch batch;
     batch.layers.push_back({il, rows, n_embd_k_gqa, n_embd_v_gqa});
-    batch.pos0 = pos0;
+    batch.pos0 = p.first_cell + pos0;  // the range's cells: position p at cell first_cell + p
     batch.n_tokens = n_tokens;
     batch.stream = p.stream;
     batch.src_type = static_cast<layout::GgmlType>(src_type);
@@ -536,6 +550,10 @@ uint32_t kvshare_provider_n_stream(const kvshare_provider* provider) {
 uint32_t kvshare_provider_stream(const kvshare_provider* provider) { return provider == nullptr ? 0 : provider->stream; }
 
 int kvshare_provider_set_stream(kvshare_provider* provider, uint32_t stream) {
+  return kvshare_provider_set_cells(provider, stream, 0, 0);
+}
+
+int kvshare_provider_set_cells(kvshare_provider* provider, uint32_t stream, uint32_t first_cell, uint32_t n_cells) {
   if (provider == nullptr) return -EINVAL;
   kvshare_provider& p = *provider;
   if (!p.share) return provider_not_open(&p);
@@ -545,8 +563,36 @@ int kvshare_provider_set_stream(kvshare_provider* provider, uint32_t stream) {
                                n_stream, n_stream - 1);
     return -EINVAL;
   }
+  const kvshare::ShareCells cells =
+      kvshare::resolve_share_cells(p.share->header().memory, kvshare::ShareCells{stream, first_cell, n_cells});
+  if (cells.names_range()) {
+    const auto& caches = p.share->header().memory.kv_caches;
+    if (caches.empty()) {
+      p.last_error = fmt::format("provider: cells first_cell {} n_cells {} but the memory has no KV cache",
+                                 first_cell, n_cells);
+      return -EINVAL;
+    }
+    for (const auto& cache : caches) {
+      if (cells.n_cells == 0 || uint64_t{cells.first_cell} + cells.n_cells > cache.kv_size) {
+        p.last_error = fmt::format("provider: cells first_cell {} n_cells {} pass the \"{}\" KV cache's kv_size {}",
+                                   first_cell, n_cells, cache.role, cache.kv_size);
+        return -EINVAL;
+      }
+    }
+  }
   p.stream = stream;
+  p.first_cell = cells.first_cell;
+  p.n_cells = cells.n_cells;
   return 0;
+}
+
+uint32_t kvshare_provider_first_cell(const kvshare_provider* provider) {
+  return provider == nullptr ? 0 : provider->first_cell;
+}
+
+uint32_t kvshare_provider_n_cells(const kvshare_provider* provider) {
+  if (provider == nullptr || !provider->share) return 0;
+  return provider->n_cells > 0 ? provider->n_cells : kvshare_provider_kv_size(provider);
 }
 
 int kvshare_provider_import_npu(kvshare_provider* provider, const char* accel_dir) {
@@ -663,6 +709,9 @@ struct kvshare_resident {
   kvshare_provider* region = nullptr;    // the latest REGION's, until taken, replaced or ended
   uint64_t held_region_id = 0;           // the REGION last answered ok (0: none)
   uint32_t held_n_stream = 1;            // that region's streams (kvshare_provider_n_stream)
+  uint32_t held_kv_size = 0;             // the smallest KV cache's kv_size of that region
+  uint32_t first_cell = 0;               // the pending PREFILL_SHARED's range (kvshare_resident_cells)
+  uint32_t n_cells = 0;
   std::vector<int32_t> tokens;           // the pending PREFILL's
   std::string state_file;
   std::string last_error;
@@ -746,6 +795,9 @@ int take_region_request(kvshare_resident& r, kvshare::ProviderCall& call, kvshar
   r.region = p.release();
   r.pending_region_id = region_id;
   r.held_n_stream = kvshare_provider_n_stream(r.region);
+  r.held_kv_size = 0;
+  for (const auto& cache : r.region->share->header().memory.kv_caches)
+    r.held_kv_size = r.held_kv_size == 0 ? cache.kv_size : std::min(r.held_kv_size, cache.kv_size);
   out->kind = KVSHARE_REQUEST_REGION;
   out->region_id = region_id;
   out->region = r.region;
@@ -792,9 +844,23 @@ int take_prefill_request(kvshare_resident& r, kvshare::ProviderCall& call, kvsha
   if (shared && q.stream >= r.held_n_stream)
     return refuse(EINVAL, fmt::format("\"stream\" {}: region {}'s KV cache has n_stream {}; nothing was written",
                                       q.stream, q.region_id, r.held_n_stream));
-  // The engine scatters through the region it was handed: it then writes the stream serve
-  // named, unchanged. A region the engine took is its own to set (out->stream).
-  if (shared && r.region != nullptr) (void)kvshare_provider_set_stream(r.region, q.stream);
+  if (shared && (q.n_cells > 0 || q.first_cell > 0) &&
+      (q.n_cells == 0 || uint64_t{q.first_cell} + q.n_cells > r.held_kv_size))
+    return refuse(EINVAL, fmt::format("\"first_cell\" {} \"n_cells\" {}: region {}'s KV cache has kv_size {}; "
+                                      "nothing was written", q.first_cell, q.n_cells, q.region_id, r.held_kv_size));
+  if (shared && q.n_cells > 0 && q.tokens.size() > q.n_cells)
+    return refuse(ERANGE, fmt::format("{} tokens do not fit \"n_cells\" {}; nothing was written", q.tokens.size(),
+                                      q.n_cells));
+  // The engine scatters through the region it was handed: it then writes the stream and
+  // cells serve named, unchanged. A region the engine took is its own to set (out->stream,
+  // kvshare_resident_cells).
+  if (shared && r.region != nullptr) {
+    if (kvshare_provider_set_cells(r.region, q.stream, q.first_cell, q.n_cells) != 0)
+      return refuse(EINVAL, fmt::format("\"first_cell\" {} \"n_cells\" {}: {}; nothing was written", q.first_cell,
+                                        q.n_cells, kvshare_provider_last_error(r.region)));
+  }
+  r.first_cell = shared ? q.first_cell : 0;
+  r.n_cells = shared ? q.n_cells : 0;
   r.tokens = std::move(q.tokens);
   out->stream = shared ? q.stream : 0;
   out->kind = shared ? KVSHARE_REQUEST_PREFILL_SHARED : KVSHARE_REQUEST_PREFILL_FILE;
@@ -900,6 +966,8 @@ int kvshare_resident_next(kvshare_resident* resident, int timeout_ms, kvshare_re
     std::memset(out, 0, sizeof(kvshare_resident_request));
     out->struct_size = struct_size;
     r.tokens.clear();
+    r.first_cell = 0;
+    r.n_cells = 0;
     r.state_file.clear();
     for (;;) {
       if (r.end_due || (!r.channel && !r.listener)) {
@@ -936,6 +1004,13 @@ int kvshare_resident_next(kvshare_resident* resident, int timeout_ms, kvshare_re
       return 0;
     }
   });
+}
+
+int kvshare_resident_cells(const kvshare_resident* resident, uint32_t* first_cell, uint32_t* n_cells) {
+  if (resident == nullptr) return -EINVAL;
+  if (first_cell != nullptr) *first_cell = resident->pending ? resident->first_cell : 0;
+  if (n_cells != nullptr) *n_cells = resident->pending ? resident->n_cells : 0;
+  return 0;
 }
 
 kvshare_provider* kvshare_resident_take_region(kvshare_resident* resident) {

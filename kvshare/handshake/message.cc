@@ -138,6 +138,14 @@ Result<Message> parse_object(Json& json, std::string_view source, bool header_is
     if (!stream) return fail(stream.error());
     message.stream = static_cast<uint32_t>(*stream);
   }
+  // Absent: the whole stream (a decoder from before ranges, or a share that names none).
+  for (auto [key, value] : {std::pair<const char*, uint32_t*>{"first_cell", &message.first_cell},
+                            std::pair<const char*, uint32_t*>{"n_cells", &message.n_cells}}) {
+    if (!json.contains(key)) continue;
+    auto number = unsigned_field(json, source, "", key, UINT32_MAX);
+    if (!number) return fail(number.error());
+    *value = static_cast<uint32_t>(*number);
+  }
   auto fds = field(json, source, "", "fds");
   if (!fds) return fail(fds.error());
   if (!(*fds)->is_array() || (*fds)->empty() || (*fds)->size() > kMaxFds)
@@ -179,6 +187,10 @@ std::string encode_json(const Message& message) {
     return dump(json);
   }
   json["stream"] = message.stream;
+  if (message.n_cells > 0 || message.first_cell > 0) {
+    json["first_cell"] = message.first_cell;
+    json["n_cells"] = message.n_cells;
+  }
   Json fds = Json::array();
   for (const auto& fd : message.fds) {
     Json entry;

@@ -46,6 +46,12 @@ struct Message {
   // The KV stream whose cells the share hands over (slot s of llama-server -np N without
   // --kv-unified). Always written; a message without it (an older decoder) reads as 0.
   uint32_t stream = 0;
+  // The run of cells of `stream` the share hands over (a unified cache of several slots:
+  // the cells the decoder reserved for the sequence): prompt position p goes into cell
+  // first_cell + p, for p < n_cells. Written only when n_cells > 0; absent reads as 0,
+  // 0: no range, the whole stream. Checked against the header by check_share_message.
+  uint32_t first_cell = 0;
+  uint32_t n_cells = 0;
   std::vector<FdEntry> fds;   // exactly the SCM_RIGHTS fds, same order
   // The layout header (docs/layout.md). A sender sets `header_json` to its compact text
   // (layout::to_json), spliced into the message verbatim: a decoder serializes its header

@@ -42,6 +42,20 @@ Result<void> check_entries(const ReceivedShare& share, std::string_view peer) {
   if (share.header.memory.kv_caches.empty() && share.stream != 0)
     return fail(EINVAL, "handshake from {}: field \"stream\" is {}, the header's memory has no KV cache (one stream)",
                 peer, share.stream);
+  if (share.n_cells == 0 && share.first_cell > 0)
+    return fail(EINVAL, "handshake from {}: field \"n_cells\" is 0 with field \"first_cell\" {}: a range names "
+                "its cells", peer, share.first_cell);
+  if (share.n_cells > 0 && share.header.memory.kv_caches.empty())
+    return fail(EINVAL, "handshake from {}: field \"n_cells\" is {}, the header's memory has no KV cache", peer,
+                share.n_cells);
+  for (const auto& cache : share.header.memory.kv_caches) {
+    if (share.first_cell >= cache.kv_size && share.n_cells > 0)
+      return fail(EINVAL, "handshake from {}: field \"first_cell\" is {}, past the header's \"{}\" KV cache's "
+                  "kv_size {}", peer, share.first_cell, cache.role, cache.kv_size);
+    if (uint64_t{share.first_cell} + share.n_cells > cache.kv_size)
+      return fail(EINVAL, "handshake from {}: field \"n_cells\" is {} from first_cell {}, past the header's \"{}\" "
+                  "KV cache's kv_size {}", peer, share.n_cells, share.first_cell, cache.role, cache.kv_size);
+  }
   const auto& chunks = share.header.layout.chunks;
   if (share.entries.size() != chunks.size())
     return fail(EINVAL, "handshake from {}: field \"fds\" has {} entries, the header's layout has {} chunks", peer,
@@ -135,6 +149,8 @@ Result<ReceivedShare> receive_share(handshake::Listener& listener, int timeout_m
   ReceivedShare share;
   share.share_id = received->message.share_id;
   share.stream = received->message.stream;
+  share.first_cell = received->message.first_cell;
+  share.n_cells = received->message.n_cells;
   share.peer = peer;
   share.entries = std::move(received->message.fds);
   share.fds = std::move(received->fds);
@@ -165,6 +181,8 @@ Result<ReceivedShare> check_share_message(handshake::Message message, std::vecto
   ReceivedShare share;
   share.share_id = message.share_id;
   share.stream = message.stream;
+  share.first_cell = message.first_cell;
+  share.n_cells = message.n_cells;
   share.peer = peer;
   share.entries = std::move(message.fds);
   share.fds = std::move(fds);

@@ -29,6 +29,11 @@ namespace kvshare {
 struct ReceivedShare {
   uint64_t share_id = 0;
   uint32_t stream = 0;                     // the KV stream handed over (checked: < n_stream)
+  // The cells of `stream` handed over: prompt position p goes into cell first_cell + p,
+  // p < n_cells (checked: within every KV cache's kv_size). n_cells 0 (first_cell then 0):
+  // the message named no range, the whole stream.
+  uint32_t first_cell = 0;
+  uint32_t n_cells = 0;
   handshake::PeerCredentials peer;
   layout::ShareHeader header;              // parsed and validated
   bool header_was_known = false;           // its bytes were the last validated header's: not parsed again
@@ -46,7 +51,8 @@ Result<std::vector<std::string>> expand_provider_argv(const std::vector<std::str
 
 // A share message and its fds as a decoder sent them, checked as ShareBroker::receive checks
 // them: the header parsed and validated (in full: no remembered header), the stream one the
-// memory has (EINVAL naming field "stream" past n_stream), the fds exactly the layout's
+// memory has (EINVAL naming field "stream" past n_stream), the range within every KV
+// cache's kv_size (EINVAL naming field "first_cell" or "n_cells"), the fds exactly the layout's
 // chunks (count, sizes, hashes, fd kind and size). A resident provider checks the
 // region serve forwards to it so (kvshare/share/provider_channel.h). `what` names the
 // sender in errors ("kvshare-serve (pid 4121)": "handshake from kvshare-serve (pid 4121): ..."). Every fd is closed on a failure.

@@ -1,5 +1,6 @@
 #include "kvshare/share/decoder_share.h"
 
+#include <algorithm>
 #include <cerrno>
 
 #include "kvshare/handshake/transport.h"
@@ -32,24 +33,57 @@ uint32_t share_n_stream(const layout::MemoryShape& memory) {
   return memory.kv_caches.empty() ? 1 : memory.kv_caches.front().n_stream;
 }
 
-Result<void> check_share_stream(const layout::ShareHeader& header, uint32_t stream) {
+ShareCells resolve_share_cells(const layout::MemoryShape& memory, ShareCells cells) {
+  if (cells.n_cells > 0 || cells.first_cell == 0) return cells;
+  uint32_t kv_size = UINT32_MAX;
+  for (const auto& cache : memory.kv_caches) kv_size = std::min(kv_size, cache.kv_size);
+  if (memory.kv_caches.empty()) kv_size = 0;
+  cells.n_cells = cells.first_cell < kv_size ? kv_size - cells.first_cell : 0;
+  return cells;
+}
+
+Result<void> check_share_cells(const layout::ShareHeader& header, const ShareCells& cells) {
+  const uint32_t stream = cells.stream;
   for (const auto& cache : header.memory.kv_caches) {
     if (stream >= cache.n_stream)
       return fail(EINVAL, "share of stream {}: the \"{}\" KV cache has n_stream {} (streams 0..{}; -np {}{})", stream,
                   cache.role, cache.n_stream, cache.n_stream - 1, header.params.n_seq_max,
                   header.params.kv_unified ? ", unified" : "");
   }
+  const bool range = cells.names_range();
+  if (range) {
+    if (header.memory.kv_caches.empty())
+      return fail(EINVAL, "share of cells first_cell {} n_cells {}: this memory has no KV cache (kv_size 0)",
+                  cells.first_cell, cells.n_cells);
+    for (const auto& cache : header.memory.kv_caches) {
+      const uint64_t end = uint64_t{cells.first_cell} + (cells.n_cells > 0 ? cells.n_cells : 1);
+      if (end > cache.kv_size)
+        return fail(EINVAL, "share of cells first_cell {} n_cells {}: past the \"{}\" KV cache's kv_size {}",
+                    cells.first_cell, cells.n_cells, cache.role, cache.kv_size);
+    }
+  }
   if (header.memory.recurrent && header.memory.recurrent->rs_size > 1)
     return fail(ENOTSUP, "share of stream {}: the shared route hands over a recurrent state only with one sequence "
                 "(-np 1), this decoder has rs_size {} (-np {}): llama.cpp assigns recurrent cells at decode time; the "
                 "file route serves this slot", stream, header.memory.recurrent->rs_size, header.params.n_seq_max);
-  if (!header.memory.kv_caches.empty() && header.memory.kv_caches.front().n_stream == 1 && header.params.n_seq_max > 1)
+  const bool unified_slots = !header.memory.kv_caches.empty() && header.memory.kv_caches.front().n_stream == 1 &&
+                             header.params.n_seq_max > 1;
+  if (unified_slots && !range)
     return fail(ENOTSUP, "share of stream {}: a unified KV cache (--kv-unified, or llama-server's -np auto) keeps "
-                "every slot's cells in one stream (-np {}, n_stream 1); the shared route needs one stream per slot: "
-                "run -np N without --kv-unified; the file route serves this slot", stream, header.params.n_seq_max);
+                "every slot's cells in one stream (-np {}, n_stream 1): name the cells reserved for the sequence "
+                "(first_cell, n_cells), or run -np N without --kv-unified; the file route serves this slot", stream,
+                header.params.n_seq_max);
+  if (unified_slots && header.memory.kv_caches.size() > 1)
+    return fail(ENOTSUP, "share of cells first_cell {} n_cells {}: an iSWA memory's unified caches (-np {}) place "
+                "the SWA cache's cells independently of the base cache's, so one range cannot name both; the file "
+                "route serves this slot", cells.first_cell, cells.n_cells, header.params.n_seq_max);
   if (stream >= share_n_stream(header.memory))
     return fail(EINVAL, "share of stream {}: this memory has {} stream(s)", stream, share_n_stream(header.memory));
   return {};
+}
+
+Result<void> check_share_stream(const layout::ShareHeader& header, uint32_t stream) {
+  return check_share_cells(header, ShareCells{stream, 0, 0});
 }
 
 int http_status_for(const Error& error) {
@@ -113,15 +147,22 @@ uint64_t DecoderShare::latest_share_id(uint32_t stream) const {
 }
 
 Result<uint64_t> DecoderShare::share(const std::string& socket_path, uint32_t stream, int timeout_ms) {
-  // A slot that has no stream of its own is refused before anything is spent or sent.
-  if (auto checked = check_share_stream(header_, stream); !checked) return fail(checked.error());
+  return share(socket_path, ShareCells{stream, 0, 0}, timeout_ms);
+}
+
+Result<uint64_t> DecoderShare::share(const std::string& socket_path, ShareCells cells, int timeout_ms) {
+  // A slot that has no stream of its own, or a range the cache has not, is refused before
+  // anything is spent or sent.
+  if (auto checked = check_share_cells(header_, cells); !checked) return fail(checked.error());
+  cells = resolve_share_cells(header_.memory, cells);
+  const uint32_t stream = cells.stream;
   // Only the id under the lock: connect and send may each wait their timeout, and adopt
   // must not wait behind them. Everything else read below is fixed at start().
   uint64_t share_id = 0;
   {
     std::lock_guard lock(mutex_);
     share_id = ++latest_share_id_;
-    streams_[stream] = StreamShares{share_id, false};
+    streams_[stream] = StreamShares{share_id, false, cells.first_cell, cells.n_cells};
   }
   if (!can_share()) {
     const std::string reason = share_unavailable_reason(flag_set_, export_failure_);
@@ -134,6 +175,8 @@ Result<uint64_t> DecoderShare::share(const std::string& socket_path, uint32_t st
   handshake::Message message;
   message.share_id = share_id;
   message.stream = stream;
+  message.first_cell = cells.first_cell;
+  message.n_cells = cells.n_cells;
   message.header_json = header_json_;
   std::vector<int> fds;
   for (const auto& region : regions_) {
@@ -177,8 +220,12 @@ Result<AdoptPlan> DecoderShare::adopt(uint64_t n_tokens, uint64_t share_id, uint
       return fail(ERANGE, "adopt of share_id {}: {} tokens do not fit the \"{}\" KV cache of {} cells", share_id,
                   n_tokens, cache.role, cache.kv_size);
   }
+  if (shares.n_cells > 0 && n_tokens > shares.n_cells)
+    return fail(ERANGE, "adopt of share_id {}: {} tokens do not fit the share's n_cells {} (cells {}..{} of stream {})",
+                share_id, n_tokens, shares.n_cells, shares.first_cell, shares.first_cell + shares.n_cells - 1,
+                stream);
   shares.latest_adopted = true;
-  return AdoptPlan{share_id, static_cast<uint32_t>(n_tokens), stream};
+  return AdoptPlan{share_id, static_cast<uint32_t>(n_tokens), stream, shares.first_cell, shares.n_cells};
 }
 
 }  // namespace kvshare

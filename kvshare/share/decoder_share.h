@@ -26,24 +26,51 @@ namespace kvshare {
 
 inline constexpr int kShareTimeoutMs = 5000;
 
-// What the decoder applies to its cell metadata when adopt succeeds: cells 0..n_tokens-1
-// of `stream` take positions 0..n_tokens-1 of that stream's sequence (llama_kv_cells_adopt;
-// with -np N and no --kv-unified, slot s decodes from stream s); no byte of K or V moves.
+// What the decoder applies to its cell metadata when adopt succeeds: cells
+// first_cell..first_cell+n_tokens-1 of `stream` take positions 0..n_tokens-1 of that
+// stream's sequence (llama_kv_cells_adopt; with -np N and no --kv-unified, slot s decodes
+// from stream s; with a unified cache, the run of cells the decoder reserved for the
+// sequence); no byte of K or V moves.
 struct AdoptPlan {
   uint64_t share_id = 0;
   uint32_t n_tokens = 0;
   uint32_t stream = 0;
+  uint32_t first_cell = 0;  // the share's: where position 0 was written
+  uint32_t n_cells = 0;     // the share's range, 0 when it named none (the whole stream)
+};
+
+// The cells a share hands over: position p of the prompt goes into cell first_cell + p of
+// `stream`, for p < n_cells. n_cells 0 with first_cell 0 names no range: the whole stream
+// (cells 0..kv_size-1), as before ranges. n_cells 0 with first_cell > 0: to the end of the
+// stream (share() resolves it to kv_size - first_cell, the smallest KV cache's).
+// A unified cache of several slots (--kv-unified, llama-server's -np auto) keeps every
+// slot's cells in one stream: its decoder reserves a free run of cells for the sequence
+// and names it here.
+struct ShareCells {
+  uint32_t stream = 0;
+  uint32_t first_cell = 0;
+  uint32_t n_cells = 0;  // 0: to the end of the stream
+  bool names_range() const { return first_cell > 0 || n_cells > 0; }
 };
 
 // The streams a share may name: n_stream of the KV caches (every cache of a memory has the
 // same), 1 for a memory without one (recurrent only).
 uint32_t share_n_stream(const layout::MemoryShape& memory);
 
-// Whether a share of `stream` can hand over a slot's cells of this memory: EINVAL for a
-// stream past n_stream (naming both); ENOTSUP for a recurrent part with rs_size > 1
-// (llama.cpp assigns recurrent cells at decode time) and for a unified cache with
-// n_seq_max > 1 (every slot's cells in one stream). Those two are for the file route.
+// Whether a share of `cells` can hand over a sequence's cells of this memory: EINVAL for a
+// stream past n_stream (naming both) and for a range past the kv_size of any KV cache
+// (naming first_cell, n_cells and kv_size); ENOTSUP for a recurrent part with rs_size > 1
+// (llama.cpp assigns recurrent cells at decode time), for a unified cache with
+// n_seq_max > 1 that names no range (every slot's cells in one stream: the decoder must
+// name the cells it reserved for the sequence), and for such a cache with a range when the
+// memory is iSWA (the SWA cache's cells are placed independently). Those are for the file
+// route.
+Result<void> check_share_cells(const layout::ShareHeader& header, const ShareCells& cells);
+// check_share_cells of the whole stream.
 Result<void> check_share_stream(const layout::ShareHeader& header, uint32_t stream);
+// `cells` with n_cells resolved: first_cell > 0 and n_cells 0 becomes the cells to the end
+// of the stream (the smallest KV cache's kv_size - first_cell). No range stays 0, 0.
+ShareCells resolve_share_cells(const layout::MemoryShape& memory, ShareCells cells);
 
 // The line a decoder that cannot export logs once at start (the seed's share_degrade).
 // `flag_set`: ONEBIT_KV_SHARE was set; `backend_reason`: why no backend exported.
@@ -94,15 +121,21 @@ class DecoderShare {
   // this call fails, and the other streams' ids stay adoptable. Blocks at most
   // `timeout_ms`; does not wait for the broker to answer.
   // Refused before connecting, spending no id (check_share_stream): EINVAL for a stream
-  // past n_stream, ENOTSUP for a memory whose slots do not have a stream each.
+  // past n_stream, ENOTSUP for a memory whose slots do not have a stream each (a unified
+  // cache of several slots shares with a range: the ShareCells overload).
   // A decoder that cannot export sends the broker a refusal (best effort, so it need
   // not wait for its timeout) and fails with ENOTSUP naming both causes.
   // Mind the order: share(path, 2000) names stream 2000; a timeout goes third.
   Result<uint64_t> share(const std::string& socket_path, uint32_t stream = 0, int timeout_ms = kShareTimeoutMs);
+  // The same for a run of cells of a stream (ShareCells): the message names the range
+  // ("first_cell", "n_cells") when it has one, and the share remembers it for adopt.
+  // Refused before connecting, spending no id, as check_share_cells says.
+  Result<uint64_t> share(const std::string& socket_path, ShareCells cells, int timeout_ms = kShareTimeoutMs);
 
   // Accepts the provider's cells of `stream`: share_id must be that stream's latest share
   // and not yet adopted (ESTALE); the latest share of another stream is EINVAL naming
-  // both streams; n_tokens must be 1..kv_size of every KV cache (ERANGE / EINVAL).
+  // both streams; n_tokens must be 1..kv_size of every KV cache (ERANGE / EINVAL) and, for
+  // a share that named a range, at most its n_cells (ERANGE naming both).
   Result<AdoptPlan> adopt(uint64_t n_tokens, uint64_t share_id, uint32_t stream = 0);
 
   // The latest share of any stream (0: none yet).
@@ -124,6 +157,8 @@ class DecoderShare {
   struct StreamShares {
     uint64_t latest_share_id = 0;
     bool latest_adopted = false;
+    uint32_t first_cell = 0;  // the latest share's range (resolved; 0, 0: the whole stream)
+    uint32_t n_cells = 0;
   };
   mutable std::mutex mutex_;   // share and adopt may come from different HTTP threads
   uint64_t latest_share_id_ = 0;       // of any stream: ids increase across streams

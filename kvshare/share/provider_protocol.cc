@@ -138,6 +138,10 @@ std::string encode_provider_request(const ProviderRequest& request) {
         json["region_id"] = request.region_id;
         json["share_id"] = request.share_id;
         json["stream"] = request.stream;
+        if (request.n_cells > 0) {  // a range: written only when the share named one
+          json["first_cell"] = request.first_cell;
+          json["n_cells"] = request.n_cells;
+        }
         json["n_cached"] = request.n_cached;
       } else {
         json["state_file"] = request.state_file;
@@ -224,6 +228,20 @@ Result<ProviderRequest> parse_provider_request(std::string_view text, std::strin
           if (!stream) return fail(stream.error());
           request.stream = *stream;
         }
+        // Absent (a share that names no range, a serve from before ranges): the whole stream.
+        if (read.find("first_cell") != nullptr) {
+          auto first_cell = read.u32("first_cell");
+          if (!first_cell) return fail(first_cell.error());
+          request.first_cell = *first_cell;
+        }
+        if (read.find("n_cells") != nullptr) {
+          auto n_cells = read.u32("n_cells");
+          if (!n_cells) return fail(n_cells.error());
+          request.n_cells = *n_cells;
+        }
+        if (request.first_cell > 0 && request.n_cells == 0)
+          return fail(EINVAL, "{}: \"first_cell\" is {} without \"n_cells\": a range names its cells", source,
+                      request.first_cell);
         auto n_cached = read.u32("n_cached");
         if (!n_cached) return fail(n_cached.error());
         request.region_id = *region_id;

@@ -14,7 +14,8 @@
 //                                + the share's fds: the decoder's region, to map and keep until the next
 //                                region (or the channel closes)
 //   serve -> provider   prefill  {"kvshare_provider":1,"op":"prefill","route":"shared","region_id":G,
-//                                "share_id":S,"stream":T,"n_cached":P,"tokens":[..]}
+//                                "share_id":S,"stream":T[,"first_cell":C,"n_cells":N],"n_cached":P,
+//                                "tokens":[..]}
 //                             or {"kvshare_provider":1,"op":"prefill","route":"file","state_file":PATH,
 //                                "state_version":V,"kv":{"n_ctx":..,"type_k":..,"type_v":..,"flash_attn":..},
 //                                "tokens":[..]}
@@ -79,6 +80,11 @@ struct ProviderRequest {
   // shared: the KV stream (the decoder's slot) whose cells are written; always encoded,
   // absent parses as 0. Checked against the region's n_stream by the provider, not here.
   uint32_t stream = 0;
+  // shared: the run of cells of `stream` the share named (a unified cache of several
+  // slots): id p goes into cell first_cell + p, p < n_cells. Encoded only when n_cells > 0;
+  // absent parses as 0, 0: the whole stream. Checked against the region by the provider.
+  uint32_t first_cell = 0;
+  uint32_t n_cells = 0;
   uint32_t n_cached = 0;               // shared: cells 0..P-1 already hold ids 0..P-1 (docs/provider.md --cached)
   std::vector<int32_t> tokens;         // the handoff's ids (the prompt less its last token), at least 1
   std::string state_file;              // file: the absolute path to write (serve removes it after the restore)

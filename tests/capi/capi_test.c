@@ -1233,6 +1233,218 @@ static void resident_prefill_names_the_stream_of_the_region(void) {
     close_decoder_share(&s);
 }
 
+/* KVSHARE_1.4, a run of cells: llama-server -np 3 with --kv-unified (every slot in one
+ * stream of 512 cells). The decoder shares cells 100..139 reserved for the sequence. */
+static struct kvshare_kv_params unified_three_slot_params(void) {
+    struct kvshare_kv_params params = small_params();
+    params.n_ctx = 512;
+    params.n_seq_max = 3;
+    params.kv_unified = 1;
+    return params;
+}
+
+/* Every byte of the decoder's region, copied (malloc'd, *size out). */
+static unsigned char *copy_region(struct kvshare_decoder *d, size_t *size) {
+    size_t total = 0;
+    for (uint32_t c = 0; c < kvshare_decoder_n_chunks(d); ++c) {
+        void *base = NULL;
+        uint64_t bytes = 0;
+        CHECK_RC(kvshare_decoder_chunk(d, c, &base, &bytes), 0);
+        total += bytes;
+    }
+    unsigned char *copy = malloc(total > 0 ? total : 1), *at = copy;
+    for (uint32_t c = 0; c < kvshare_decoder_n_chunks(d); ++c) {
+        void *base = NULL;
+        uint64_t bytes = 0;
+        CHECK_RC(kvshare_decoder_chunk(d, c, &base, &bytes), 0);
+        memcpy(at, base, bytes);
+        at += bytes;
+    }
+    *size = total;
+    return copy;
+}
+
+/* Whether the region's byte at `p` (in the decoder's mapping) is in cells first..first+n-1 of
+ * layer 0's K or V rows. */
+static int in_layer0_cells(struct kvshare_decoder *d, const unsigned char *p, uint32_t first, uint32_t n) {
+    const char *names[2] = {"cache_k_l0", "cache_v_l0"};
+    for (int i = 0; i < 2; ++i) {
+        struct kvshare_tensor_info t = {.struct_size = sizeof t};
+        if (kvshare_decoder_tensor(d, names[i], &t) != 0) continue;
+        const unsigned char *lo = (const unsigned char *)t.data + (size_t)first * (size_t)t.row_bytes;
+        if (p >= lo && p < lo + (size_t)n * (size_t)t.row_bytes) return 1;
+    }
+    return 0;
+}
+
+static void share_cells_to_a_unified_cache_names_the_range(void) {
+    struct kvshare_kv_params params = unified_three_slot_params();
+    struct kvshare_decoder *d = NULL;
+    const char *model = model_path("llama", 3);
+    CHECK_RC(kvshare_decoder_open(model, &params, &d), 0);
+    uint64_t id = 0;
+    char socket_path[4096];
+    snprintf(socket_path, sizeof socket_path, "%s/capi-nobody.sock", work_dir);
+    /* No range on a unified cache of several slots: still the file route's. */
+    CHECK_RC(kvshare_decoder_share_cells(d, socket_path, 0, 0, 0, 500, &id), -ENOTSUP);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "name the cells reserved for the sequence");
+    /* Past kv_size: refused before connecting (nobody listens there), naming the numbers. */
+    CHECK_RC(kvshare_decoder_share_cells(d, socket_path, 0, 500, 40, 500, &id), -EINVAL);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "first_cell 500 n_cells 40");
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "kv_size 512");
+
+    int fds[16], n_fds = 0;
+    int listener = listen_at("capi-cells.sock", socket_path, sizeof socket_path);
+    const int rc = kvshare_decoder_share_cells(d, socket_path, 0, 100, 40, 2000, &id);
+    CHECK_RC(rc, 0);
+    CHECK(id == 1); /* the refusals spent no id */
+    char *message = rc == 0 ? receive_share(listener, fds, 16, &n_fds) : NULL;
+    close(listener);
+    unlink(socket_path);
+    CHECK_CONTAINS(message, "\"first_cell\":100,\"n_cells\":40");
+    char layout_path[4096], fd_list[256] = "";
+    snprintf(layout_path, sizeof layout_path, "%s/capi-cells.json", work_dir);
+    if (message != NULL) write_layout_file(message, layout_path);
+    free(message);
+    for (int i = 0; i < n_fds; ++i)
+        snprintf(fd_list + strlen(fd_list), sizeof fd_list - strlen(fd_list), "%s%d", i ? "," : "", fds[i]);
+    struct kvshare_provider *p = NULL;
+    CHECK_RC(kvshare_provider_open(layout_path, fd_list, model, &p), 0);
+    if (failures == 0) {
+        CHECK(kvshare_provider_n_cells(p) == 512 && kvshare_provider_first_cell(p) == 0);
+        CHECK_RC(kvshare_provider_set_cells(p, 0, 500, 40), -EINVAL);
+        CHECK_CONTAINS(kvshare_provider_last_error(p), "kv_size 512");
+        CHECK_RC(kvshare_provider_set_cells(p, 1, 0, 0), -EINVAL);
+        CHECK(kvshare_provider_n_cells(p) == 512 && kvshare_provider_first_cell(p) == 0);
+        CHECK_RC(kvshare_provider_set_cells(p, 0, 100, 40), 0);
+        CHECK(kvshare_provider_first_cell(p) == 100 && kvshare_provider_n_cells(p) == 40);
+        for (uint32_t c = 0; c < kvshare_decoder_n_chunks(d); ++c) {
+            void *base = NULL;
+            uint64_t bytes = 0;
+            CHECK_RC(kvshare_decoder_chunk(d, c, &base, &bytes), 0);
+            memset(base, 0x5a, bytes); /* the other slots' cells, as they decode */
+        }
+        size_t size = 0;
+        unsigned char *before = copy_region(d, &size);
+
+        /* 41 positions pass n_cells 40: refused, nothing written. */
+        struct kvshare_tensor_info k = {.struct_size = sizeof k}, v = {.struct_size = sizeof v};
+        CHECK_RC(kvshare_provider_tensor(p, "cache_k_l0", &k), 0);
+        CHECK_RC(kvshare_provider_tensor(p, "cache_v_l0", &v), 0);
+        const uint32_t n_k = (uint32_t)k.ne[0], n_v = (uint32_t)v.ne[0];
+        float *rows = calloc((size_t)41 * (n_k + n_v), sizeof(float));
+        CHECK_RC(kvshare_provider_begin_write(p), 0);
+        CHECK_RC(kvshare_provider_scatter(p, 0, 0, 41, 0, rows, (n_k + n_v) * sizeof(float), n_k, n_v), -EINVAL);
+        CHECK_CONTAINS(kvshare_provider_last_error(p), "n_cells 40");
+        CHECK_RC(kvshare_provider_scatter(p, 0, 1, 40, 0, rows, (n_k + n_v) * sizeof(float), n_k, n_v), -EINVAL);
+        CHECK_RC(kvshare_provider_end_write(p), 0);
+        free(rows);
+        size_t size_after = 0;
+        unsigned char *after = copy_region(d, &size_after);
+        CHECK(size_after == size && memcmp(before, after, size) == 0);
+        free(after);
+
+        scatter_cells(p, 0, 40); /* positions 0..39 -> cells 100..139 */
+        after = copy_region(d, &size_after);
+        size_t changed = 0, outside = 0, at = 0;
+        for (uint32_t c = 0; c < kvshare_decoder_n_chunks(d); ++c) {
+            void *base = NULL;
+            uint64_t bytes = 0;
+            CHECK_RC(kvshare_decoder_chunk(d, c, &base, &bytes), 0);
+            for (uint64_t b = 0; b < bytes; ++b, ++at) {
+                if (before[at] == after[at]) continue;
+                ++changed;
+                if (!in_layer0_cells(d, (const unsigned char *)base + b, 100, 40)) ++outside;
+            }
+        }
+        CHECK(changed > 0 && outside == 0);
+        CHECK(decoder_k_cell(d, 100) == f16_bits(1.0f) && decoder_k_cell(d, 139) == f16_bits(40.0f));
+        CHECK(decoder_k_cell(d, 99) == 0x5a5a && decoder_k_cell(d, 140) == 0x5a5a);
+        free(after);
+        free(before);
+        /* kvshare_provider_set_stream is set_cells(s, 0, 0): the whole stream again. */
+        CHECK_RC(kvshare_provider_set_stream(p, 0), 0);
+        CHECK(kvshare_provider_first_cell(p) == 0 && kvshare_provider_n_cells(p) == 512);
+    } else {
+        fprintf(stderr, "provider open: %s\n", kvshare_provider_last_error(p));
+    }
+    kvshare_provider_close(p);
+    /* More tokens than the share's n_cells: ERANGE naming both. */
+    CHECK_RC(kvshare_decoder_adopt_stream(d, 41, id, 0), -ERANGE);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "41 tokens");
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "n_cells 40");
+    CHECK_RC(kvshare_decoder_adopt_stream(d, 40, id, 0), 0);
+    unlink(layout_path);
+    kvshare_decoder_close(d);
+}
+
+/* The resident loop sets the region's cells from the prefill message's range. */
+static void resident_prefill_sets_the_cells_of_the_region(void) {
+    const char *model = model_path("llama", 3);
+    struct decoder_share s;
+    memset(&s, 0, sizeof s);
+    struct kvshare_kv_params params = unified_three_slot_params();
+    CHECK_RC(kvshare_decoder_open(model, &params, &s.d), 0);
+    char socket_path[4096];
+    int listener = listen_at("capi-rcells.sock", socket_path, sizeof socket_path);
+    const int rc = kvshare_decoder_share_cells(s.d, socket_path, 0, 100, 40, 2000, &s.share_id);
+    CHECK_RC(rc, 0);
+    s.message = rc == 0 ? receive_share(listener, s.fds, 16, &s.n_fds) : NULL;
+    close(listener);
+    unlink(socket_path);
+    if (s.message == NULL) {
+        close_decoder_share(&s);
+        return;
+    }
+    int pair[2];
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) == 0);
+    const int serve = pair[0];
+    struct kvshare_resident *r = NULL;
+    CHECK_RC(kvshare_resident_from_fd(pair[1], model, &r), 0);
+    CHECK_RC(kvshare_resident_hello(r, KVSHARE_ROUTE_SHARED, 1), 0);
+    free(serve_receive(serve));
+    serve_send_region(serve, 1, &s);
+    struct kvshare_resident_request q = {.struct_size = sizeof q};
+    CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
+    struct kvshare_provider *region = q.region;
+    CHECK(q.kind == KVSHARE_REQUEST_REGION && region != NULL);
+    CHECK_RC(kvshare_resident_reply_ok(r, 1.0, 0), 0);
+    free(serve_receive(serve));
+
+    char json[512];
+    snprintf(json, sizeof json,
+             "{\"kvshare_provider\":1,\"op\":\"prefill\",\"route\":\"shared\",\"region_id\":1,\"share_id\":%llu,"
+             "\"stream\":0,\"first_cell\":500,\"n_cells\":40,\"n_cached\":0,\"tokens\":[11,12]}",
+             (unsigned long long)s.share_id);
+    serve_send(serve, json, NULL, 0);
+    snprintf(json, sizeof json,
+             "{\"kvshare_provider\":1,\"op\":\"prefill\",\"route\":\"shared\",\"region_id\":1,\"share_id\":%llu,"
+             "\"stream\":0,\"first_cell\":100,\"n_cells\":40,\"n_cached\":0,\"tokens\":[11,12]}",
+             (unsigned long long)s.share_id);
+    serve_send(serve, json, NULL, 0);
+    CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
+    CHECK(q.kind == KVSHARE_REQUEST_PREFILL_SHARED && q.stream == 0);
+    uint32_t first = 0, n = 0;
+    CHECK_RC(kvshare_resident_cells(r, &first, &n), 0);
+    CHECK(first == 100 && n == 40);
+    char *refused = serve_receive(serve);
+    CHECK_CONTAINS(refused, "\"ok\":false");
+    CHECK_CONTAINS(refused, "kv_size 512");
+    free(refused);
+    if (region != NULL) {
+        CHECK(kvshare_provider_first_cell(region) == 100 && kvshare_provider_n_cells(region) == 40);
+        scatter_cells(region, 0, 2);
+    }
+    CHECK_RC(kvshare_resident_reply_ok(r, 1.0, 2), 0);
+    free(serve_receive(serve));
+    CHECK(decoder_k_cell(s.d, 100) == f16_bits(1.0f) && decoder_k_cell(s.d, 101) == f16_bits(2.0f));
+    CHECK(decoder_k_cell(s.d, 0) == 0);
+    CHECK_RC(kvshare_decoder_adopt_stream(s.d, 2, s.share_id, 0), 0);
+    close(serve);
+    kvshare_resident_close(r);
+    close_decoder_share(&s);
+}
+
 struct test {
     const char *name;
     void (*run)(void);
@@ -1258,6 +1470,8 @@ static const struct test tests[] = {
     {"ShareStreamStalesOnlyItsOwnStreamsShares", share_stream_stales_only_its_own_streams_shares},
     {"ProviderScatterWritesOnlyItsStream", provider_scatter_writes_only_its_stream},
     {"ResidentPrefillNamesTheStreamOfTheRegion", resident_prefill_names_the_stream_of_the_region},
+    {"ShareCellsToAUnifiedCacheNamesTheRange", share_cells_to_a_unified_cache_names_the_range},
+    {"ResidentPrefillSetsTheCellsOfTheRegion", resident_prefill_sets_the_cells_of_the_region},
 };
 
 static void remove_work_dir(void) {

@@ -46,6 +46,23 @@ TEST(HandshakeMessage, RoundTripsAShareMessageFieldByField) {
   EXPECT_EQ(json_of(*parsed), json_of(message));
 }
 
+// Issue #27: a share of a run of cells (a unified cache of several slots) names it; a
+// share of the whole stream writes neither field, as before.
+TEST(HandshakeMessage, RoundTripsTheRunOfCellsAndWritesItOnlyWhenNamed) {
+  Message message = share_message();
+  EXPECT_EQ(json_of(message).find("cell"), std::string::npos);
+  message.first_cell = 100;
+  message.n_cells = 40;
+  const std::string json = json_of(message);
+  EXPECT_NE(json.find(R"("stream":0,"first_cell":100,"n_cells":40,"fds")"), std::string::npos) << json;
+  auto parsed = parse_json(json, "test");
+  ASSERT_TRUE(parsed) << parsed.error().what();
+  EXPECT_EQ(parsed->first_cell, 100u);
+  EXPECT_EQ(parsed->n_cells, 40u);
+  EXPECT_EQ(json_of(*parsed), json);
+  expect_refused(edited(message, R"("n_cells":40)", R"("n_cells":-1)"), EINVAL, "n_cells");
+}
+
 TEST(HandshakeMessage, SkipsAHeaderWhoseBytesAreTheKnownOnesAndParsesAnyOtherInFull) {
   const Message message = share_message();
   const std::string json = json_of(message);

@@ -124,6 +124,38 @@ TEST(ProviderProtocol, DecodesTheSharedPrefillOfStream2VectorAndReencodesItToThe
   EXPECT_EQ(encode_provider_request(*request), text);
 }
 
+// Issue #27, a unified cache: the share's run of cells travels with the prefill.
+TEST(ProviderProtocol, DecodesTheSharedPrefillOfARunOfCellsVectorAndReencodesItToTheSameBytes) {
+  const std::string text = vector_text("provider-prefill-shared-cells-request-v1.json");
+  auto request = parse_provider_request(text, "vector");
+  ASSERT_TRUE(request) << request.error().what();
+  EXPECT_EQ(request->route, PrefillRoute::shared);
+  EXPECT_EQ(request->share_id, 3u);
+  EXPECT_EQ(request->stream, 0u);
+  EXPECT_EQ(request->first_cell, 100u);
+  EXPECT_EQ(request->n_cells, 40u);
+  EXPECT_EQ(request->n_cached, 0u);
+  EXPECT_EQ(request->tokens, kVectorTokens);
+  EXPECT_EQ(encode_provider_request(*request), text);
+
+  // No range: neither field is written, and an older vector reads as the whole stream.
+  request->first_cell = 0;
+  request->n_cells = 0;
+  EXPECT_EQ(encode_provider_request(*request).find("cell"), std::string::npos);
+  auto older = parse_provider_request(vector_text("provider-prefill-shared-stream-request-v1.json"), "vector");
+  ASSERT_TRUE(older) << older.error().what();
+  EXPECT_EQ(older->first_cell, 0u);
+  EXPECT_EQ(older->n_cells, 0u);
+
+  nlohmann::ordered_json json = nlohmann::ordered_json::parse(text);
+  json.erase("n_cells");
+  auto refused = parse_provider_request(json.dump(), "serve");
+  ASSERT_FALSE(refused);
+  EXPECT_EQ(refused.error().errno_value(), EINVAL);
+  EXPECT_NE(refused.error().message().find("\"first_cell\" is 100 without \"n_cells\""), std::string::npos)
+      << refused.error().what();
+}
+
 TEST(ProviderProtocol, RefusesAStreamThatIsNotAU32NamingIt) {
   nlohmann::ordered_json json =
       nlohmann::ordered_json::parse(vector_text("provider-prefill-shared-stream-request-v1.json"));

@@ -309,6 +309,105 @@ TEST_F(ShareAdopt, RefusesAUnifiedCacheOfSeveralSlotsForTheFileRoute) {
   EXPECT_NE(id.error().message().find("a unified KV cache"), std::string::npos) << id.error().what();
   EXPECT_NE(id.error().message().find("without --kv-unified"), std::string::npos) << id.error().what();
   EXPECT_NE(id.error().message().find("the file route serves this slot"), std::string::npos);
+  EXPECT_NE(id.error().message().find("name the cells reserved for the sequence"), std::string::npos)
+      << id.error().what();
+  EXPECT_EQ(decoder.latest_share_id(), 0u);
+}
+
+// Issue #27, a unified cache (llama-server's -np auto): every slot's cells in one stream,
+// so the decoder reserves a run of cells for the sequence and the share names it.
+layout::ShareHeader unified_three_slot_header() {
+  return testing::small_share_header(512, layout::GgmlType::F16, 2, 3, true);
+}
+
+TEST_F(ShareAdopt, AShareOfARunOfCellsOfAUnifiedCacheReachesTheBroker) {
+  auto header = unified_three_slot_header();
+  ASSERT_EQ(header.memory.kv_caches.front().n_stream, 1u);
+  ASSERT_EQ(header.memory.kv_caches.front().kv_size, 512u);
+  auto decoder = DecoderShare::start(header, true, memfd_only());
+  ASSERT_TRUE(decoder.can_share()) << decoder.startup_warning();
+  auto broker = ShareBroker::listen();
+  ASSERT_TRUE(broker);
+  auto id = decoder.share(broker->socket_path(), ShareCells{0, 100, 40}, 2000);
+  ASSERT_TRUE(id) << id.error().what();
+  auto share = broker->receive(2000);
+  ASSERT_TRUE(share) << share.error().what();
+  EXPECT_EQ(share->share_id, *id);
+  EXPECT_EQ(share->stream, 0u);
+  EXPECT_EQ(share->first_cell, 100u);
+  EXPECT_EQ(share->n_cells, 40u);
+
+  auto too_many = decoder.adopt(41, *id, 0);
+  ASSERT_FALSE(too_many);
+  EXPECT_EQ(too_many.error().errno_value(), ERANGE);
+  EXPECT_NE(too_many.error().message().find("41 tokens do not fit the share's n_cells 40"), std::string::npos)
+      << too_many.error().what();
+  auto plan = decoder.adopt(40, *id, 0);
+  ASSERT_TRUE(plan) << plan.error().what();
+  EXPECT_EQ(plan->first_cell, 100u);
+  EXPECT_EQ(plan->n_cells, 40u);
+  EXPECT_EQ(plan->n_tokens, 40u);
+
+  // A share with no range after it takes the whole stream again (a plain cache: -np 1).
+  auto single = DecoderShare::start(testing::small_share_header(256), true, memfd_only());
+  ASSERT_TRUE(single.share(broker->socket_path(), 0, 2000));
+  auto whole = broker->receive(2000);
+  ASSERT_TRUE(whole) << whole.error().what();
+  EXPECT_EQ(whole->first_cell, 0u);
+  EXPECT_EQ(whole->n_cells, 0u);
+}
+
+TEST_F(ShareAdopt, RefusesARangePastKvSizeBeforeConnecting) {
+  testing::TempDir dir;
+  auto decoder = DecoderShare::start(unified_three_slot_header(), true, memfd_only());
+  auto id = decoder.share((dir / "nobody.sock").string(), ShareCells{0, 500, 40}, 100);
+  ASSERT_FALSE(id);
+  EXPECT_EQ(id.error().errno_value(), EINVAL);
+  EXPECT_NE(id.error().message().find("first_cell 500 n_cells 40: past the \"kv\" KV cache's kv_size 512"),
+            std::string::npos) << id.error().what();
+  auto past_end = decoder.share((dir / "nobody.sock").string(), ShareCells{0, 512, 0}, 100);
+  ASSERT_FALSE(past_end);
+  EXPECT_EQ(past_end.error().errno_value(), EINVAL);
+  EXPECT_EQ(decoder.latest_share_id(), 0u);  // no id spent
+}
+
+TEST_F(ShareAdopt, RefusesARangeOfAnIswaMemorysUnifiedCaches) {
+  testing::TempDir dir;
+  auto shape = layout::derive_model_shape(layout::testing::mkmodel_gemma3().metadata());
+  ASSERT_TRUE(shape) << shape.error().what();
+  layout::KvParams params;
+  params.n_ctx = 512;
+  params.n_seq_max = 3;
+  params.kv_unified = true;
+  auto header = layout::make_share_header({"gemma3", "cells", 2, 256, 0, 0x1}, *shape, params);
+  ASSERT_TRUE(header) << header.error().what();
+  ASSERT_EQ(header->memory.kv_caches.size(), 2u);
+  auto decoder = DecoderShare::start(*header, true, memfd_only());
+  auto id = decoder.share((dir / "nobody.sock").string(), ShareCells{0, 4, 8}, 100);
+  ASSERT_FALSE(id);
+  EXPECT_EQ(id.error().errno_value(), ENOTSUP);
+  EXPECT_NE(id.error().message().find("SWA cache's cells"), std::string::npos) << id.error().what();
+}
+
+TEST_F(ShareAdopt, TheBrokerRefusesARangePastKvSizeNamingTheField) {
+  auto decoder = DecoderShare::start(unified_three_slot_header(), true, memfd_only());
+  auto broker = ShareBroker::listen();
+  ASSERT_TRUE(broker);
+  ASSERT_TRUE(decoder.share(broker->socket_path(), ShareCells{0, 100, 40}, 2000));
+  auto share = broker->receive(2000);
+  ASSERT_TRUE(share) << share.error().what();
+  handshake::Message message;
+  message.share_id = 9;
+  message.first_cell = 500;
+  message.n_cells = 40;
+  message.fds = share->entries;
+  message.header = nlohmann::ordered_json::parse(layout::to_json(share->header, false));
+  auto refused = check_share_message(std::move(message), std::move(share->fds), share->peer, "test decoder");
+  ASSERT_FALSE(refused);
+  EXPECT_EQ(refused.error().errno_value(), EINVAL);
+  EXPECT_NE(refused.error().message().find(
+                "field \"n_cells\" is 40 from first_cell 500, past the header's \"kv\" KV cache's kv_size 512"),
+            std::string::npos) << refused.error().what();
 }
 
 TEST_F(ShareAdopt, RefusesARecurrentStateOfSeveralSequencesForTheFileRoute) {
