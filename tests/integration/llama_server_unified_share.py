@@ -20,6 +20,7 @@ With -c 1536 -np 3 -kvu on kvshare-mkmodel's qwen3, the server started directly
 - a share with more ids than any run of free cells is refused (503, naming the file route)
   and the slot keeps its cached prompt (the next completion evaluates one token);
 - a share without ids is refused (501: a unified cache reserves cells for the ids).
+The server runs with --cache-ram 0 (see EXTRA).
 
 usage: llama_server_unified_share.py BIN_DIR
 """
@@ -53,6 +54,10 @@ for needed in (PREFILL, MKMODEL):
 
 WORK = temp_dir()
 N_CTX = 1536
+# --cache-ram 0: no prompt cache, so llama-server keeps idle slots' cells instead of moving
+# them to RAM at each task start (its purge of a unified cache; a reserved slot is skipped,
+# but an adopted one would be saved and restored, which this test does not measure).
+EXTRA = ["--cache-ram", "0"]
 # Prompts inside the generated vocabulary (134 tokens), of different lengths.
 PROMPTS = {1: [5 + (7 * i) % 120 for i in range(40)], 2: [9 + (11 * i) % 117 for i in range(57)]}
 PROMPT_0 = [3 + (5 * i) % 121 for i in range(24)]
@@ -74,7 +79,7 @@ def model():
 
 
 def start_server(name):
-    args = ["-m", model(), "-c", str(N_CTX), "-np", "3", "-kvu", "--slot-save-path", WORK + "/"]
+    args = ["-m", model(), "-c", str(N_CTX), "-np", "3", "-kvu", "--slot-save-path", WORK + "/"] + EXTRA
     server = LlamaServer(LLAMA, args + COMMON_ARGS, log_path=os.path.join(WORK, name + ".log"),
                          env={"ONEBIT_KV_SHARE": "1"})
     try:
