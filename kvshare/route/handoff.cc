@@ -610,10 +610,13 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
   const auto tokenize_start = std::chrono::steady_clock::now();
   const Json request = Json::parse(body, nullptr, false);
   if (!request.is_object()) return fall_back_unknown("no_text_prompt", "the request body is not a JSON object");
+  if (context.tokenize_gate) context.tokenize_gate->acquire();
   auto text = prompt_text(context, endpoint, request);
+  Result<std::vector<int32_t>> ids = fail(EPROTO, "no text prompt to tokenize");
+  if (text) ids = context.decoder->tokenize(*text);
+  if (context.tokenize_gate) context.tokenize_gate->release();
   if (!text) return fall_back_unknown(text.error().errno_value() == EPROTO ? "template_failed" : "no_text_prompt",
                                       "no text prompt: " + text.error().message());
-  auto ids = context.decoder->tokenize(*text);
   if (!ids) return fall_back_unknown("tokenize_failed", ids.error().what());
   report.n_prompt_tokens = ids->size();
   report.phases.tokenize_ms =

@@ -17,7 +17,9 @@
 #include <deque>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <optional>
+#include <semaphore>
 #include <span>
 #include <string>
 
@@ -112,6 +114,11 @@ struct HandoffContext {
   const DecoderClient* decoder = nullptr;
   std::filesystem::path slot_dir;   // the decoder's --slot-save-path, 0700 (ids, state files, share sockets)
   SlotQueue* slot = nullptr;       // the decoder's slots
+  // Requests template and tokenize before they wait for a slot; this bounds how many ask the
+  // decoder at once (as many as it has slots): a burst of 32 clients must not open 32
+  // connections to a decoder whose listen backlog is httplib's 5 (refused, or a SYN
+  // retried a second later). Null: no bound (tests).
+  std::unique_ptr<std::counting_semaphore<kMaxSlots>> tokenize_gate;
   Metrics* metrics = nullptr;
   LogSink log;
   std::chrono::milliseconds handshake_timeout{10000};

@@ -263,6 +263,7 @@ int Server::run() {
   context_.slot_dir = decoder_->slot_dir();
   context_.slot = &slot_;
   context_.slot_records.resize(static_cast<size_t>(slot_.n_slots()));
+  context_.tokenize_gate = std::make_unique<std::counting_semaphore<kMaxSlots>>(slot_.n_slots());
   context_.metrics = &metrics_;
   context_.log = log_line;
   context_.handshake_timeout = runtime_.handshake_timeout;

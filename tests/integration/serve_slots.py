@@ -10,6 +10,10 @@ the provider (per request, and resident), and llama-kvshare-prefill resident.
   behind (files in the slot directory, serve's descriptors, child processes);
 - a provider that fails every third request: those requests fall back (the decoder prefills
   them in their slot) and every reply, theirs and the other slots', is still --device cpu's;
+- each slot's KV after four concurrent shared-route handoffs equals, within the provider's
+  rounding, the KV the decoder computes itself for the same prompt in the same slot (every
+  slot saved with ?action=save and compared with kvshare-state diff): no provider wrote
+  another slot's cells;
 - SIGTERM with 8 requests in flight: serve exits 0, its decoder and providers end with it,
   nothing is left in the slot directory;
 - (that a provider cannot write another slot's stream: tests/kvshare/share and the C API
@@ -17,6 +21,8 @@ the provider (per request, and resident), and llama-kvshare-prefill resident.
 
 usage: serve_slots.py BIN_DIR
 """
+import http.client
+import json
 import os
 import re
 import signal
@@ -24,7 +30,7 @@ import subprocess
 import sys
 import threading
 
-from hybrid_common import (Serve, chat_reply_of, check, descendants, llama_kvshare_prefill, pid_alive, run_tests,
+from hybrid_common import (DECODER_RE, Serve, chat_reply_of, check, descendants, llama_kvshare_prefill, pid_alive, run_tests,
                            temp_dir, wait_until, wrapped_provider)
 
 BIN = os.path.abspath(sys.argv[1])
@@ -34,7 +40,8 @@ if not LLAMA or not os.access(LLAMA, os.X_OK):
           "scripts/build-llama-server.sh --with-kvshare")
     sys.exit(77)
 LLAMA_PREFILL = llama_kvshare_prefill(LLAMA)
-TOOLS = {name: os.path.join(BIN, name) for name in ("kvshare-serve", "kvshare-prefill", "kvshare-mkmodel")}
+TOOLS = {name: os.path.join(BIN, name) for name in ("kvshare-serve", "kvshare-prefill", "kvshare-mkmodel",
+                                                    "kvshare-state")}
 
 WORK = temp_dir()
 MODEL = os.path.join(WORK, "tiny.gguf")
@@ -212,6 +219,66 @@ def test_a_provider_failing_for_one_slot_leaves_the_others_right():
     except Exception:
         serve.stop()
         raise
+
+
+def save_slot(serve, slot, name):
+    """The decoder's slot `slot` saved as `name` in serve's slot directory; its path."""
+    port = int(DECODER_RE.search(serve.wait_line(DECODER_RE)).group(1))
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/slots/%d?action=save" % slot, body=json.dumps({"filename": name}),
+                 headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    data = response.read()
+    conn.close()
+    check(response.status == 200, "save of slot %d: %d %s" % (slot, response.status, data[:300]))
+    found = [os.path.join(SERVE_TMP, d, name) for d in os.listdir(SERVE_TMP)
+             if d.startswith("kvshare-serve-slots") and os.path.exists(os.path.join(SERVE_TMP, d, name))]
+    check(len(found) == 1, "saved file %s: %s" % (name, found))
+    return found[0]
+
+
+def test_each_slot_holds_its_own_prompts_kv():
+    # Four prompts of distinct lengths at once: serve's line ("N prompt tokens, slot S")
+    # then says which slot each went to.
+    prompts = ["Slot test %s." % ("word " * (3 * i)) for i in range(N_SLOTS)]
+    hybrid = start("hybrid", True, TOOLS["kvshare-prefill"])
+    try:
+        results = concurrently(hybrid, prompts)
+        lines = hybrid.wait_count(HANDOFF_LINE, N_SLOTS, timeout=10)
+        check(len(lines) == N_SLOTS, "handoffs:\n%s" % "\n".join(hybrid.lines))
+        slot_of_length = {int(HANDOFF_LINE.search(l).group(1)): int(HANDOFF_LINE.search(l).group(2)) for l in lines}
+        check(len(set(slot_of_length.values())) == N_SLOTS, "four prompts, slots %s" % slot_of_length)
+        lengths = {}
+        for prompt in prompts:
+            status, data = hybrid.post("/v1/chat/completions", dict(request(prompt), max_tokens=1), timeout=120)
+            check(status == 200, "length probe %d" % status)
+            lengths[prompt] = json.loads(data)["usage"]["prompt_tokens"]
+        # The probes above went through serve too: they are in the log, and each one's slot
+        # now holds its prompt (they were forwarded by decision or handed off again).
+        saved = {}
+        for prompt in prompts:
+            slot = slot_of_length[lengths[prompt]]
+            saved[prompt] = (slot, save_slot(hybrid, slot, "hybrid-slot-%d.state" % slot))
+    except Exception:
+        hybrid.stop()
+        raise
+    cpu = start("cpu")
+    try:
+        for prompt in prompts:
+            slot, hybrid_file = saved[prompt]
+            status, data = cpu.post("/v1/chat/completions", dict(request(prompt), max_tokens=1, id_slot=slot),
+                                    timeout=120)
+            check(status == 200, "cpu %d" % status)
+            own = save_slot(cpu, slot, "cpu-slot-%d.state" % slot)
+            diff = subprocess.run([TOOLS["kvshare-state"], "diff", hybrid_file, own, "--tolerance", "0.05"],
+                                  capture_output=True, text=True, timeout=60)
+            check(diff.returncode == 0, "slot %d (%r): its KV differs from the decoder's own prefill:\n%s%s" %
+                  (slot, prompt, diff.stdout, diff.stderr))
+    finally:
+        cpu.stop()
+        hybrid.stop()
+    for prompt, (text, prompt_n) in results.items():
+        check(prompt_n == 1, "prompt_n %s for %r" % (prompt_n, prompt))
 
 
 def test_sigterm_with_eight_requests_in_flight():
