@@ -158,9 +158,12 @@ uint64_t kvshare_decoder_region_bytes(const struct kvshare_decoder *decoder);
 /*
  * Connects to the broker listening on the AF_UNIX socket `socket_path`, sends it the
  * layout header and one fd per chunk (SCM_RIGHTS, one message), and stores the new
- * share_id in *share_id. Every earlier share_id of stream 0 is stale from now on, also
- * when this call fails (kvshare_decoder_share_stream: other streams). Blocks at most timeout_ms (<= 0: kvshare's default, 5000 ms); does not wait
- * for the broker to answer. The decoder keeps its own fds.
+ * share_id in *share_id. The new share makes stale every earlier, not yet adopted share of
+ * the same stream whose cells overlap its own, also when this call fails; a share without
+ * a range (this call) covers the whole stream, so every earlier share of stream 0 is stale
+ * from now on (kvshare_decoder_share_stream: other streams; kvshare_decoder_share_cells:
+ * runs of cells). Blocks at most timeout_ms (<= 0: kvshare's default, 5000 ms); does not
+ * wait for the broker to answer. The decoder keeps its own fds.
  * Errors: -ENOTSUP (cannot share: kvshare_decoder_refusal()), a connect or send errno
  * (-ENOENT, -ECONNREFUSED, -EPIPE, -ETIMEDOUT) naming the socket path; a failed share's
  * id is spent and cannot be adopted.
@@ -169,8 +172,9 @@ int kvshare_decoder_share(struct kvshare_decoder *decoder, const char *socket_pa
                           uint64_t *share_id);
 
 /*
- * Accepts the provider's cells 0..n_tokens-1 for share `share_id`: it must be the latest
- * share that reached a broker and not yet adopted (-ESTALE), n_tokens must be 1..kv_size
+ * Accepts the provider's cells 0..n_tokens-1 for share `share_id`: it must have reached a
+ * broker, not been made stale by a later overlapping share, and not been adopted yet
+ * (-ESTALE; each id is adopted at most once), n_tokens must be 1..kv_size
  * (-EINVAL for 0, -ERANGE past the cache). No byte moves: on 0 the caller marks its
  * cells 0..n_tokens-1 as positions 0..n_tokens-1 of the sequence (llama_kv_cells_adopt).
  */
@@ -184,14 +188,14 @@ int kvshare_decoder_adopt(struct kvshare_decoder *decoder, uint64_t n_tokens, ui
  *
  * kvshare_decoder_share_stream: as kvshare_decoder_share, for the cells of `stream`. Share
  * ids increase across streams; a share of stream s makes only stream s's earlier ids
- * stale. Refused before connecting, spending no id: -EINVAL for stream >= n_stream
+ * stale (a whole stream overlaps every share of it). Refused before connecting, spending no id: -EINVAL for stream >= n_stream
  * (naming both), -ENOTSUP for a memory whose slots have no stream each (a unified cache
  * with n_seq_max > 1, a recurrent state with rs_size > 1): the file route serves those.
  *
  * kvshare_decoder_adopt_stream: as kvshare_decoder_adopt, for stream `stream`: -ESTALE
- * when share_id is not that stream's latest share sent to a broker (or was adopted),
- * -EINVAL when it is the latest share of another stream (naming both) or stream >=
- * n_stream. On 0 the caller marks cells 0..n_tokens-1 of that stream as its slot's
+ * when share_id never reached a broker, was made stale by a later share of that stream
+ * whose cells overlap its own (naming it and both ranges), or was adopted; -EINVAL when it
+ * is a share made for another stream (naming both) or stream >= n_stream. On 0 the caller marks cells 0..n_tokens-1 of that stream as its slot's
  * sequence positions 0..n_tokens-1.
  */
 int kvshare_decoder_share_stream(struct kvshare_decoder *decoder, const char *socket_path, uint32_t stream,
@@ -213,6 +217,10 @@ int kvshare_decoder_adopt_stream(struct kvshare_decoder *decoder, uint64_t n_tok
  * KV cache (naming first_cell, n_cells and kv_size); -ENOTSUP for a unified cache of
  * several slots without a range, for an iSWA memory's unified caches with one (the SWA
  * cache's cells are placed independently) and for a recurrent state with rs_size > 1.
+ * Staleness goes by overlap: a share of cells 100..139 stales an earlier, not yet adopted
+ * share of the same stream only when their runs share a cell, so the slots of a unified
+ * cache (disjoint runs of stream 0) hand over concurrently, each adoptable; a whole-stream
+ * share overlaps every run.
  * kvshare_decoder_adopt_stream of such a share refuses more than n_cells tokens
  * (-ERANGE naming both); on 0 the caller marks cells first_cell..first_cell+n_tokens-1
  * as the sequence's positions 0..n_tokens-1.

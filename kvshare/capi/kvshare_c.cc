@@ -12,7 +12,6 @@
 #include <cstring>
 #include <algorithm>
 #include <functional>
-#include <map>
 #include <memory>
 #include <new>
 #include <optional>
@@ -149,12 +148,6 @@ struct kvshare_decoder {
   std::string open_failure;                    // why the decoder cannot share ("" when it can)
   std::string refusal;
   std::string last_error;
-  // The latest share whose message reached a broker: a share that failed to send has no
-  // provider, so its id (spent by DecoderShare) must not be adoptable. Mirrors
-  // kvshare-decoder's engine (refmodel/decoder/refmodel_engine.cc). Per stream: a share
-  // of one stream leaves the others' adoptable.
-  std::map<uint32_t, uint64_t> sent_share_ids;
-
   bool can_share() const { return share.has_value() && share->can_share(); }
 };
 
@@ -375,7 +368,6 @@ int kvshare_decoder_share_cells(kvshare_decoder* decoder, const char* socket_pat
       d.last_error = id.error().what();
       return negative_errno(id.error());
     }
-    d.sent_share_ids[stream] = *id;
     if (share_id != nullptr) *share_id = *id;
     return 0;
   });
@@ -393,19 +385,8 @@ int kvshare_decoder_adopt_stream(kvshare_decoder* decoder, uint64_t n_tokens, ui
       d.last_error = kvshare_decoder_refusal(&d);
       return -ENOTSUP;
     }
-    // A share whose message never reached a broker has no provider: nothing to adopt. Any
-    // other mismatch (a stream past n_stream, another stream's share) DecoderShare names.
-    const auto sent = d.sent_share_ids.find(stream);
-    const bool sent_elsewhere = std::any_of(d.sent_share_ids.begin(), d.sent_share_ids.end(),
-                                            [&](const auto& entry) { return entry.second == share_id; });
-    if (!sent_elsewhere && (sent == d.sent_share_ids.end() || sent->second != share_id)) {
-      d.last_error = sent == d.sent_share_ids.end()
-                         ? fmt::format("share_id {}: no share has been sent to a broker yet (of stream {})", share_id,
-                                       stream)
-                         : fmt::format("share_id {} is not the latest share sent to a broker ({}, of stream {})",
-                                       share_id, sent->second, stream);
-      return -ESTALE;
-    }
+    // DecoderShare refuses a share that never reached a broker (no provider wrote it), one
+    // made stale by a later overlapping share, one adopted already, and another stream's.
     auto plan = d.share->adopt(n_tokens, share_id, stream);
     if (!plan) {
       d.last_error = plan.error().what();

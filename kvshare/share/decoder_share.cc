@@ -101,7 +101,7 @@ DecoderShare DecoderShare::start(layout::ShareHeader header, bool enabled, const
   DecoderShare share;
   share.flag_set_ = enabled;
   share.header_ = std::move(header);
-  share.streams_.resize(share_n_stream(share.header_.memory));
+  share.latest_of_stream_.resize(share_n_stream(share.header_.memory));
   if (!enabled) return share;
   auto regions = export_regions(share.header_.layout, options);
   if (!regions) {
@@ -124,7 +124,8 @@ DecoderShare::DecoderShare(DecoderShare&& other) noexcept
       export_failure_(std::move(other.export_failure_)),
       startup_warning_(std::move(other.startup_warning_)),
       latest_share_id_(other.latest_share_id_),
-      streams_(std::move(other.streams_)) {}
+      latest_of_stream_(std::move(other.latest_of_stream_)),
+      shares_(std::move(other.shares_)) {}
 
 Result<TensorView> DecoderShare::view(std::string_view name) const {
   if (!can_share()) return fail(ENOTSUP, "{}", share_unavailable_reason(flag_set_, export_failure_));
@@ -143,7 +144,50 @@ uint64_t DecoderShare::latest_share_id() const {
 
 uint64_t DecoderShare::latest_share_id(uint32_t stream) const {
   std::lock_guard lock(mutex_);
-  return stream < streams_.size() ? streams_[stream].latest_share_id : 0;
+  return stream < latest_of_stream_.size() ? latest_of_stream_[stream] : 0;
+}
+
+size_t DecoderShare::n_pending_shares() const {
+  std::lock_guard lock(mutex_);
+  return static_cast<size_t>(std::count_if(shares_.begin(), shares_.end(), [](const auto& entry) {
+    return entry.second.state == ShareState::pending;
+  }));
+}
+
+namespace {
+
+// Cells a share covers, as [begin, end): no range is the whole stream.
+std::pair<uint64_t, uint64_t> covered_cells(uint32_t first_cell, uint32_t n_cells) {
+  if (n_cells == 0) return {0, UINT64_MAX};
+  return {first_cell, uint64_t{first_cell} + n_cells};
+}
+
+bool cells_overlap(uint32_t first_a, uint32_t n_a, uint32_t first_b, uint32_t n_b) {
+  const auto a = covered_cells(first_a, n_a);
+  const auto b = covered_cells(first_b, n_b);
+  return a.first < b.second && b.first < a.second;
+}
+
+std::string describe_cells(uint32_t first_cell, uint32_t n_cells) {
+  return n_cells == 0 ? std::string("the whole stream")
+                      : fmt::format("cells {}..{}", first_cell, uint64_t{first_cell} + n_cells - 1);
+}
+
+}  // namespace
+
+void DecoderShare::forget_old_shares() {
+  // Pending shares stay (each stream's are disjoint, so at most its cells); of the others the
+  // oldest go first.
+  size_t done = 0;
+  for (const auto& entry : shares_) done += entry.second.state != ShareState::pending;
+  for (auto it = shares_.begin(); done > kShareHistory && it != shares_.end();) {
+    if (it->second.state == ShareState::pending) {
+      ++it;
+      continue;
+    }
+    it = shares_.erase(it);
+    --done;
+  }
 }
 
 Result<uint64_t> DecoderShare::share(const std::string& socket_path, uint32_t stream, int timeout_ms) {
@@ -162,9 +206,27 @@ Result<uint64_t> DecoderShare::share(const std::string& socket_path, ShareCells 
   {
     std::lock_guard lock(mutex_);
     share_id = ++latest_share_id_;
-    streams_[stream] = StreamShares{share_id, false, cells.first_cell, cells.n_cells};
+    latest_of_stream_[stream] = share_id;
+    // Every earlier share of this stream whose cells overlap the new one's is stale: the new
+    // provider may write those cells. Disjoint runs (other slots of a unified cache) stay.
+    for (auto& [id, earlier] : shares_) {
+      if (earlier.state != ShareState::pending || earlier.stream != stream) continue;
+      if (!cells_overlap(earlier.first_cell, earlier.n_cells, cells.first_cell, cells.n_cells)) continue;
+      earlier.state = ShareState::stale;
+      earlier.staled_by = share_id;
+    }
+    shares_[share_id] = ShareRecord{stream, cells.first_cell, cells.n_cells, ShareState::pending, 0};
+    forget_old_shares();
   }
+  // Nothing reached a broker: no provider will write, so the share cannot be adopted (the
+  // shares it made stale stay stale: their cells may have been handed out meanwhile).
+  auto unsent = [&] {
+    std::lock_guard lock(mutex_);
+    auto it = shares_.find(share_id);
+    if (it != shares_.end() && it->second.state == ShareState::pending) it->second.state = ShareState::unsent;
+  };
   if (!can_share()) {
+    unsent();
     const std::string reason = share_unavailable_reason(flag_set_, export_failure_);
     // Tell a waiting broker now rather than let it time out; it may not be listening. Even
     // a refusal goes only to a listener that passed the checks.
@@ -186,46 +248,64 @@ Result<uint64_t> DecoderShare::share(const std::string& socket_path, ShareCells 
   }
   // The only place this decoder's KV fds leave it: the listener is checked first.
   auto connection = handshake::connect_checked_listener(socket_path, timeout_ms);
-  if (!connection) return fail(connection.error().with_context(fmt::format("share {}", share_id)));
+  if (!connection) {
+    unsent();
+    return fail(connection.error().with_context(fmt::format("share {}", share_id)));
+  }
   auto sent = handshake::send_message(connection->get(), message, fds, timeout_ms);
-  if (!sent) return fail(sent.error().with_context(fmt::format("share {} to {}", share_id, socket_path)));
+  if (!sent) {
+    unsent();
+    return fail(sent.error().with_context(fmt::format("share {} to {}", share_id, socket_path)));
+  }
   return share_id;
 }
 
 Result<AdoptPlan> DecoderShare::adopt(uint64_t n_tokens, uint64_t share_id, uint32_t stream) {
   std::lock_guard lock(mutex_);
   if (!can_share()) return fail(ENOTSUP, "{}", share_unavailable_reason(flag_set_, export_failure_));
-  if (stream >= streams_.size())
+  if (stream >= latest_of_stream_.size())
     return fail(EINVAL, "adopt of share_id {} into stream {}: this decoder has {} stream(s)", share_id, stream,
-                streams_.size());
-  StreamShares& shares = streams_[stream];
-  if (share_id != shares.latest_share_id) {
-    // Only each stream's latest id is remembered: an older id of another stream reads as stale.
-    for (size_t other = 0; other < streams_.size(); ++other) {
-      if (other != stream && share_id != 0 && streams_[other].latest_share_id == share_id)
-        return fail(EINVAL, "adopt of share_id {} into stream {}: that share was made for stream {}", share_id,
-                    stream, other);
+                latest_of_stream_.size());
+  const auto found = shares_.find(share_id);
+  if (found == shares_.end()) {
+    if (latest_share_id_ == 0)
+      return fail(ESTALE, "adopt of share_id {}: no share has been made of stream {} since this decoder started",
+                  share_id, stream);
+    if (share_id == 0 || share_id > latest_share_id_)
+      return fail(ESTALE, "adopt of share_id {}: no such share, the latest is {}", share_id, latest_share_id_);
+    return fail(ESTALE, "adopt of share_id {}: it is stale, too old to be remembered (the latest share is {})",
+                share_id, latest_share_id_);
+  }
+  ShareRecord& share = found->second;
+  if (share.stream != stream)
+    return fail(EINVAL, "adopt of share_id {} into stream {}: that share was made for stream {}", share_id, stream,
+                share.stream);
+  switch (share.state) {
+    case ShareState::pending: break;
+    case ShareState::adopted: return fail(ESTALE, "adopt of share_id {}: it was already adopted", share_id);
+    case ShareState::unsent:
+      return fail(ESTALE, "adopt of share_id {}: its message never reached a broker (no provider wrote it)", share_id);
+    case ShareState::stale: {
+      const auto later = shares_.find(share.staled_by);
+      const std::string later_cells =
+          later == shares_.end() ? std::string("cells not remembered") : describe_cells(later->second.first_cell, later->second.n_cells);
+      return fail(ESTALE, "adopt of share_id {}: it is stale, the later share {} of stream {} ({}) overlaps its own ({})",
+                  share_id, share.staled_by, stream, later_cells, describe_cells(share.first_cell, share.n_cells));
     }
   }
-  if (shares.latest_share_id == 0)
-    return fail(ESTALE, "adopt of share_id {}: no share has been made of stream {} since this decoder started",
-                share_id, stream);
-  if (share_id != shares.latest_share_id)
-    return fail(ESTALE, "adopt of share_id {}: it is stale, the latest share is {} (of stream {})", share_id,
-                shares.latest_share_id, stream);
-  if (shares.latest_adopted) return fail(ESTALE, "adopt of share_id {}: it was already adopted", share_id);
   if (n_tokens == 0) return fail(EINVAL, "adopt of share_id {}: 0 tokens, nothing to adopt", share_id);
   for (const auto& cache : header_.memory.kv_caches) {
     if (n_tokens > cache.kv_size)
       return fail(ERANGE, "adopt of share_id {}: {} tokens do not fit the \"{}\" KV cache of {} cells", share_id,
                   n_tokens, cache.role, cache.kv_size);
   }
-  if (shares.n_cells > 0 && n_tokens > shares.n_cells)
+  if (share.n_cells > 0 && n_tokens > share.n_cells)
     return fail(ERANGE, "adopt of share_id {}: {} tokens do not fit the share's n_cells {} (cells {}..{} of stream {})",
-                share_id, n_tokens, shares.n_cells, shares.first_cell, shares.first_cell + shares.n_cells - 1,
-                stream);
-  shares.latest_adopted = true;
-  return AdoptPlan{share_id, static_cast<uint32_t>(n_tokens), stream, shares.first_cell, shares.n_cells};
+                share_id, n_tokens, share.n_cells, share.first_cell, share.first_cell + share.n_cells - 1, stream);
+  share.state = ShareState::adopted;
+  const AdoptPlan plan{share_id, static_cast<uint32_t>(n_tokens), stream, share.first_cell, share.n_cells};
+  forget_old_shares();
+  return plan;
 }
 
 }  // namespace kvshare

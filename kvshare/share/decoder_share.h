@@ -4,13 +4,15 @@
 //
 // Lifetime and writers: the decoder owns the regions for as long as its cache lives.
 // Between a successful share(id) of stream s and adopt(n, id, s), the provider may write
-// cells 0..n-1 of stream s of every cache tensor and the decoder must not touch them (the
-// other streams stay the decoder's: llama-server's other slots decode from them); after adopt the decoder owns
+// cells 0..n-1 of stream s (of the share's run of cells, when it names one) of every cache
+// tensor and the decoder must not touch them (the other streams and cells stay the
+// decoder's: llama-server's other slots decode from them); after adopt the decoder owns
 // every byte again (a late provider write is a protocol violation the kernel cannot stop:
 // the broker waits for its provider to exit before the router calls adopt).
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <span>
 #include <string>
@@ -86,8 +88,8 @@ std::string share_unavailable_reason(bool flag_set, std::string_view backend_rea
 bool adoptable_memory_kind(layout::MemoryKind kind);
 
 // The HTTP status for a share/adopt refusal, by its errno: ENOTSUP 501 (cannot export),
-// EPERM 403 (the listener failed a trust check), ESTALE 409 (not the latest share, or
-// already adopted), ERANGE/EINVAL 400 (token count),
+// EPERM 403 (the listener failed a trust check), ESTALE 409 (made stale by a later
+// overlapping share, never sent, or already adopted), ERANGE/EINVAL 400 (token count),
 // anything else (the broker could not be reached, a send failed) 500.
 int http_status_for(const Error& error);
 
@@ -117,9 +119,13 @@ class DecoderShare {
   // (handshake::connect_checked_listener: our uid or root, in a 0700 directory of ours;
   // EPERM naming the path and the fault otherwise, before any fd is sent), sends the
   // header, the stream and one fd per chunk, and returns the new share_id. Ids increase
-  // across streams; every earlier id of the same stream is stale from now on, even when
-  // this call fails, and the other streams' ids stay adoptable. Blocks at most
-  // `timeout_ms`; does not wait for the broker to answer.
+  // across streams. The new share makes stale every earlier, not yet adopted share of the
+  // same stream whose cells overlap its own, even when this call fails (a share without a
+  // range covers the whole stream, so it stales every earlier share of its stream, and
+  // each is staled by any later one); other streams' shares, and shares of disjoint runs of
+  // the same stream (the slots of a unified cache), stay adoptable. A share that fails
+  // (nothing reached a broker) is not adoptable itself. Blocks at most `timeout_ms`; does
+  // not wait for the broker to answer.
   // Refused before connecting, spending no id (check_share_stream): EINVAL for a stream
   // past n_stream, ENOTSUP for a memory whose slots do not have a stream each (a unified
   // cache of several slots shares with a range: the ShareCells overload).
@@ -132,16 +138,20 @@ class DecoderShare {
   // Refused before connecting, spending no id, as check_share_cells says.
   Result<uint64_t> share(const std::string& socket_path, ShareCells cells, int timeout_ms = kShareTimeoutMs);
 
-  // Accepts the provider's cells of `stream`: share_id must be that stream's latest share
-  // and not yet adopted (ESTALE); the latest share of another stream is EINVAL naming
-  // both streams; n_tokens must be 1..kv_size of every KV cache (ERANGE / EINVAL) and, for
-  // a share that named a range, at most its n_cells (ERANGE naming both).
+  // Accepts the provider's cells of `stream`: share_id must be a share of that stream that
+  // reached a broker, was not made stale by a later overlapping share and was not adopted
+  // yet (ESTALE, naming the later share and both ranges when stale); a share made for
+  // another stream is EINVAL naming both streams; n_tokens must be 1..kv_size of every KV
+  // cache (ERANGE / EINVAL) and, for a share that named a range, at most its n_cells
+  // (ERANGE naming both). A refusal leaves the share as it was.
   Result<AdoptPlan> adopt(uint64_t n_tokens, uint64_t share_id, uint32_t stream = 0);
 
   // The latest share of any stream (0: none yet).
   uint64_t latest_share_id() const;
   // The latest share of `stream` (0: none yet, or a stream past n_stream).
   uint64_t latest_share_id(uint32_t stream) const;
+  // How many shares could still be adopted (made, sent or sending, neither stale nor adopted).
+  size_t n_pending_shares() const;
   uint32_t n_stream() const { return share_n_stream(header_.memory); }
 
  private:
@@ -153,16 +163,22 @@ class DecoderShare {
   bool flag_set_ = false;
   std::string export_failure_;
   std::string startup_warning_;
-  // What adopt needs of one stream's shares.
-  struct StreamShares {
-    uint64_t latest_share_id = 0;
-    bool latest_adopted = false;
-    uint32_t first_cell = 0;  // the latest share's range (resolved; 0, 0: the whole stream)
+  // What adopt needs of one share. Kept while pending; once adopted, stale or unsent only
+  // the latest kShareHistory of them, so a refusal can still say why.
+  enum class ShareState { pending, adopted, stale, unsent };
+  struct ShareRecord {
+    uint32_t stream = 0;
+    uint32_t first_cell = 0;  // the share's range (resolved; 0, 0: the whole stream)
     uint32_t n_cells = 0;
+    ShareState state = ShareState::pending;
+    uint64_t staled_by = 0;   // the later overlapping share (state stale)
   };
+  static constexpr size_t kShareHistory = 1024;
+  void forget_old_shares();  // under mutex_
   mutable std::mutex mutex_;   // share and adopt may come from different HTTP threads
-  uint64_t latest_share_id_ = 0;       // of any stream: ids increase across streams
-  std::vector<StreamShares> streams_;  // [n_stream]
+  uint64_t latest_share_id_ = 0;          // of any stream: ids increase across streams
+  std::vector<uint64_t> latest_of_stream_;  // [n_stream]
+  std::map<uint64_t, ShareRecord> shares_;  // by share_id
 };
 
 }  // namespace kvshare

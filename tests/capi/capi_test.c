@@ -252,7 +252,7 @@ static void adopt_takes_only_the_latest_sent_share_once(void) {
     struct kvshare_decoder *d = NULL;
     CHECK_RC(kvshare_decoder_open(model_path("llama", 3), &params, &d), 0);
     CHECK_RC(kvshare_decoder_adopt(d, 4, 1), -ESTALE);
-    CHECK_CONTAINS(kvshare_decoder_last_error(d), "no share has been sent");
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "no share has been made");
 
     char socket_path[4096];
     int listener = listen_at("capi-adopt.sock", socket_path, sizeof socket_path);
@@ -267,7 +267,7 @@ static void adopt_takes_only_the_latest_sent_share_once(void) {
     CHECK(second == first + 1);
 
     CHECK_RC(kvshare_decoder_adopt(d, 4, first), -ESTALE);
-    CHECK_CONTAINS(kvshare_decoder_last_error(d), "not the latest");
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "it is stale, the later share");
     CHECK_RC(kvshare_decoder_adopt(d, 0, second), -EINVAL);
     CHECK_CONTAINS(kvshare_decoder_last_error(d), "0 tokens");
     CHECK_RC(kvshare_decoder_adopt(d, 257, second), -ERANGE);
@@ -285,6 +285,7 @@ static void adopt_takes_only_the_latest_sent_share_once(void) {
     CHECK(rc == -ENOENT || rc == -ECONNREFUSED);
     CHECK_CONTAINS(kvshare_decoder_last_error(d), "capi-nobody-listens.sock");
     CHECK_RC(kvshare_decoder_adopt(d, 4, second + 1), -ESTALE);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "never reached a broker");
     close(listener);
     unlink(socket_path);
     kvshare_decoder_close(d);
@@ -1379,6 +1380,39 @@ static void share_cells_to_a_unified_cache_names_the_range(void) {
 }
 
 /* The resident loop sets the region's cells from the prefill message's range. */
+/* Issue #27: two slots of a unified cache hand over at once. Shares of disjoint runs of
+ * stream 0, both made before either adopt, are both adoptable; a later share whose run
+ * overlaps an earlier one's makes only that one stale. */
+static void shares_of_disjoint_cells_are_each_adoptable(void) {
+    struct kvshare_kv_params params = unified_three_slot_params();
+    struct kvshare_decoder *d = NULL;
+    CHECK_RC(kvshare_decoder_open(model_path("llama", 3), &params, &d), 0);
+    char socket_path[4096];
+    int listener = listen_at("capi-disjoint.sock", socket_path, sizeof socket_path);
+    const uint32_t runs[4][2] = {{0, 60}, {60, 57}, {200, 20}, {210, 5}}; /* the last overlaps the third */
+    uint64_t ids[4] = {0, 0, 0, 0};
+    for (int i = 0; i < 4; ++i) {
+        int fds[16], n_fds = 0;
+        const int rc = kvshare_decoder_share_cells(d, socket_path, 0, runs[i][0], runs[i][1], 2000, &ids[i]);
+        CHECK_RC(rc, 0);
+        if (rc == 0) free(receive_share(listener, fds, 16, &n_fds));
+        for (int f = 0; f < n_fds; ++f) close(fds[f]);
+    }
+    close(listener);
+    unlink(socket_path);
+    CHECK(ids[0] < ids[1] && ids[1] < ids[2] && ids[2] < ids[3]);
+    CHECK_RC(kvshare_decoder_adopt_stream(d, 57, ids[1], 0), 0);
+    CHECK_RC(kvshare_decoder_adopt_stream(d, 61, ids[0], 0), -ERANGE); /* past its n_cells 60 */
+    CHECK_RC(kvshare_decoder_adopt_stream(d, 60, ids[0], 0), 0);
+    CHECK_RC(kvshare_decoder_adopt_stream(d, 20, ids[2], 0), -ESTALE);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "(cells 210..214) overlaps its own (cells 200..219)");
+    CHECK_RC(kvshare_decoder_adopt_stream(d, 5, ids[3], 1), -EINVAL); /* stream 1 of a one-stream cache */
+    CHECK_RC(kvshare_decoder_adopt_stream(d, 5, ids[3], 0), 0);
+    CHECK_RC(kvshare_decoder_adopt_stream(d, 5, ids[3], 0), -ESTALE);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "already adopted");
+    kvshare_decoder_close(d);
+}
+
 static void resident_prefill_sets_the_cells_of_the_region(void) {
     const char *model = model_path("llama", 3);
     struct decoder_share s;
@@ -1471,6 +1505,7 @@ static const struct test tests[] = {
     {"ProviderScatterWritesOnlyItsStream", provider_scatter_writes_only_its_stream},
     {"ResidentPrefillNamesTheStreamOfTheRegion", resident_prefill_names_the_stream_of_the_region},
     {"ShareCellsToAUnifiedCacheNamesTheRange", share_cells_to_a_unified_cache_names_the_range},
+    {"SharesOfDisjointCellsAreEachAdoptable", shares_of_disjoint_cells_are_each_adoptable},
     {"ResidentPrefillSetsTheCellsOfTheRegion", resident_prefill_sets_the_cells_of_the_region},
 };
 

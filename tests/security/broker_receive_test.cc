@@ -366,7 +366,7 @@ TEST_F(BrokerReceive, RefusesAdoptOfAShareThatAnotherSocketReceived) {
   auto stale = decoder.share.adopt(4, *first);
   ASSERT_FALSE(stale);
   EXPECT_EQ(stale.error().errno_value(), ESTALE);
-  EXPECT_THAT(stale.error().message(), HasSubstr(fmt::format("it is stale, the latest share is {}", *second)));
+  EXPECT_THAT(stale.error().message(), HasSubstr(fmt::format("it is stale, the later share {} of stream 0", *second)));
 }
 
 }  // namespace

@@ -200,7 +200,9 @@ TEST_F(ShareAdopt, RefusesAStaleShareId) {
   auto stale = decoder.adopt(3, *first);
   ASSERT_FALSE(stale);
   EXPECT_EQ(stale.error().errno_value(), ESTALE);
-  EXPECT_NE(stale.error().message().find(fmt::format("share_id {}: it is stale, the latest share is {}", *first, *second)),
+  EXPECT_NE(stale.error().message().find(fmt::format("share_id {}: it is stale, the later share {} of stream 0 (the "
+                                                     "whole stream) overlaps its own (the whole stream)",
+                                                     *first, *second)),
             std::string::npos) << stale.error().message();
   EXPECT_EQ(http_status_for(stale.error()), 409);
   ASSERT_TRUE(decoder.adopt(3, *second));
@@ -355,6 +357,122 @@ TEST_F(ShareAdopt, AShareOfARunOfCellsOfAUnifiedCacheReachesTheBroker) {
   ASSERT_TRUE(whole) << whole.error().what();
   EXPECT_EQ(whole->first_cell, 0u);
   EXPECT_EQ(whole->n_cells, 0u);
+}
+
+// Issue #27, a unified cache: two slots' shares made one after the other, both before
+// either adopt. Disjoint runs of stream 0 are both adoptable, in either order; only a later
+// share whose cells overlap an earlier one's makes that one stale.
+TEST_F(ShareAdopt, DisjointRunsOfOneStreamAreBothAdoptable) {
+  auto decoder = DecoderShare::start(unified_three_slot_header(), true, memfd_only());
+  ASSERT_TRUE(decoder.can_share()) << decoder.startup_warning();
+  auto broker = ShareBroker::listen();
+  ASSERT_TRUE(broker);
+  auto share = [&](ShareCells cells) -> Result<uint64_t> {  // received at once: a small backlog
+    auto id = decoder.share(broker->socket_path(), cells, 2000);
+    if (id) EXPECT_TRUE(broker->receive(2000));
+    return id;
+  };
+  auto slot1 = share(ShareCells{0, 0, 60});    // cells 0..59
+  auto slot2 = share(ShareCells{0, 60, 57});   // cells 60..116
+  auto slot3 = share(ShareCells{0, 200, 0});   // 200..511
+  ASSERT_TRUE(slot1 && slot2 && slot3);
+  EXPECT_LT(*slot1, *slot2);
+  EXPECT_LT(*slot2, *slot3);
+  EXPECT_EQ(decoder.latest_share_id(0), *slot3);
+  EXPECT_EQ(decoder.n_pending_shares(), 3u);
+  auto plan2 = decoder.adopt(57, *slot2, 0);
+  ASSERT_TRUE(plan2) << plan2.error().what();
+  EXPECT_EQ(plan2->first_cell, 60u);
+  auto plan1 = decoder.adopt(60, *slot1, 0);
+  ASSERT_TRUE(plan1) << "a share of cells 60..116 made the share of cells 0..59 stale: " << plan1.error().what();
+  EXPECT_EQ(plan1->first_cell, 0u);
+  EXPECT_EQ(plan1->n_tokens, 60u);
+  auto plan3 = decoder.adopt(312, *slot3, 0);
+  ASSERT_TRUE(plan3) << plan3.error().what();
+  EXPECT_EQ(plan3->n_cells, 312u);
+  EXPECT_EQ(decoder.n_pending_shares(), 0u);
+  // Each id once.
+  auto again = decoder.adopt(57, *slot2, 0);
+  ASSERT_FALSE(again);
+  EXPECT_EQ(again.error().errno_value(), ESTALE);
+  EXPECT_NE(again.error().message().find("already adopted"), std::string::npos) << again.error().what();
+}
+
+TEST_F(ShareAdopt, AnOverlappingRunStalesTheEarlierShareOnly) {
+  auto decoder = DecoderShare::start(unified_three_slot_header(), true, memfd_only());
+  auto broker = ShareBroker::listen();
+  ASSERT_TRUE(broker);
+  // Each share received at once: the broker's listen backlog is small.
+  auto share = [&](DecoderShare& from, ShareCells cells) -> Result<uint64_t> {
+    auto id = from.share(broker->socket_path(), cells, 2000);
+    if (id) EXPECT_TRUE(broker->receive(2000));
+    return id;
+  };
+  auto a = share(decoder, ShareCells{0, 0, 60});     // 0..59
+  auto b = share(decoder, ShareCells{0, 100, 20});   // 100..119
+  auto c = share(decoder, ShareCells{0, 59, 10});    // 59..68: overlaps a at 59
+  ASSERT_TRUE(a && b && c);
+  auto stale = decoder.adopt(10, *a, 0);
+  ASSERT_FALSE(stale);
+  EXPECT_EQ(stale.error().errno_value(), ESTALE);
+  EXPECT_EQ(http_status_for(stale.error()), 409);
+  EXPECT_NE(stale.error().message().find(fmt::format(
+                "share_id {}: it is stale, the later share {} of stream 0 (cells 59..68) overlaps its own (cells 0..59)", *a,
+                *c)),
+            std::string::npos)
+      << stale.error().what();
+  EXPECT_TRUE(decoder.adopt(20, *b, 0)) << "a run that overlaps only a made the disjoint b stale";
+  // An adopted share is not made stale again, and the refusals above left c as it was.
+  auto d = share(decoder, ShareCells{0, 110, 5});  // overlaps adopted b, not c
+  ASSERT_TRUE(d);
+  EXPECT_TRUE(decoder.adopt(10, *c, 0));
+  // ERANGE past the share's n_cells still holds, and leaves the share adoptable.
+  auto too_many = decoder.adopt(6, *d, 0);
+  ASSERT_FALSE(too_many);
+  EXPECT_EQ(too_many.error().errno_value(), ERANGE);
+  // A share of the whole stream (no range) overlaps every run.
+  auto e = share(decoder, ShareCells{0, 300, 10});
+  ASSERT_TRUE(e);
+  auto whole_decoder = DecoderShare::start(testing::small_share_header(512), true, memfd_only());
+  auto r1 = share(whole_decoder, ShareCells{0, 10, 5});
+  auto r2 = share(whole_decoder, ShareCells{0, 400, 5});
+  auto all = share(whole_decoder, ShareCells{});
+  ASSERT_TRUE(r1 && r2 && all);
+  EXPECT_EQ(whole_decoder.adopt(5, *r1, 0).error().errno_value(), ESTALE);
+  EXPECT_EQ(whole_decoder.adopt(5, *r2, 0).error().errno_value(), ESTALE);
+  EXPECT_TRUE(whole_decoder.adopt(5, *all, 0));
+  EXPECT_TRUE(decoder.adopt(5, *d, 0));
+  EXPECT_TRUE(decoder.adopt(10, *e, 0));
+}
+
+// A share whose message reached no broker spends its id and still makes the earlier
+// overlapping share stale, but is not adoptable itself (no provider wrote its cells).
+TEST_F(ShareAdopt, AShareThatReachedNoBrokerIsNotAdoptable) {
+  testing::TempDir dir;
+  auto decoder = DecoderShare::start(unified_three_slot_header(), true, memfd_only());
+  auto broker = ShareBroker::listen();
+  ASSERT_TRUE(broker);
+  auto share = [&](ShareCells cells) -> Result<uint64_t> {  // received at once: a small backlog
+    auto id = decoder.share(broker->socket_path(), cells, 2000);
+    if (id) EXPECT_TRUE(broker->receive(2000));
+    return id;
+  };
+  auto sent = share(ShareCells{0, 0, 10});
+  auto kept = share(ShareCells{0, 50, 10});
+  ASSERT_TRUE(sent && kept);
+  auto lost = decoder.share((dir / "nobody.sock").string(), ShareCells{0, 5, 10}, 200);
+  ASSERT_FALSE(lost);
+  const uint64_t lost_id = decoder.latest_share_id();
+  EXPECT_EQ(lost_id, *kept + 1);
+  auto never = decoder.adopt(5, lost_id, 0);
+  ASSERT_FALSE(never);
+  EXPECT_EQ(never.error().errno_value(), ESTALE);
+  EXPECT_NE(never.error().message().find("never reached a broker"), std::string::npos) << never.error().what();
+  EXPECT_EQ(decoder.adopt(5, *sent, 0).error().errno_value(), ESTALE);
+  EXPECT_TRUE(decoder.adopt(5, *kept, 0));
+  auto unknown = decoder.adopt(5, lost_id + 1, 0);
+  ASSERT_FALSE(unknown);
+  EXPECT_EQ(unknown.error().errno_value(), ESTALE);
 }
 
 TEST_F(ShareAdopt, RefusesARangePastKvSizeBeforeConnecting) {
