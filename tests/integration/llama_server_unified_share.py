@@ -6,9 +6,10 @@ stream, wherever llama.cpp put them; issue #27, many slots).
 
 With -c 1536 -np 3 -kvu on kvshare-mkmodel's qwen3, the server started directly
 (ONEBIT_KV_SHARE=1) and this test as the broker:
-- while slot 0 streams a long reply, POST /slots/{1,2}?action=share with the prompt's ids:
-  the reply and the share message name a run of cells (first_cell, n_cells = the ids),
-  inside the cache and disjoint from each other; llama-kvshare-prefill --first-cell C
+- while slot 0 streams a long reply, POST /slots/{1,2}?action=share with the prompt's ids,
+  both before either adopt: the reply and the share message name a run of cells
+  (first_cell, n_cells = the ids), inside the cache and disjoint from each other, so both
+  shares stay adoptable; llama-kvshare-prefill --first-cell C
   --cells N prefills each prompt into its run; the slot adopts it; afterwards a completion
   on each slot evaluates one token and replies (text, top logprobs within 1e-3) as the
   server does after its own prefill of that prompt in that slot, and slot 0's streamed
@@ -20,7 +21,7 @@ With -c 1536 -np 3 -kvu on kvshare-mkmodel's qwen3, the server started directly
 - a share with more ids than any run of free cells is refused (503, naming the file route)
   and the slot keeps its cached prompt (the next completion evaluates one token);
 - a share without ids is refused (501: a unified cache reserves cells for the ids).
-The server runs with --cache-ram 0 (see EXTRA).
+The server runs with llama-server's default RAM prompt cache (see EXTRA).
 
 usage: llama_server_unified_share.py BIN_DIR
 """
@@ -54,10 +55,9 @@ for needed in (PREFILL, MKMODEL):
 
 WORK = temp_dir()
 N_CTX = 1536
-# --cache-ram 0: no prompt cache, so llama-server keeps idle slots' cells instead of moving
-# them to RAM at each task start (its purge of a unified cache; a reserved slot is skipped,
-# but an adopted one would be saved and restored, which this test does not measure).
-EXTRA = ["--cache-ram", "0"]
+# llama-server's defaults, as kvshare-serve runs it: its RAM prompt cache saves idle slots at
+# each task start and, with a unified cache, clears them (an adopted slot included).
+EXTRA = []
 # Prompts inside the generated vocabulary (134 tokens), of different lengths.
 PROMPTS = {1: [5 + (7 * i) % 120 for i in range(40)], 2: [9 + (11 * i) % 117 for i in range(57)]}
 PROMPT_0 = [3 + (5 * i) % 121 for i in range(24)]
@@ -281,13 +281,16 @@ def test_slots_1_and_2_handed_over_while_slot_0_streams():
         spans = []
         ranges = {}
         try:
-            # One slot after the other: a share of the one stream stales the stream's earlier
-            # share (kvshare keeps the latest share per stream).
+            # Both shares before either adopt: the two runs of the one stream are disjoint,
+            # so slot 2's share leaves slot 1's adoptable (kvshare stales only an earlier
+            # share whose cells overlap the new one's).
+            handed_over = {}
             for slot in (1, 2):
-                (shared, message, fds), span = timed(lambda: share(server, slot, PROMPTS[slot], "%s-s%d" %
-                                                                   (name, slot)))
+                (handed_over[slot], span) = timed(lambda: share(server, slot, PROMPTS[slot], "%s-s%d" % (name, slot)))
                 spans.append(span)
-                ranges[slot] = (shared["first_cell"], shared["n_cells"])
+                ranges[slot] = (handed_over[slot][0]["first_cell"], handed_over[slot][0]["n_cells"])
+            for slot in (1, 2):
+                shared, message, fds = handed_over[slot]
                 if slot == 1:
                     # More ids than the run's cells: a usage error, nothing written.
                     bad = prefill(name + "-long", message, [os.dup(fd) for fd in fds], PROMPTS[2], shared["first_cell"],
@@ -299,11 +302,13 @@ def test_slots_1_and_2_handed_over_while_slot_0_streams():
                                shared["n_cells"])
                 check(done.returncode == 0, "%s: llama-kvshare-prefill --first-cell %d --cells %d exit %d:\n%s" %
                       (name, shared["first_cell"], shared["n_cells"], done.returncode, done.stderr))
+            for slot in (1, 2):
+                shared = handed_over[slot][0]
                 (status, adopted), span = timed(lambda: server.post(
                     "/slots/%d?action=adopt" % slot, {"tokens": PROMPTS[slot], "share_id": shared["share_id"]}))
                 spans.append(span)
                 check(status == 200 and adopted["n_adopted"] == len(PROMPTS[slot]),
-                      "%s: adopt in slot %d: %s %s" % (name, slot, status, adopted))
+                      "%s: adopt in slot %d (both slots shared first): %s %s" % (name, slot, status, adopted))
                 print("  slot %d: cells %d..%d" % (slot, ranges[slot][0], sum(ranges[slot]) - 1), flush=True)
         finally:
             background.stop(reference)
