@@ -53,6 +53,14 @@ int main(int argc, char** argv) {
   auto* stream_opt = app.add_option("--stream", stream,
                                     "shared route only: the decoder's KV stream to write (slot S of llama-server -np N "
                                     "without --kv-unified); below the layout header's n_stream; default 0");
+  uint32_t first_cell = 0, n_cells = 0;
+  auto* first_cell_opt = app.add_option("--first-cell", first_cell,
+                                        "shared route only: the first cell of the share's run of cells (a unified KV "
+                                        "cache of several slots: the cells the decoder reserved for the sequence); "
+                                        "id p is written at cell C + p; default 0");
+  auto* cells_opt = app.add_option("--cells", n_cells,
+                                   "shared route only: the share's number of cells from --first-cell; the ids must fit "
+                                   "(default: to the end of the stream)");
   app.add_option("-t,--threads", r.n_threads, "threads (0: all cores)")->capture_default_str();
   uint32_t state_version = 0;
   auto* version = app.add_option("--state-version", state_version,
@@ -69,7 +77,7 @@ int main(int argc, char** argv) {
                        ->check(CLI::Range(3, INT_MAX));
   serve->excludes(serve_fd);
   // A resident provider takes the ids, the region, the stream and the KV params from each request.
-  for (auto* per_request : {tokens, out, layout, fd_list, cached, stream_opt, ctx_size, cache_k, cache_v, flash, version,
+  for (auto* per_request : {tokens, out, layout, fd_list, cached, stream_opt, first_cell_opt, cells_opt, ctx_size, cache_k, cache_v, flash, version,
                             parallel, unified}) {
     serve->excludes(per_request);
     serve_fd->excludes(per_request);
@@ -106,6 +114,8 @@ int main(int argc, char** argv) {
   }
   if (cached->count() > 0) r.n_cached = n_cached;
   if (stream_opt->count() > 0) r.stream = stream;
+  if (first_cell_opt->count() > 0) r.first_cell = first_cell;
+  if (cells_opt->count() > 0) r.n_cells = n_cells;
 
   auto type_k = kvshare::layout::parse_cache_type(ctk);
   auto type_v = kvshare::layout::parse_cache_type(ctv);

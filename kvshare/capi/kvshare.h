@@ -190,7 +190,8 @@ int kvshare_decoder_adopt(struct kvshare_decoder *decoder, uint64_t n_tokens, ui
  * ids increase across streams; a share of stream s makes only stream s's earlier ids
  * stale (a whole stream overlaps every share of it). Refused before connecting, spending no id: -EINVAL for stream >= n_stream
  * (naming both), -ENOTSUP for a memory whose slots have no stream each (a unified cache
- * with n_seq_max > 1, a recurrent state with rs_size > 1): the file route serves those.
+ * with n_seq_max > 1: kvshare_decoder_share_cells names the sequence's cells instead; a
+ * recurrent state with rs_size > 1): the file route serves those.
  *
  * kvshare_decoder_adopt_stream: as kvshare_decoder_adopt, for stream `stream`: -ESTALE
  * when share_id never reached a broker, was made stale by a later share of that stream

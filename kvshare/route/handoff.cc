@@ -253,6 +253,30 @@ tl::expected<double, StepResult> adopt_cells(const HandoffContext& context, int 
                                         !erased));
 }
 
+}  // namespace
+
+std::vector<std::string> shared_provider_flags(const ReceivedShare& share, size_t n_cached) {
+  std::vector<std::string> flags;
+  // The slot's stream; stream 0 goes unsaid, so a provider from before streams serves -np 1.
+  if (share.stream > 0) flags.insert(flags.end(), {"--stream", std::to_string(share.stream)});
+  // The share's run of cells, only when it named one: a provider from before ranges
+  // serves every share that names none.
+  if (share.n_cells > 0)
+    flags.insert(flags.end(),
+                 {"--first-cell", std::to_string(share.first_cell), "--cells", std::to_string(share.n_cells)});
+  if (n_cached > 0) flags.insert(flags.end(), {"--cached", std::to_string(n_cached)});
+  return flags;
+}
+
+std::string share_range_shortfall(const ReceivedShare& share, size_t n_ids) {
+  if (share.n_cells == 0 || share.n_cells >= n_ids) return "";
+  return fmt::format("the share names cells {}..{} of stream {} ({} cells), fewer than the {} tokens handed over",
+                     share.first_cell, uint64_t{share.first_cell} + share.n_cells - 1, share.stream, share.n_cells,
+                     n_ids);
+}
+
+namespace {
+
 StepResult shared_route(const HandoffContext& context, std::span<const int32_t> handoff_ids,
                         const std::filesystem::path& ids_path, uint64_t sequence, HandoffReport& report) {
   const ServeConfig& config = *context.config;
@@ -303,6 +327,12 @@ StepResult shared_route(const HandoffContext& context, std::span<const int32_t> 
   if (!(context.resident_provider ? context.resident_provider->takes_cached() : context.provider_takes_cached.load()))
     n_cached = 0;
   report.phases.share_ms = share_wall_ms;
+  // A share of a run of cells (a unified cache: the cells the decoder reserved for the
+  // sequence) must hold every id handed over; no provider has written anything yet.
+  if (std::string shortfall = share_range_shortfall(*share, handoff_ids.size()); !shortfall.empty())
+    return {Step::take_file_route, "share_range_short", shortfall};
+  // A unified cache's share never has cached cells (the decoder answers n_cached 0).
+  if (share->first_cell > 0) n_cached = 0;
 
   // From here the provider may write into the region: no file route, only forwarding.
   // Cells 0..n_cached-1 are the decoder's own and stay as they are; the provider reads them
@@ -314,9 +344,7 @@ StepResult shared_route(const HandoffContext& context, std::span<const int32_t> 
                                                        provider_timeout(config));
     std::vector<std::string> argv = shared_provider_command(config, ids_path.string());
     argv.insert(argv.end(), {"--layout", "{layout}", "--fds", "{fds}"});
-    // The slot's stream; stream 0 goes unsaid, so a provider from before streams serves -np 1.
-    if (share->stream > 0) argv.insert(argv.end(), {"--stream", std::to_string(share->stream)});
-    if (cached > 0) argv.insert(argv.end(), {"--cached", std::to_string(cached)});
+    for (std::string& flag : shared_provider_flags(*share, cached)) argv.push_back(std::move(flag));
     return provider_run_from(broker->run_provider(*share, argv, static_cast<int>(provider_timeout(config).count())));
   };
   if (n_cached < handoff_ids.size()) {

@@ -22,6 +22,7 @@
 #include <semaphore>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "kvshare/route/decoder_client.h"
 #include "kvshare/route/handoff_policy.h"
@@ -30,6 +31,10 @@
 #include "kvshare/route/serve_config.h"
 #include "kvshare/route/slot_queue.h"
 #include "kvshare/route/slot_record.h"
+
+namespace kvshare {
+struct ReceivedShare;  // kvshare/share/broker.h
+}  // namespace kvshare
 
 namespace kvshare::route {
 
@@ -81,6 +86,15 @@ std::string hybrid_line(const HandoffReport& report, double first_byte_ms);
 // A request forwarded by decision:
 //   hybrid: N prompt tokens, P cached: forwarded (WHY), first byte Z ms
 std::string forwarded_line(const HandoffReport& report, double first_byte_ms);
+
+// What a per-request provider is told of `share` after the shared route's command:
+// `--stream S` when S > 0 and `--first-cell C --cells N` when the share named a run of
+// cells (a unified cache), each only then, so a provider from before streams or ranges
+// serves every share that needs neither; `--cached P` when P > 0.
+std::vector<std::string> shared_provider_flags(const ReceivedShare& share, size_t n_cached);
+// Why the share's run of cells cannot take `n_ids` ids (the file route's reason), "" when
+// it can or the share named no range.
+std::string share_range_shortfall(const ReceivedShare& share, size_t n_ids);
 
 // The phases of a handed-off request, after its hybrid line ("first token" is what is left of
 // the first byte: the decoder's evaluation of the last token and the relay):

@@ -192,6 +192,8 @@ ProviderRun ResidentProvider::prefill_shared(const ReceivedShare& share, std::sp
   request.route = PrefillRoute::shared;
   request.share_id = share.share_id;
   request.stream = share.stream;
+  request.first_cell = share.first_cell;  // the share's run of cells, if it named one
+  request.n_cells = share.n_cells;
   request.n_cached = n_cached;
   request.tokens.assign(ids.begin(), ids.end());
   return prefill(request, &share, timeout);

@@ -4,9 +4,10 @@
 //
 // Lifetime and writers: the decoder owns the regions for as long as its cache lives.
 // Between a successful share(id) of stream s and adopt(n, id, s), the provider may write
-// cells 0..n-1 of stream s (of the share's run of cells, when it names one) of every cache
-// tensor and the decoder must not touch them (the other streams and cells stay the
-// decoder's: llama-server's other slots decode from them); after adopt the decoder owns
+// cells 0..n-1 of stream s of every cache tensor (with a run of cells, ShareCells: cells
+// first_cell..first_cell+n-1, n <= n_cells) and the decoder must not touch them (the other
+// streams and cells stay the decoder's: llama-server's other slots decode from them); after
+// adopt the decoder owns
 // every byte again (a late provider write is a protocol violation the kernel cannot stop:
 // the broker waits for its provider to exit before the router calls adopt).
 #pragma once

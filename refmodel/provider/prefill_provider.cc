@@ -1,5 +1,7 @@
 #include "refmodel/provider/prefill_provider.h"
 
+#include "kvshare/share/decoder_share.h"
+
 #include <fmt/format.h>
 
 #include <charconv>
@@ -51,6 +53,12 @@ Error stream_on_file_route_error() {
                        "(its slot); the file route (--out) writes one sequence's state file");
 }
 
+Error cells_on_file_route_error(const PrefillRequest& r) {
+  return Error(EINVAL, fmt::format("{} is for the shared route (--layout/--fds), where it names the cells of the "
+                                   "decoder's KV stream the share hands over; the file route (--out) writes one "
+                                   "sequence's state file", r.first_cell ? "--first-cell" : "--cells"));
+}
+
 Result<PrefillReport> run_file_route(const PrefillRequest& r) {
   auto in = load_inputs(r);
   if (!in) return fail(in.error());
@@ -75,6 +83,12 @@ Result<PrefillReport> run_shared_route(const PrefillRequest& r, std::vector<Fd> 
   if (auto fits = check_region_fits(*theirs, in->tokens.size(), n_cached, source); !fits) return fail(fits.error());
   const uint32_t stream = r.stream.value_or(0);
   if (auto in_range = check_region_stream(*theirs, stream, n_cached, source); !in_range) return fail(in_range.error());
+  // --first-cell C alone: the cells to the end of the stream.
+  const ShareCells cells_named = resolve_share_cells(theirs->memory, ShareCells{stream, r.first_cell.value_or(0),
+                                                                                r.n_cells.value_or(0)});
+  const uint32_t first_cell = cells_named.first_cell, n_cells = cells_named.n_cells;
+  if (auto cells = check_region_cells(*theirs, first_cell, n_cells, in->tokens.size(), n_cached, source); !cells)
+    return fail(cells.error());
   if (fds.size() != theirs->layout.chunks.size())
     return fail(EINVAL, "--fds gives {} descriptors, layout header {} has {} chunks", fds.size(), r.layout_path,
                 theirs->layout.chunks.size());
@@ -83,7 +97,8 @@ Result<PrefillReport> run_shared_route(const PrefillRequest& r, std::vector<Fd> 
   auto share = ProviderShare::open(r.layout_path, fd_numbers, *ours);
   if (!share) return fail(share.error().with_context(fmt::format("model {}", r.model_path)));
   // A fresh mapping: memfd chunks are written through their descriptors (chunk_file.h).
-  const RegionTarget target{share->header(), share->imported(), share->imported().chunk_files(), stream};
+  const RegionTarget target{share->header(), share->imported(), share->imported().chunk_files(), stream, first_cell,
+                            n_cells};
   PrivateContext own;
   return prefill_region(in->model, target, in->tokens, n_cached, r.n_threads, source, own);
 }
@@ -137,6 +152,8 @@ Result<std::vector<int32_t>> parse_token_ids(std::string_view text, std::string_
 
 Result<void> check_prefill_usage(const PrefillRequest& request) {
   if (request.stream && request.layout_path.empty()) return fail(stream_on_file_route_error());
+  if ((request.first_cell || request.n_cells) && request.layout_path.empty())
+    return fail(cells_on_file_route_error(request));
   if (request.stream && *request.stream > 0) {
     // An unreadable header is a failed prefill (exit 1), reported by run_prefill.
     if (auto header = read_header_file(request.layout_path); header) {
@@ -164,6 +181,8 @@ Result<PrefillReport> run_prefill(const PrefillRequest& request) {
   for (int fd : request.fds) fds.emplace_back(fd);
   if (request.n_cached && request.layout_path.empty()) return fail(cached_on_file_route_error());
   if (request.stream && request.layout_path.empty()) return fail(stream_on_file_route_error());
+  if ((request.first_cell || request.n_cells) && request.layout_path.empty())
+    return fail(cells_on_file_route_error(request));
   if (!request.layout_path.empty()) {
     if (!request.out_path.empty()) return fail(EINVAL, "--out and --layout exclude each other: pick the file or the shared route");
     return run_shared_route(request, std::move(fds));

@@ -54,11 +54,16 @@ struct PrefillRequest {
   // --kv-unified) whose cells are written; below the header's n_stream. Unset and 0 are
   // the same on the shared route; set at all on the file route is refused.
   std::optional<uint32_t> stream;
+  // --first-cell C --cells N (shared route only): the share's run of cells of the stream
+  // (a unified cache of several slots): id p is written at cell C + p, p < N. Unset: no
+  // range, cells 0.. as before. Set at all on the file route is refused.
+  std::optional<uint32_t> first_cell;
+  std::optional<uint32_t> n_cells;
   int n_threads = 0;              // 0: all cores
 };
 
 // The refusals that are the caller's usage, not a failed prefill (kvshare-prefill exits 2
-// for them): --cached or --stream on the file route, --cached not below the number of ids,
+// for them): --cached, --stream, --first-cell or --cells on the file route, --cached not below the number of ids,
 // --stream past the layout header's n_stream. Reads the
 // ids file for the latter; an ids file that cannot be read or parsed is left to
 // run_prefill, which names what is wrong with it.

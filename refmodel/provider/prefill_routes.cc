@@ -69,6 +69,7 @@ Result<PrefillReport> scatter_into_region(const ProviderModel& model, const Regi
     const auto w0 = Clock::now();
     xdna::ScatterBatch batch = scatter_batch_of(rows, rotation_disabled, n_threads);
     batch.stream = target.stream;
+    batch.pos0 += target.first_cell;  // a range: position p at cell first_cell + p
     auto scattered = xdna::scatter(scatter_target, batch);
     write_ms += ms_since(w0);
     return scattered;
@@ -129,6 +130,28 @@ Result<void> check_region_fits(const layout::ShareHeader& header, size_t n_ids, 
   return {};
 }
 
+Result<void> check_region_cells(const layout::ShareHeader& header, uint32_t first_cell, uint32_t n_cells,
+                                size_t n_ids, uint32_t n_cached, const IdsSource& source) {
+  if (first_cell == 0 && n_cells == 0) return {};
+  if (n_cells == 0)
+    return fail(EINVAL, "{} {} without {}: a range names its cells", source.first_cell, first_cell, source.n_cells);
+  if (header.memory.kv_caches.empty())
+    return fail(EINVAL, "{} {} {} {}: the decoder's memory has no KV cache", source.first_cell, first_cell,
+                source.n_cells, n_cells);
+  for (const auto& cache : header.memory.kv_caches)
+    if (uint64_t{first_cell} + n_cells > cache.kv_size)
+      return fail(EINVAL, "{} {} {} {}: cells {}..{} pass the decoder's \"{}\" KV cache of kv_size {}",
+                  source.first_cell, first_cell, source.n_cells, n_cells, first_cell,
+                  uint64_t{first_cell} + n_cells - 1, cache.role, cache.kv_size);
+  if (n_ids > n_cells)
+    return fail(ERANGE, "{} {}: the {} holds {} ids, more than the share's cells {}..{}", source.n_cells, n_cells,
+                source.ids, n_ids, first_cell, uint64_t{first_cell} + n_cells - 1);
+  if (n_cached > 0 && first_cell > 0)
+    return fail(ENOTSUP, "{} {} with {} {}: a share of a run of cells (a unified cache) never has cached cells; "
+                "prefill the whole prompt", source.cached, n_cached, source.first_cell, first_cell);
+  return {};
+}
+
 Result<void> check_region_stream(const layout::ShareHeader& header, uint32_t stream, uint32_t n_cached,
                                  const IdsSource& source) {
   const uint32_t n_stream = header.memory.kv_caches.empty() ? 1 : header.memory.kv_caches[0].n_stream;
@@ -144,6 +167,9 @@ Result<PrefillReport> prefill_region(const ProviderModel& model, const RegionTar
                                      const IdsSource& source, PrivateContext& own) {
   if (auto known = check_ids_in_vocabulary(model, ids, source); !known) return fail(known.error());
   if (auto fits = check_region_fits(target.header, ids.size(), n_cached, source); !fits) return fail(fits.error());
+  if (auto cells = check_region_cells(target.header, target.first_cell, target.n_cells, ids.size(), n_cached, source);
+      !cells)
+    return fail(cells.error());
   if (auto in_range = check_region_stream(target.header, target.stream, n_cached, source); !in_range)
     return fail(in_range.error());
   // With cached cells the provider reads the region as well as writing it.

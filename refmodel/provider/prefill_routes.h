@@ -39,6 +39,8 @@ struct IdsSource {
   std::string cached = "--cached";
   std::string n_ctx = "-c";
   std::string stream = "--stream";
+  std::string first_cell = "--first-cell";
+  std::string n_cells = "--cells";
 };
 
 // A model loaded for prefills: read-only mapped, the mapping kept as long as the model.
@@ -79,7 +81,20 @@ struct RegionTarget {
   // The KV stream written (the decoder's slot, llama-server -np N without --kv-unified):
   // only its cells change, the other streams keep every byte.
   uint32_t stream = 0;
+  // The share's run of cells of that stream (a unified cache of several slots): id p is
+  // written at cell first_cell + p, p < n_cells. n_cells 0 (first_cell then 0): no range,
+  // cells 0.. as before ranges.
+  uint32_t first_cell = 0;
+  uint32_t n_cells = 0;
 };
+
+// The share's range against the region and the prompt, before anything is written:
+// EINVAL naming `source.n_cells` for a range past the kv_size of any KV cache (or
+// `source.first_cell` without n_cells), ERANGE when `n_ids` do not fit n_cells, ENOTSUP
+// for n_cached > 0 with first_cell > 0 (a unified cache's share never has cached cells:
+// the decoder answers n_cached 0).
+Result<void> check_region_cells(const layout::ShareHeader& header, uint32_t first_cell, uint32_t n_cells,
+                                size_t n_ids, uint32_t n_cached, const IdsSource& source);
 
 // EINVAL naming `source.stream` when `stream` is past the region's n_stream; ENOTSUP for
 // n_cached > 0 on a cache of several streams (the incremental route's Context over the
@@ -91,8 +106,9 @@ Result<void> check_region_stream(const layout::ShareHeader& header, uint32_t str
 // layer's rows scattered into cells 0..N-1 (xdna::scatter). n_cached P > 0: cells
 // 0..P-1 hold ids 0..P-1 already; a Context over the region itself attends over them and
 // writes cells P..N-1 only. Holds the dma-buf CPU-access bracket (read_write when P > 0)
-// during the writes. Only target.stream's cells are written. Checks the ids and the stream
-// first (check_ids_in_vocabulary, check_region_fits, check_region_stream).
+// during the writes. Only target.stream's cells are written, and with a range id p goes to
+// cell target.first_cell + p. Checks the ids, the stream and the range first
+// (check_ids_in_vocabulary, check_region_fits, check_region_stream, check_region_cells).
 // Blocks for the forward pass; `n_threads` 0: all cores. With n_cached 0 the private cache
 // is `own`'s, reused when it fits (a resident provider keeps one; a per-request one passes
 // a fresh one).

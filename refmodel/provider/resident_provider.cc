@@ -25,7 +25,8 @@ double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std
 constexpr int kStopPollMs = 100;
 
 // A resident request's ids and bounds are its fields (provider_protocol.h).
-const IdsSource kRequestSource{"field \"tokens\"", "n_cached", "kv.n_ctx", "field \"stream\""};
+const IdsSource kRequestSource{"field \"tokens\"", "n_cached", "kv.n_ctx", "field \"stream\"", "field \"first_cell\"",
+                               "field \"n_cells\""};
 
 void log_error(const Error& error) { fmt::print(stderr, "kvshare-prefill: {}\n", error.what()); }
 
@@ -165,7 +166,8 @@ Result<PrefillReport> ResidentProvider::prefill_shared(const ProviderRequest& re
     return fail(ESTALE, "region {} is not the one held ({}); send it again", request.region_id, region_->region_id);
   // No chunk files: our mapping was faulted in when the region came, so writing through it
   // is the fast way now (kvshare/region/chunk_file.h: a warm mapping beats pwrite()).
-  const RegionTarget target{region_->share.header(), region_->share.imported(), {}, request.stream};
+  const RegionTarget target{region_->share.header(), region_->share.imported(), {}, request.stream,
+                            request.first_cell, request.n_cells};
   return prefill_region(model_, target, request.tokens, request.n_cached, n_threads_, kRequestSource, own_);
 }
 

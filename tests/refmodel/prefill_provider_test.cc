@@ -487,6 +487,15 @@ TEST_F(PrefillTool, RefusesStreamOnTheFileRouteAsBadUsage) {
   EXPECT_FALSE(std::filesystem::exists(dir / "s.bin"));
 }
 
+TEST_F(PrefillTool, RefusesARunOfCellsOnTheFileRouteAsBadUsageNamingTheFlag) {
+  for (const char* flag : {"--first-cell", "--cells"}) {
+    auto r = run("1\n2\n3\n", fmt::format("--out {} {} 4", (dir / "s.bin").string(), flag));
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_NE(r.err.find(fmt::format("{} is for the shared route (--layout/--fds)", flag)), std::string::npos) << r.err;
+    EXPECT_FALSE(std::filesystem::exists(dir / "s.bin"));
+  }
+}
+
 TEST_F(PrefillTool, RefusesAStreamPastTheHeadersNStreamAsBadUsage) {
   auto m = testing::load_generated({});
   auto params = testing::small_params(768);

@@ -331,6 +331,126 @@ TEST_F(ResidentSession, WritesTheStreamOfThePrefillMessageAsThePerRequestStreamF
   EXPECT_EQ(first_difference(resident.bytes(), per_request.bytes()), -1);
 }
 
+// Cells first..first+n-1 of stream 0 of every KV tensor of `region`, in layout order
+// (rows of nbytes / (kv_size * n_stream) bytes: V not transposed, flash attention on).
+std::vector<std::byte> cell_bytes(const MemfdRegion& region, uint32_t first, uint32_t n) {
+  const layout::ShareHeader& header = region.header();
+  const std::vector<std::byte> all = region.bytes();
+  std::vector<uint64_t> chunk_base{0};
+  for (const auto& chunk : header.layout.chunks) chunk_base.push_back(chunk_base.back() + chunk.size_bytes);
+  std::vector<std::byte> out;
+  for (const auto& t : header.layout.tensors) {
+    const uint64_t rows = static_cast<uint64_t>(t.tensor.ne[1]) * static_cast<uint64_t>(t.tensor.ne[2]);
+    const uint64_t row = t.tensor.nbytes / rows;
+    const auto begin = all.begin() + static_cast<std::ptrdiff_t>(chunk_base[t.chunk] + t.offset + first * row);
+    out.insert(out.end(), begin, begin + static_cast<std::ptrdiff_t>(n * row));
+  }
+  return out;
+}
+
+// Issue #27, a unified cache (llama-server's -np auto, --kv-unified): every slot's cells in
+// one stream, so a share names the run of cells the decoder reserved for the sequence.
+// Both forms of the provider write position p at cell 100 + p: exactly the bytes a prefill
+// without a range writes at cell p, and no other byte.
+TEST_F(ResidentSession, WritesTheRunOfCellsOfThePrefillMessageAsTheFlags) {
+  ASSERT_LE(prompt_.size(), 40u);
+  const auto n = static_cast<uint32_t>(prompt_.size());
+  start();
+  uint64_t region_id = 0;
+  for (layout::GgmlType type : {layout::GgmlType::Q8_0, layout::GgmlType::F16}) {
+    SCOPED_TRACE(static_cast<int>(type));
+    layout::KvParams unified = params_;
+    unified.type_k = unified.type_v = type;
+    unified.n_seq_max = 3;
+    unified.kv_unified = true;
+    const layout::ShareHeader header = header_of(model_, unified);
+    ASSERT_EQ(header.memory.kv_caches.front().n_stream, 1u);
+    ASSERT_EQ(header.memory.kv_caches.front().kv_size, 512u);
+    write_text(dir_ / "layout-unified.json", layout::to_json(header));
+    MemfdRegion resident(header, "resident-cells"), per_request(header, "per-request-cells"), plain(header, "plain");
+    send_region(++region_id, resident);
+    ProviderRequest prefill = shared_prefill(region_id, prompt_);
+    prefill.first_cell = 100;
+    prefill.n_cells = 40;
+    const ProviderReply reply = call(prefill);
+    ASSERT_TRUE(reply.ok) << reply.error;
+    auto run_per_request = [&](const MemfdRegion& region, std::optional<uint32_t> first_cell,
+                               std::optional<uint32_t> n_cells) {
+      write_text(dir_ / "ids.txt", ids_lines(prompt_));
+      PrefillRequest request;
+      request.model_path = model_path_.string();
+      request.tokens_path = (dir_ / "ids.txt").string();
+      request.layout_path = (dir_ / "layout-unified.json").string();
+      request.fds = region.duplicate_fds();
+      request.first_cell = first_cell;
+      request.n_cells = n_cells;
+      request.n_threads = 1;
+      return run_prefill(request);
+    };
+    auto ranged = run_per_request(per_request, 100, 40);
+    ASSERT_TRUE(ranged) << ranged.error().what();
+    ASSERT_TRUE(run_per_request(plain, std::nullopt, std::nullopt));
+
+    const std::vector<std::byte> expected = cell_bytes(plain, 0, n);
+    ASSERT_FALSE(all_zero(expected));
+    EXPECT_EQ(first_difference(cell_bytes(resident, 100, n), expected), -1);
+    EXPECT_EQ(first_difference(resident.bytes(), per_request.bytes()), -1);
+    EXPECT_TRUE(all_zero(cell_bytes(resident, 0, 100)));
+    EXPECT_TRUE(all_zero(cell_bytes(resident, 100 + n, 512 - 100 - n)));
+  }
+}
+
+TEST_F(ResidentSession, RefusesARunOfCellsThatCannotTakeThePromptAndWritesNothing) {
+  layout::KvParams unified = params_;
+  unified.n_seq_max = 3;
+  unified.kv_unified = true;
+  const layout::ShareHeader header = header_of(model_, unified);
+  write_text(dir_ / "layout-unified.json", layout::to_json(header));
+  MemfdRegion resident(header, "resident-short"), per_request(header, "per-request-short");
+  start();
+  send_region(1, resident);
+  ProviderRequest prefill = shared_prefill(1, prompt_);
+  prefill.first_cell = 100;
+  prefill.n_cells = 2;  // fewer cells than ids
+  ProviderReply refused = call(prefill);
+  ASSERT_FALSE(refused.ok);
+  EXPECT_EQ(refused.error_errno, ERANGE);
+  EXPECT_NE(refused.error.find("field \"n_cells\" 2"), std::string::npos) << refused.error;
+  prefill.first_cell = 500;
+  prefill.n_cells = 40;  // past kv_size 512
+  refused = call(prefill);
+  ASSERT_FALSE(refused.ok);
+  EXPECT_EQ(refused.error_errno, EINVAL);
+  EXPECT_NE(refused.error.find("kv_size 512"), std::string::npos) << refused.error;
+  EXPECT_TRUE(all_zero(resident.bytes()));
+
+  write_text(dir_ / "ids.txt", ids_lines(prompt_));
+  PrefillRequest request;
+  request.model_path = model_path_.string();
+  request.tokens_path = (dir_ / "ids.txt").string();
+  request.layout_path = (dir_ / "layout-unified.json").string();
+  request.first_cell = 100;
+  request.n_cells = 40;
+  request.n_cached = 2;  // a unified share never has cached cells
+  request.fds = per_request.duplicate_fds();
+  auto cached = run_prefill(request);
+  ASSERT_FALSE(cached);
+  EXPECT_EQ(cached.error().errno_value(), ENOTSUP);
+  EXPECT_NE(cached.error().message().find("--cached 2 with --first-cell 100"), std::string::npos)
+      << cached.error().what();
+  EXPECT_TRUE(all_zero(per_request.bytes()));
+
+  PrefillRequest file_route;
+  file_route.model_path = model_path_.string();
+  file_route.tokens_path = (dir_ / "ids.txt").string();
+  file_route.out_path = (dir_ / "out.state").string();
+  file_route.first_cell = 100;
+  auto usage = check_prefill_usage(file_route);
+  ASSERT_FALSE(usage);
+  EXPECT_NE(usage.error().message().find("--first-cell is for the shared route"), std::string::npos)
+      << usage.error().what();
+}
+
 TEST_F(ResidentSession, RefusesAStreamPastNStreamAndWritesNothing) {
   layout::KvParams three = params_;
   three.n_ctx = 3 * params_.n_ctx;
