@@ -7,9 +7,9 @@
 // cells 0..n-1 of stream s of every cache tensor (with a run of cells, ShareCells: cells
 // first_cell..first_cell+n-1, n <= n_cells) and the decoder must not touch them (the other
 // streams and cells stay the decoder's: llama-server's other slots decode from them); after
-// adopt the decoder owns
-// every byte again (a late provider write is a protocol violation the kernel cannot stop:
-// the broker waits for its provider to exit before the router calls adopt).
+// adopt the decoder owns every byte again (a late provider write is a protocol violation the
+// kernel cannot stop: the broker waits for its provider to exit before the router calls
+// adopt).
 #pragma once
 
 #include <cstdint>
