@@ -193,6 +193,32 @@ def test_shared_route_resident_llama_provider():
     finish(sixteen_clients(True, LLAMA_PREFILL, ["--provider-resident"]))
 
 
+# A unified cache (llama-server's -kvu, its -np auto): every slot's cells in one stream. The
+# shared route's share reserves a run of free cells for the slot and names it; the provider
+# writes only those cells (--first-cell, --cells); the file route's provider is told
+# --kv-unified, so its state file has the decoder's one stream.
+UNIFIED = ["--", "-kvu"]
+
+
+def unified_sixteen_clients(kv_share, provider, extra):
+    serve = sixteen_clients(kv_share, provider, extra + UNIFIED)
+    check([l for l in serve.lines if "kv_unified = 'true'" in l], "the decoder's cache is not unified:\n%s" %
+          "\n".join(serve.lines[:20]))
+    finish(serve)
+
+
+def test_unified_cache_shared_route():
+    unified_sixteen_clients(True, TOOLS["kvshare-prefill"], [])
+
+
+def test_unified_cache_shared_route_resident_llama_provider():
+    unified_sixteen_clients(True, LLAMA_PREFILL, ["--provider-resident"])
+
+
+def test_unified_cache_file_route():
+    unified_sixteen_clients(False, TOOLS["kvshare-prefill"], [])
+
+
 def test_a_provider_failing_for_one_slot_leaves_the_others_right():
     counter = os.path.join(WORK, "provider-calls")
     flaky = wrapped_provider(WORK, "flaky-provider", (
