@@ -369,7 +369,9 @@ TEST_F(ShareAdopt, DisjointRunsOfOneStreamAreBothAdoptable) {
   ASSERT_TRUE(broker);
   auto share = [&](ShareCells cells) -> Result<uint64_t> {  // received at once: a small backlog
     auto id = decoder.share(broker->socket_path(), cells, 2000);
-    if (id) EXPECT_TRUE(broker->receive(2000));
+    if (id) {
+      EXPECT_TRUE(broker->receive(2000));
+    }
     return id;
   };
   auto slot1 = share(ShareCells{0, 0, 60});    // cells 0..59
@@ -405,7 +407,9 @@ TEST_F(ShareAdopt, AnOverlappingRunStalesTheEarlierShareOnly) {
   // Each share received at once: the broker's listen backlog is small.
   auto share = [&](DecoderShare& from, ShareCells cells) -> Result<uint64_t> {
     auto id = from.share(broker->socket_path(), cells, 2000);
-    if (id) EXPECT_TRUE(broker->receive(2000));
+    if (id) {
+      EXPECT_TRUE(broker->receive(2000));
+    }
     return id;
   };
   auto a = share(decoder, ShareCells{0, 0, 60});     // 0..59
@@ -454,7 +458,9 @@ TEST_F(ShareAdopt, AShareThatReachedNoBrokerIsNotAdoptable) {
   ASSERT_TRUE(broker);
   auto share = [&](ShareCells cells) -> Result<uint64_t> {  // received at once: a small backlog
     auto id = decoder.share(broker->socket_path(), cells, 2000);
-    if (id) EXPECT_TRUE(broker->receive(2000));
+    if (id) {
+      EXPECT_TRUE(broker->receive(2000));
+    }
     return id;
   };
   auto sent = share(ShareCells{0, 0, 10});
