@@ -298,8 +298,9 @@ std::string shared_prefill_with(const std::string& key, const std::string& value
   return json.dump();
 }
 
-std::string file_prefill_with(const std::string& key, const std::string& value) {
-  nlohmann::ordered_json json = nlohmann::ordered_json::parse(vector_text("provider-prefill-file-request-v1.json"));
+std::string file_prefill_with(const std::string& key, const std::string& value,
+                              const char* vector = "provider-prefill-file-request-v1.json") {
+  nlohmann::ordered_json json = nlohmann::ordered_json::parse(vector_text(vector));
   nlohmann::ordered_json* target = &json;
   std::string field = key;
   if (key.starts_with("kv.")) {
@@ -394,6 +395,41 @@ TEST(ProviderProtocol, RefusesAMalformedFilePrefillNamingTheField) {
       {file_prefill_with("kv.type_v", "null"), EINVAL, "\"kv\": no \"type_v\""},
       {file_prefill_with("kv.flash_attn", "\"on\""), EINVAL, "\"kv\": \"flash_attn\" is \"on\", not true or false"},
       {file_prefill_with("tokens", "[]"), EINVAL, "\"tokens\" is not an array of at least one id"},
+  });
+}
+
+// Issue #27: a decoder of 4 slots, one stream each; the provider's state file carries 4.
+TEST(ProviderProtocol, DecodesTheFilePrefillForFourSlotsVectorAndReencodesItToTheSameBytes) {
+  const std::string text = vector_text("provider-prefill-file-slots-request-v1.json");
+  auto request = parse_provider_request(text, "vector");
+  ASSERT_TRUE(request) << request.error().what();
+  EXPECT_EQ(request->route, PrefillRoute::file);
+  EXPECT_EQ(request->kv, (ProviderKvParams{2048, "f16", "f16", true, 4, false}));
+  EXPECT_EQ(encode_provider_request(*request), text);
+  // One slot: neither field is written, and the older vector reads as one unified stream.
+  request->kv.n_seq_max = 1;
+  request->kv.kv_unified = true;
+  EXPECT_EQ(encode_provider_request(*request).find("n_seq_max"), std::string::npos);
+  auto older = parse_provider_request(vector_text("provider-prefill-file-request-v1.json"), "vector");
+  ASSERT_TRUE(older) << older.error().what();
+  EXPECT_EQ(older->kv.n_seq_max, 1u);
+  EXPECT_TRUE(older->kv.kv_unified);
+  // Several slots, unified (-kvu): one stream of every slot's cells.
+  auto unified =
+      parse_provider_request(file_prefill_with("kv.kv_unified", "true", "provider-prefill-file-slots-request-v1.json"),
+                             "vector");
+  ASSERT_TRUE(unified) << unified.error().what();
+  EXPECT_EQ(unified->kv.n_seq_max, 4u);
+  EXPECT_TRUE(unified->kv.kv_unified);
+}
+
+TEST(ProviderProtocol, RefusesSlotCountsThatAreNotOneOrMoreNamingTheField) {
+  const char* slots = "provider-prefill-file-slots-request-v1.json";
+  expect_request_refusals({
+      {file_prefill_with("kv.n_seq_max", "0", slots), EINVAL, "\"n_seq_max\" is 0, expected the decoder's slots"},
+      {file_prefill_with("kv.n_seq_max", "-2", slots), EINVAL, "\"n_seq_max\""},
+      {file_prefill_with("kv.n_seq_max", "\"4\"", slots), EINVAL, "\"n_seq_max\""},
+      {file_prefill_with("kv.kv_unified", "1", slots), EINVAL, "\"kv_unified\""},
   });
 }
 
