@@ -12,6 +12,12 @@
 
 namespace kvshare::layout {
 
+// What an `"ok": false` reply of a control channel carries: an errno and a sentence.
+struct ChannelRefusal {
+  int error_errno = 0;
+  std::string error;
+};
+
 // `Json` is nlohmann::json or nlohmann::ordered_json; `source` names the message in errors.
 template <class Json>
 struct JsonReader {
@@ -46,6 +52,16 @@ struct JsonReader {
     if (value == nullptr) return fail(EINVAL, "{}: no \"{}\"", source, key);
     if (!value->is_boolean()) return fail(EINVAL, "{}: \"{}\" is {}, not true or false", source, key, value->dump());
     return value->template get<bool>();
+  }
+  // "errno" (1..4095) and "error" of a refusal.
+  Result<ChannelRefusal> refusal() const {
+    auto error_errno = u32("errno");
+    if (!error_errno) return fail(error_errno.error());
+    auto error = text("error");
+    if (!error) return fail(error.error());
+    if (*error_errno == 0 || *error_errno > 4095)
+      return fail(EINVAL, "{}: \"errno\" is {}, not an errno value 1..4095", source, *error_errno);
+    return ChannelRefusal{static_cast<int>(*error_errno), std::move(*error)};
   }
   Result<double> number(std::string_view key) const {
     const auto* value = find(key);

@@ -285,14 +285,10 @@ Result<ProviderReply> parse_provider_reply(std::string_view text, std::string_vi
   if (!ok) return fail(ok.error());
   reply.ok = *ok;
   if (!reply.ok) {
-    auto error_errno = read.u32("errno");
-    if (!error_errno) return fail(error_errno.error());
-    auto error = read.text("error");
-    if (!error) return fail(error.error());
-    if (*error_errno == 0 || *error_errno > 4095)
-      return fail(EINVAL, "{}: \"errno\" is {}, not an errno value 1..4095", source, *error_errno);
-    reply.error_errno = static_cast<int>(*error_errno);
-    reply.error = std::move(*error);
+    auto refusal = read.refusal();
+    if (!refusal) return fail(refusal.error());
+    reply.error_errno = refusal->error_errno;
+    reply.error = std::move(refusal->error);
     return reply;
   }
   switch (reply.op) {

@@ -23,6 +23,20 @@ double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std
 // runs on it (kvshare-decoder's eval is the same Context::decode), so the cached cells
 // are read in the decoder's cache types and rotation and the new ones stored the same
 // way. Creating the Context only checks the layout; decode writes cells n_cached.. only.
+// A prefill's report once it is done: the wall time since t0, of which write_ms went to
+// storing the rows (the rest is the forward pass).
+PrefillReport finished_report(const char* route, uint32_t n_tokens, uint32_t n_prefilled, Clock::time_point t0,
+                              double write_ms) {
+  PrefillReport report;
+  report.route = route;
+  report.n_tokens = n_tokens;
+  report.n_prefilled = n_prefilled;
+  report.prefill_ms = ms_since(t0);
+  report.write_ms = write_ms;
+  report.forward_ms = report.prefill_ms - write_ms;
+  return report;
+}
+
 Result<PrefillReport> extend_region(const ProviderModel& model, const RegionTarget& target,
                                     std::span<const int32_t> ids, uint32_t n_cached, int n_threads,
                                     const IdsSource& source) {
@@ -39,14 +53,8 @@ Result<PrefillReport> extend_region(const ProviderModel& model, const RegionTarg
   if (!logits)
     return fail(logits.error().with_context(fmt::format("shared route, {} {}: positions {}..{}", source.cached, n_cached,
                                                         n_cached, ids.size() - 1)));
-  PrefillReport report;
-  report.route = "shared";
-  report.n_tokens = static_cast<uint32_t>(ids.size());
-  report.n_prefilled = static_cast<uint32_t>(rest.size());
-  report.prefill_ms = ms_since(t0);
-  report.forward_ms = report.prefill_ms;  // the stores into the region are part of the forward pass
-  report.write_ms = 0;
-  return report;
+  // The stores into the region are part of the forward pass: no write time of its own.
+  return finished_report("shared", static_cast<uint32_t>(ids.size()), static_cast<uint32_t>(rest.size()), t0, 0);
 }
 
 // The whole prompt from position 0: the provider's own cache for the attention, each
@@ -75,14 +83,7 @@ Result<PrefillReport> scatter_into_region(const ProviderModel& model, const Regi
     return scattered;
   });
   if (!ok) return fail(ok.error().with_context("shared route"));
-  PrefillReport report;
-  report.route = "shared";
-  report.n_tokens = n;
-  report.n_prefilled = n;
-  report.prefill_ms = ms_since(t0);
-  report.write_ms = write_ms;
-  report.forward_ms = report.prefill_ms - write_ms;
-  return report;
+  return finished_report("shared", n, n, t0, write_ms);
 }
 
 }  // namespace
@@ -219,14 +220,7 @@ Result<PrefillReport> prefill_state_file(const ProviderModel& model, const State
   auto committed = writer->commit();
   if (!committed) return fail(committed.error().with_context(fmt::format("state file {}", target.path)));
   write_ms += ms_since(c0);
-  PrefillReport report;
-  report.route = "file";
-  report.n_tokens = n;
-  report.n_prefilled = n;
-  report.prefill_ms = ms_since(t0);
-  report.write_ms = write_ms;
-  report.forward_ms = report.prefill_ms - write_ms;
-  return report;
+  return finished_report("file", n, n, t0, write_ms);
 }
 
 }  // namespace kvshare::refmodel

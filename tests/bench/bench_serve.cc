@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <regex>
 #include <thread>
@@ -103,6 +104,19 @@ std::string prompt_of(const route::DecoderClient& decoder, int n_tokens, int sal
     text.pop_back();
   }
   return text;
+}
+
+std::string resident_support(const fs::path& provider) {
+  const std::string command = fmt::format("'{}' --help 2>&1", provider.string());
+  std::string help;
+  if (FILE* out = ::popen(command.c_str(), "r")) {
+    char buffer[4096];
+    for (size_t got; (got = std::fread(buffer, 1, sizeof buffer, out)) > 0;) help.append(buffer, got);
+    ::pclose(out);
+  }
+  if (help.find("--serve-fd") != std::string::npos) return "";
+  return fmt::format("{} has no --serve-fd (its --help does not name it): it runs per request only",
+                     provider.filename().string());
 }
 
 }  // namespace kvshare::bench

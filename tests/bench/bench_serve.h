@@ -49,4 +49,8 @@ std::optional<BenchModel> make_bench_model(const std::string& dir_prefix,
 // `salt` so that no two rounds share a cached prefix.
 std::string prompt_of(const route::DecoderClient& decoder, int n_tokens, int salt);
 
+// "" when `provider` says it takes --serve-fd (its --help names it), else why it cannot run
+// resident (the route and load benches then run it per request only).
+std::string resident_support(const std::filesystem::path& provider);
+
 }  // namespace kvshare::bench

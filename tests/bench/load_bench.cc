@@ -113,21 +113,6 @@ Settings& settings() {
   return s;
 }
 
-// "" when `provider` says it takes --serve-fd (its --help names it), else why it cannot be
-// resident (route_bench.cc does the same).
-std::string resident_support(const fs::path& provider) {
-  const std::string command = fmt::format("'{}' --help 2>&1", provider.string());
-  std::string help;
-  if (FILE* out = ::popen(command.c_str(), "r")) {
-    char buffer[4096];
-    for (size_t got; (got = std::fread(buffer, 1, sizeof buffer, out)) > 0;) help.append(buffer, got);
-    ::pclose(out);
-  }
-  if (help.find("--serve-fd") != std::string::npos) return "";
-  return fmt::format("{} has no --serve-fd (its --help does not name it): it runs per request only",
-                     provider.filename().string());
-}
-
 bool is_executable(const fs::path& path) { return ::access(path.c_str(), X_OK) == 0 && fs::is_regular_file(path); }
 
 // --backend, else $LLAMA_SERVER_KVSHARE, else a llama-server on PATH with its provider beside it.

@@ -173,21 +173,6 @@ std::vector<std::string> routes_of(const std::string& arch, int n_tokens) {
   return routes;
 }
 
-// "" when `provider` says it takes --serve-fd (its --help names it), else why the resident
-// routes are not run.
-std::string resident_support(const fs::path& provider) {
-  const std::string command = fmt::format("'{}' --help 2>&1", provider.string());
-  std::string help;
-  if (FILE* out = ::popen(command.c_str(), "r")) {
-    char buffer[4096];
-    for (size_t got; (got = std::fread(buffer, 1, sizeof buffer, out)) > 0;) help.append(buffer, got);
-    ::pclose(out);
-  }
-  if (help.find("--serve-fd") != std::string::npos) return "";
-  return fmt::format("{} has no --serve-fd (its --help does not name it): it runs per request only",
-                     provider.filename().string());
-}
-
 // One kvshare-serve per route, started once per arch and stopped before the next arch.
 std::unique_ptr<ServeUnderTest> start_serve(const std::string& route, const fs::path& model, const fs::path& dir,
                                             const std::string& remote_url, std::string& why) {

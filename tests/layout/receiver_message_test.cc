@@ -124,6 +124,8 @@ TEST(ReceiverMessage, RefusesEveryMalformedReplyNamingTheField) {
       {R"({"version":1,"op":"grant","ok":true,"share_id":1,"region":"kept","region_ms":0,"offer":[]})", EINVAL,
        "\"offer\" is not an object"},
       {R"({"version":1,"op":"complete","ok":false,"error":"x"})", EINVAL, "no \"errno\""},
+      {R"({"version":1,"op":"complete","ok":false,"errno":0,"error":"x"})", EINVAL, "not an errno value 1..4095"},
+      {R"({"version":1,"op":"complete","ok":false,"errno":70000,"error":"x"})", EINVAL, "not an errno value 1..4095"},
       {R"({"version":1,"op":"hello","ok":true})", EINVAL, "no \"pid\""},
   };
   for (const Refusal& c : cases) {
