@@ -310,7 +310,7 @@ def plot_conversation(lines, out, stamp):
 
 # load: one line per serve configuration ("hybrid-np4/shared"); the relay grey, hybrid green.
 LOAD_STYLES = {"cpu-np1": ("#cccccc", "s"), "cpu-np4": ("#777777", "s"), "hybrid-np1": ("#a6dba0", "o"),
-               "hybrid-np4": ("#1b7837", "o"), "decoder-np1": ("#762a83", "^")}
+               "hybrid-np4": ("#1b7837", "o"), "hybrid-np4-kvu": ("#5aae61", "D"), "decoder-np1": ("#762a83", "^")}
 
 
 def plot_load(lines, out, stamp):
@@ -329,7 +329,9 @@ def plot_load(lines, out, stamp):
         color, marker = LOAD_STYLES.get(base, (None, "o"))
         style = "--" if route.startswith("file") else "-"
         np_ = series[0]["np"]
-        label = "%s %s -np %d%s" % (series[0]["decoder"], series[0]["device"], np_, (" " + route) if route else "")
+        unified = " -kvu" if series[0].get("kv_unified") else ""
+        label = "%s %s -np %d%s%s" % (series[0]["decoder"], series[0]["device"], np_, unified,
+                                      (" " + route) if route else "")
         xs = [line["clients"] for line in series]
         errorbar(left, xs, series, "rps", label, color, style=style + marker)
         right.plot(xs, [line["first_byte_ms_p50"] for line in series], style + marker, color=color,

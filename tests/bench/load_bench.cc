@@ -5,6 +5,8 @@
 //                decoder alone with four slots (the baseline a hybrid serve must approach)
 //   hybrid-np1   --device hybrid -np 1 with the patched llama-server
 //   hybrid-np4   --device hybrid -np 4 with the patched llama-server
+//   hybrid-np4-kvu  the same with a unified cache (-- -kvu, llama-server's -np auto): each
+//                share reserves a run of cells (not run unless asked for)
 //   decoder-np1  --device hybrid -np 1 with kvshare-decoder (it has one slot)
 //   cpu-np1      --device cpu -np 1 with the patched llama-server (not run unless asked for)
 //
@@ -69,7 +71,8 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 // --configs choices, in the order the report prints them.
-const char* const kConfigChoices[] = {"cpu-np1", "cpu-np4", "hybrid-np1", "hybrid-np4", "decoder-np1"};
+const char* const kConfigChoices[] = {"cpu-np1", "cpu-np4", "hybrid-np1", "hybrid-np4", "hybrid-np4-kvu",
+                                      "decoder-np1"};
 const char* const kDefaultConfigs[] = {"cpu-np4", "hybrid-np1", "hybrid-np4", "decoder-np1"};
 const char* const kRouteChoices[] = {"shared", "file", "shared_resident", "file_resident"};
 
@@ -79,11 +82,13 @@ struct Config {
   bool kvshare_decoder = false;
   bool hybrid = false;
   int np = 1;
+  bool kv_unified = false;  // -- -kvu: every slot's cells in one stream
   std::string route;   // "" for cpu
   std::string decoder_name() const { return kvshare_decoder ? "kvshare-decoder" : "llama-server"; }
   // "hybrid -np 4 shared (llama-server)"
   std::string label() const {
-    return fmt::format("{} -np {}{}", hybrid ? "hybrid" : "cpu", np, route.empty() ? "" : " " + route);
+    return fmt::format("{} -np {}{}{}", hybrid ? "hybrid" : "cpu", np, kv_unified ? " -kvu" : "",
+                       route.empty() ? "" : " " + route);
   }
 };
 
@@ -193,6 +198,7 @@ std::unique_ptr<ServeUnderTest> start_config(const Config& config, const Setup& 
                                            "--provider-timeout", "1800"});
     if (is_resident(config.route)) launch.args.push_back("--provider-resident");
   }
+  if (config.kv_unified) launch.args.insert(launch.args.end(), {"--", "-kvu"});
   launch.kv_share = config.hybrid && handoff_of(config.route) == "shared";
   auto serve = kvshare::bench::start_serve(launch, made.dir, why);
   if (!serve) {
@@ -487,7 +493,8 @@ void register_all(const BenchArgs& args) {
     config.choice = name;
     config.kvshare_decoder = name.starts_with("decoder");
     config.hybrid = !name.starts_with("cpu");
-    config.np = name.ends_with("np4") ? 4 : 1;
+    config.np = name.find("np4") != std::string::npos ? 4 : 1;
+    config.kv_unified = name.ends_with("-kvu");
     max_np = std::max(max_np, config.np);
     if (!config.hybrid) {
       config.key = name;
@@ -556,13 +563,13 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
       if (args.json) {
         fmt::print("{{\"bench\":\"load\",\"config\":\"{}\",\"decoder\":\"{}\",\"device\":\"{}\",\"np\":{},"
                    "\"route\":\"{}\",\"clients\":{},\"requests_per_client\":{},\"rounds\":{},\"tokens\":{},"
-                   "\"n_predict\":{},\"rps\":{:.4f},\"rps_p25\":{:.4f},\"rps_p75\":{:.4f},"
+                   "\"kv_unified\":{},\"n_predict\":{},\"rps\":{:.4f},\"rps_p25\":{:.4f},\"rps_p75\":{:.4f},"
                    "\"first_byte_ms_p50\":{:.3f},\"first_byte_ms_p99\":{:.3f},\"total_ms_p50\":{:.3f},"
                    "\"total_ms_p99\":{:.3f},\"tokens_per_reply\":{},\"requests\":{},\"errors\":{},\"handed_off\":{},"
                    "\"forwarded\":{}",
                    config.key, config.decoder_name(), config.hybrid ? "hybrid" : "cpu", config.np,
                    config.route.empty() ? "cpu" : config.route, clients, st.requests_per_client, c("rounds"),
-                   st.tokens, st.n_predict, c(p + "rps"), c(p + "rps_p25"), c(p + "rps_p75"), c(p + "first_byte_p50"),
+                   st.tokens, config.kv_unified, st.n_predict, c(p + "rps"), c(p + "rps_p25"), c(p + "rps_p75"), c(p + "first_byte_p50"),
                    c(p + "first_byte_p99"), c(p + "total_p50"), c(p + "total_p99"), c(p + "tokens_p50"),
                    c(p + "requests"), c(p + "errors"), c(p + "handed_off"), c(p + "forwarded"));
         if (!error_line.empty()) fmt::print(",\"error\":{}", nlohmann::json(error_line).dump());
@@ -641,9 +648,9 @@ const bool registered = add_group({
          "the patched llama-server (default $LLAMA_SERVER_KVSHARE, else one on PATH with llama-kvshare-prefill "
          "beside it)"},
         {"--provider", "PATH", "the llama-server configurations' provider (default llama-kvshare-prefill beside it)"},
-        {"--configs", "cpu-np1|cpu-np4|hybrid-np1|hybrid-np4|decoder-np1[,...]",
+        {"--configs", "cpu-np1|cpu-np4|hybrid-np1|hybrid-np4|hybrid-np4-kvu|decoder-np1[,...]",
          "the serves measured side by side (default cpu-np4,hybrid-np1,hybrid-np4,decoder-np1; decoder-np1 is "
-         "kvshare-decoder, the others the patched llama-server)"},
+         "kvshare-decoder, the others the patched llama-server; -kvu: a unified cache)"},
         {"--routes", "shared|file|shared_resident|file_resident[,...]",
          "the hybrid configurations' routes, each a serve of its own (default shared)"},
         {"--clients", "N[,...]", "concurrent clients per phase, each a closed loop (default 1,4,16; smoke 1,2)"},
