@@ -17,7 +17,7 @@ bool is_transposed_v(const KvCacheShape& cache, const SharedTensor& t) {
 uint64_t v_element_bytes(const KvCacheShape& cache) { return ggml_row_size(cache.type_v, 1); }
 
 // A transposed V is ne = {v_width, kv_size} stored element-major: element j of cell c at
-// (j * kv_size + c) * element (xdna::scatter, llama.cpp's v_trans views).
+// (j * kv_size + c) * element (kvshare::scatter, llama.cpp's v_trans views).
 uint64_t v_element_row_bytes(const KvCacheShape& cache) { return cache.kv_size * v_element_bytes(cache); }
 
 }  // namespace

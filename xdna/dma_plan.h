@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "layout/error.h"
-#include "xdna/scatter.h"
+#include "kvshare/scatter/scatter.h"
 
 namespace kvshare::xdna {
 

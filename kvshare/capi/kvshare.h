@@ -289,7 +289,7 @@ int kvshare_provider_end_write(struct kvshare_provider *provider);
 /*
  * Writes the K and V rows of layer `il` for cells pos0..pos0+n_tokens-1, converting from
  * src_type (a ggml_type id: F32, F16 or BF16) to the cache types, rotating quantized
- * caches as llama.cpp does, transposing V when the cache does (kvshare's xdna::scatter).
+ * caches as llama.cpp does, transposing V when the cache does (kvshare's kvshare::scatter).
  * Token t's row starts at rows + t * row_stride: n_embd_k_gqa K values, then n_embd_v_gqa
  * V values (0 for a K-only layer). Checks everything before writing anything: -EINVAL
  * names the layer, tensor or position (unknown layer, width differing from the cache,

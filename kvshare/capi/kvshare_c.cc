@@ -1,5 +1,5 @@
 // The C API (kvshare.h): a thin wrapper. Each entry point converts its arguments, calls
-// the C++ class that owns the mechanism (DecoderShare, ProviderShare, xdna::scatter,
+// the C++ class that owns the mechanism (DecoderShare, ProviderShare, kvshare::scatter,
 // ProviderChannel) and
 // turns a Result into a negative errno plus the handle's message. Nothing here decides
 // protocol: checks added to those classes apply to C callers unchanged.
@@ -29,7 +29,7 @@
 #include "layout/share_header.h"
 #include "layout/tensor_type.h"
 #include "xdna/npu_share.h"
-#include "xdna/scatter.h"
+#include "kvshare/scatter/scatter.h"
 
 namespace {
 
@@ -173,11 +173,11 @@ int provider_not_open(kvshare_provider* p) {
 
 // Where scatter and write_state write: the header's layout, this handle's mappings and,
 // for memfd chunks, its descriptors.
-kvshare::xdna::ScatterTarget provider_target(const kvshare_provider& p) {
+kvshare::ScatterTarget provider_target(const kvshare_provider& p) {
   const auto& header = p.share->header();
   const auto chunks = p.share->imported().chunk_bytes();
   const bool heads_agree = p.n_embd_head_k != UINT32_MAX && p.n_embd_head_v != UINT32_MAX;
-  return kvshare::xdna::ScatterTarget{header.layout,
+  return kvshare::ScatterTarget{header.layout,
                                       header.memory,
                                       std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
                                       0,
@@ -505,8 +505,8 @@ int kvshare_provider_scatter(kvshare_provider* provider, uint32_t il, uint32_t p
       return -EINVAL;
     }
     const bool heads_agree = p.n_embd_head_k != UINT32_MAX && p.n_embd_head_v != UINT32_MAX;
-    const kvshare::xdna::ScatterTarget target = provider_target(p);
-    kvshare::xdna::ScatterBatch batch;
+    const kvshare::ScatterTarget target = provider_target(p);
+    kvshare::ScatterBatch batch;
     batch.layers.push_back({il, rows, n_embd_k_gqa, n_embd_v_gqa});
     batch.pos0 = p.first_cell + pos0;  // the range's cells: position p at cell first_cell + p
     batch.n_tokens = n_tokens;
@@ -514,7 +514,7 @@ int kvshare_provider_scatter(kvshare_provider* provider, uint32_t il, uint32_t p
     batch.src_type = static_cast<layout::GgmlType>(src_type);
     batch.row_stride = row_stride;
     batch.rotation_disabled = !heads_agree || kvshare::statefile::attn_rotation_disabled_by_env();
-    auto scattered = kvshare::xdna::scatter(target, batch);
+    auto scattered = kvshare::scatter(target, batch);
     if (!scattered) {
       p.last_error = scattered.error().what();
       return negative_errno(scattered.error());
@@ -635,7 +635,7 @@ int kvshare_provider_state_width(const kvshare_provider* provider, uint32_t il, 
     auto tensor_kind = to_state_kind(kind, il);
     if (!tensor_kind) return fail_with(tensor_kind.error(), p->last_error);
     const auto& header = p->share->header();
-    auto width = kvshare::xdna::state_width(header.layout, header.memory, il, *tensor_kind);
+    auto width = kvshare::state_width(header.layout, header.memory, il, *tensor_kind);
     if (!width) return fail_with(width.error(), p->last_error);
     *n_values = *width;
     return 0;
@@ -660,12 +660,12 @@ int kvshare_provider_write_state(kvshare_provider* provider, uint32_t il, int ki
       return fail_with(Error(EINVAL, fmt::format("write_state of layer {} {} cell {}: values is NULL for {} values", il,
                                                  tensor, cell, n_values)),
                        p.last_error);
-    kvshare::xdna::StateRow row;
+    kvshare::StateRow row;
     row.il = il;
     row.kind = *tensor_kind;
     row.cell = cell;
     row.values = std::span<const float>(values, static_cast<size_t>(n_values));
-    auto written = kvshare::xdna::write_state(provider_target(p), row);
+    auto written = kvshare::write_state(provider_target(p), row);
     if (!written) return fail_with(written.error(), p.last_error);
     return 0;
   });

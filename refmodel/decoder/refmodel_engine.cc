@@ -187,7 +187,7 @@ Result<uint64_t> RefModelEngine::save_state(const std::filesystem::path& path, s
         // V is element-major in a v_trans cache: gather each cell's row.
         const uint64_t elem = layout::ggml_row_size(cache.type_v, 1);
         // Element j of cell c at (j * kv_size + c) * elem, as refmodel's store_kv and
-        // xdna::scatter place it: one element row spans every cell, not the V width.
+        // kvshare::scatter place it: one element row spans every cell, not the V width.
         const uint64_t stride = static_cast<uint64_t>(cache.kv_size) * elem;
         gathered.assign(static_cast<size_t>(n_cells) * layer.n_embd_v_gqa * elem, std::byte{0});
         for (uint32_t c = 0; c < n_cells; ++c) {

@@ -6,7 +6,7 @@
 //   shared route: --tokens IDS --model M --layout HEADER --fds n[,n...]
 //                 imports the decoder's regions (inherited fds), checks the layout header
 //                 against the model, and scatters the rows into the region
-//                 (xdna::scatter), where the decoder adopts them with no copy.
+//                 (kvshare::scatter), where the decoder adopts them with no copy.
 //                 With --stream S it writes stream S's cells only (slot S of -np N).
 //                 With --cached P the region's cells 0..P-1 already hold the first P ids
 //                 (the decoder kept them): a Context over the region itself attends over

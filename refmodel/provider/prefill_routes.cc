@@ -11,7 +11,7 @@
 #include "layout/share_layout.h"
 #include "refmodel/model_impl.h"
 #include "refmodel/provider/private_kv.h"
-#include "xdna/scatter.h"
+#include "kvshare/scatter/scatter.h"
 
 namespace kvshare::refmodel {
 namespace {
@@ -67,7 +67,7 @@ Result<PrefillReport> scatter_into_region(const ProviderModel& model, const Regi
   if (!ctx) return fail(ctx.error());
 
   const auto chunks = target.imported.chunk_bytes();
-  xdna::ScatterTarget scatter_target{header.layout, header.memory,
+  kvshare::ScatterTarget scatter_target{header.layout, header.memory,
                                      std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
                                      0, head_k(*model.model), head_v(*model.model), target.chunk_files};
   const bool rotation_disabled = statefile::attn_rotation_disabled_by_env();
@@ -75,10 +75,10 @@ Result<PrefillReport> scatter_into_region(const ProviderModel& model, const Regi
   const auto t0 = Clock::now();
   auto ok = (*ctx)->prefill(ids, [&](const LayerRows& rows) -> Result<void> {
     const auto w0 = Clock::now();
-    xdna::ScatterBatch batch = scatter_batch_of(rows, rotation_disabled, n_threads);
+    kvshare::ScatterBatch batch = scatter_batch_of(rows, rotation_disabled, n_threads);
     batch.stream = target.stream;
     batch.pos0 += target.first_cell;  // a range: position p at cell first_cell + p
-    auto scattered = xdna::scatter(scatter_target, batch);
+    auto scattered = kvshare::scatter(scatter_target, batch);
     write_ms += ms_since(w0);
     return scattered;
   });

@@ -103,7 +103,7 @@ Result<void> check_region_stream(const layout::ShareHeader& header, uint32_t str
                                  const IdsSource& source);
 
 // Prefills `ids` into the region. n_cached 0: a private KV cache for the prompt, each
-// layer's rows scattered into cells 0..N-1 (xdna::scatter). n_cached P > 0: cells
+// layer's rows scattered into cells 0..N-1 (kvshare::scatter). n_cached P > 0: cells
 // 0..P-1 hold ids 0..P-1 already; a Context over the region itself attends over them and
 // writes cells P..N-1 only. Holds the dma-buf CPU-access bracket (read_write when P > 0)
 // during the writes. Only target.stream's cells are written, and with a range id p goes to

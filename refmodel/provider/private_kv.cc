@@ -56,8 +56,8 @@ uint32_t PrivateContext::n_cells() const {
 uint32_t head_k(const Model& model) { return static_cast<const LoadedModel&>(model).hparams().n_embd_head_k; }
 uint32_t head_v(const Model& model) { return static_cast<const LoadedModel&>(model).hparams().n_embd_head_v; }
 
-xdna::ScatterBatch scatter_batch_of(const LayerRows& rows, bool rotation_disabled, int n_threads) {
-  xdna::ScatterBatch batch;
+kvshare::ScatterBatch scatter_batch_of(const LayerRows& rows, bool rotation_disabled, int n_threads) {
+  kvshare::ScatterBatch batch;
   batch.layers.push_back({rows.il, rows.rows.data(), rows.n_embd_k_gqa, rows.n_embd_v_gqa});
   batch.pos0 = static_cast<uint32_t>(rows.pos0);
   batch.n_tokens = rows.n_tokens;

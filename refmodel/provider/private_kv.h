@@ -12,7 +12,7 @@
 #include "layout/error.h"
 #include "layout/kv_params.h"
 #include "refmodel/engine.h"
-#include "xdna/scatter.h"
+#include "kvshare/scatter/scatter.h"
 
 namespace kvshare::refmodel {
 
@@ -56,12 +56,12 @@ class PrivateContext {
   std::unique_ptr<Context> ctx_;  // over kv_
 };
 
-// The model's n_embd_head_k / n_embd_head_v (xdna::ScatterTarget needs them to rotate).
+// The model's n_embd_head_k / n_embd_head_v (kvshare::ScatterTarget needs them to rotate).
 uint32_t head_k(const Model& model);
 uint32_t head_v(const Model& model);
 
 // One layer's f32 rows from the prefill, as the scatter batch every route's sink places
 // (`n_threads` <= 0: the scatter's default).
-xdna::ScatterBatch scatter_batch_of(const LayerRows& rows, bool rotation_disabled, int n_threads);
+kvshare::ScatterBatch scatter_batch_of(const LayerRows& rows, bool rotation_disabled, int n_threads);
 
 }  // namespace kvshare::refmodel

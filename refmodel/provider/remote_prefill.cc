@@ -20,7 +20,7 @@
 #include "layout/tensor_type.h"
 #include "refmodel/engine.h"
 #include "refmodel/provider/private_kv.h"
-#include "xdna/scatter.h"
+#include "kvshare/scatter/scatter.h"
 
 namespace kvshare::refmodel {
 namespace {
@@ -128,13 +128,13 @@ Result<RemotePrefillReport> RemotePrefiller::run(std::span<const int32_t> tokens
   if (!own) return fail(own.error());
   auto ctx = Context::create(impl_->model, (*own)->kv, impl_->n_threads);
   if (!ctx) return fail(ctx.error());
-  xdna::ScatterTarget target{share_layout, memory, staging.chunks, 0, head_k(model), head_v(model)};
+  kvshare::ScatterTarget target{share_layout, memory, staging.chunks, 0, head_k(model), head_v(model)};
   const bool rotation_disabled = statefile::attn_rotation_disabled_by_env();
   double transfer_ms = 0;
   auto ok = (*ctx)->prefill(tokens, [&](const LayerRows& rows) -> Result<void> {
     const auto w0 = Clock::now();
-    const xdna::ScatterBatch batch = scatter_batch_of(rows, rotation_disabled, impl_->n_threads);
-    if (auto scattered = xdna::scatter(target, batch); !scattered) return scattered;
+    const kvshare::ScatterBatch batch = scatter_batch_of(rows, rotation_disabled, impl_->n_threads);
+    if (auto scattered = kvshare::scatter(target, batch); !scattered) return scattered;
     if (auto sent = send_cells(**sender, offer, staging, rows.il, batch.pos0, batch.pos0 + batch.n_tokens); !sent)
       return sent;
     transfer_ms += ms_since(w0);
@@ -204,7 +204,7 @@ Result<RemotePrefillReport> RemotePrefiller::run_command(std::span<const int32_t
     const std::vector<std::byte> rows = file->rows(*section);  // cell order
     std::byte* base = staging.chunks[t->chunk].data() + t->offset;
     if (section->kind == layout::TensorKind::v && cache.v_trans) {
-      // Element j of cell c at (j * kv_size + c) * element, as xdna::scatter places it.
+      // Element j of cell c at (j * kv_size + c) * element, as kvshare::scatter places it.
       const uint64_t elem = layout::ggml_row_size(cache.type_v, 1);
       for (uint32_t c = 0; c < n; ++c)
         for (uint32_t j = 0; j < section->n_embd; ++j)

@@ -60,7 +60,7 @@
 #include "kvshare/statefile/state_file_reader.h"
 #include "kvshare/statefile/state_file_writer.h"
 #include "qwen3_coder_shape.h"
-#include "xdna/scatter.h"
+#include "kvshare/scatter/scatter.h"
 
 namespace kvshare::bench {
 namespace {
@@ -142,8 +142,8 @@ const char* side_name(Side side) {
   return "";
 }
 
-xdna::ScatterBatch all_layers(const ProviderRows& rows, uint32_t n_tokens) {
-  xdna::ScatterBatch batch;
+kvshare::ScatterBatch all_layers(const ProviderRows& rows, uint32_t n_tokens) {
+  kvshare::ScatterBatch batch;
   for (uint32_t il = 0; il < kLayers; ++il) batch.layers.push_back({il, rows.values.data(), kEmbdGqa, kEmbdGqa});
   batch.n_tokens = n_tokens;
   batch.src_type = layout::GgmlType::F32;
@@ -156,9 +156,9 @@ Result<double> floor_side(const ProviderRows& rows, uint32_t n_tokens, double& l
   const layout::ShareHeader& header = decoder().header();
   const auto chunks = decoder().chunk_bytes();
   const auto start = Clock::now();
-  xdna::ScatterTarget target{header.layout, header.memory, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
+  kvshare::ScatterTarget target{header.layout, header.memory, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
                              0, 128, 128};
-  if (auto scattered = xdna::scatter(target, all_layers(rows, n_tokens)); !scattered) return fail(scattered.error());
+  if (auto scattered = kvshare::scatter(target, all_layers(rows, n_tokens)); !scattered) return fail(scattered.error());
   const double ms = ms_since(start);
   const auto look_start = Clock::now();
   if (auto looked = decoder_first_look(n_tokens); !looked) return fail(looked.error());
@@ -183,9 +183,9 @@ Result<double> shared_side(const ProviderRows& rows, uint32_t n_tokens, bool thr
   if (!imported) return fail(imported.error());
   const auto chunks = imported->chunk_bytes();
   const layout::ShareHeader& header = share.header();
-  xdna::ScatterTarget target{header.layout, header.memory, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
+  kvshare::ScatterTarget target{header.layout, header.memory, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
                              0, 128, 128, through_files ? imported->chunk_files() : std::vector<ChunkFile>{}};
-  if (auto scattered = xdna::scatter(target, all_layers(rows, n_tokens)); !scattered) return fail(scattered.error());
+  if (auto scattered = kvshare::scatter(target, all_layers(rows, n_tokens)); !scattered) return fail(scattered.error());
   if (auto plan = share.adopt(n_tokens, *id); !plan) return fail(plan.error());
   if (auto looked = decoder_first_look(n_tokens); !looked) return fail(looked.error());
   const double ms = ms_since(start);
@@ -246,9 +246,9 @@ Result<double> resident_side(const ProviderRows& rows, uint32_t n_tokens, const 
   received->fds.clear();
   const auto chunks = held.imported.chunk_bytes();
   const layout::ShareHeader& header = share.header();
-  xdna::ScatterTarget target{header.layout, header.memory, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
+  kvshare::ScatterTarget target{header.layout, header.memory, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
                              0, 128, 128};
-  if (auto scattered = xdna::scatter(target, all_layers(rows, n_tokens)); !scattered) return fail(scattered.error());
+  if (auto scattered = kvshare::scatter(target, all_layers(rows, n_tokens)); !scattered) return fail(scattered.error());
   if (auto plan = share.adopt(n_tokens, *id); !plan) return fail(plan.error());
   if (auto looked = decoder_first_look(n_tokens); !looked) return fail(looked.error());
   const double ms = ms_since(start);

@@ -20,7 +20,7 @@
 #include "refmodel/engine.h"
 #include "refmodel/model_generator.h"
 #include "refmodel/model_impl.h"
-#include "xdna/scatter.h"
+#include "kvshare/scatter/scatter.h"
 
 namespace kvshare::bench {
 namespace {
@@ -107,19 +107,19 @@ void bm_prefill(benchmark::State& state, Sink sink_kind, bool smoke) {
       }
       writer.emplace(std::move(*w));
     }
-    xdna::ScatterTarget target{region->kv.layout, region->kv.memory, region->kv.chunks, 0, hp.n_embd_head_k, hp.n_embd_head_v};
+    kvshare::ScatterTarget target{region->kv.layout, region->kv.memory, region->kv.chunks, 0, hp.n_embd_head_k, hp.n_embd_head_v};
     auto ok = (*ctx)->prefill(tokens, [&](const refmodel::LayerRows& rows) -> Result<void> {
       if (sink_kind == Sink::none) return {};
       const auto t0 = Clock::now();
       const uint64_t stride = (rows.n_embd_k_gqa + rows.n_embd_v_gqa) * sizeof(float);
       Result<void> r;
       if (sink_kind == Sink::scatter) {
-        xdna::ScatterBatch batch;
+        kvshare::ScatterBatch batch;
         batch.layers.push_back({rows.il, rows.rows.data(), rows.n_embd_k_gqa, rows.n_embd_v_gqa});
         batch.pos0 = static_cast<uint32_t>(rows.pos0);
         batch.n_tokens = rows.n_tokens;
         batch.row_stride = stride;
-        r = xdna::scatter(target, batch);
+        r = kvshare::scatter(target, batch);
       } else {
         r = writer->write_layer(rows.il, {layout::GgmlType::F32, rows.rows.data(), rows.n_tokens, stride},
                                 {layout::GgmlType::F32, rows.rows.data() + rows.n_embd_k_gqa, rows.n_tokens, stride});

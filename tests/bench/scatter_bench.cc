@@ -1,4 +1,4 @@
-// kvshare-bench scatter: xdna::scatter throughput for the Qwen3-Coder-30B-A3B cache shape
+// kvshare-bench scatter: kvshare::scatter throughput for the Qwen3-Coder-30B-A3B cache shape
 // (48 layers, 4 KV heads x 128, f16 cache, flash attention) beside memcpy of the same
 // destination bytes, measured in the same run on the same number of threads.
 #include <benchmark/benchmark.h>
@@ -16,8 +16,8 @@
 #include "bench_stats.h"
 #include "layout/half.h"
 #include "layout/row_convert.h"
-#include "tests/xdna/cache_fixture.h"
-#include "xdna/scatter.h"
+#include "tests/support/cache_fixture.h"
+#include "kvshare/scatter/scatter.h"
 
 namespace kvshare::bench {
 namespace {
@@ -57,7 +57,7 @@ struct Setup {
   Setup(const Shape& shape, GgmlType src_type)
       : spec{std::vector<uint32_t>(shape.n_layer, shape.n_embd), std::vector<uint32_t>(shape.n_layer, shape.n_embd),
              shape.n_tokens},
-        memory(xdna::testing::make_memory(spec)),
+        memory(kvshare::testing::make_memory(spec)),
         layout(layout::share_layout(memory)),
         row_bytes(layout::ggml_row_size(src_type, 2 * shape.n_embd)),
         rows(static_cast<size_t>(row_bytes) * shape.n_tokens * shape.n_layer) {
@@ -85,20 +85,20 @@ struct Setup {
       batch.layers.push_back({il, rows.data + static_cast<size_t>(il) * row_bytes * shape.n_tokens, shape.n_embd,
                               shape.n_embd});
   }
-  xdna::ScatterTarget target() const {
+  kvshare::ScatterTarget target() const {
     std::vector<std::span<std::byte>> spans;
     for (const auto& chunk : chunks) spans.emplace_back(chunk->data, chunk->size);
-    return xdna::ScatterTarget{layout, memory, std::move(spans), 0, 128, 128};
+    return kvshare::ScatterTarget{layout, memory, std::move(spans), 0, 128, 128};
   }
   uint64_t destination_bytes() const { return layout::kv_bytes_per_token(memory) * batch.n_tokens; }
 
-  xdna::testing::CacheSpec spec;
+  kvshare::testing::CacheSpec spec;
   layout::MemoryShape memory;
   layout::ShareLayout layout;
   uint64_t row_bytes;
   PageBuffer rows;
   std::vector<std::unique_ptr<PageBuffer>> chunks;
-  xdna::ScatterBatch batch;
+  kvshare::ScatterBatch batch;
 };
 
 using Clock = std::chrono::steady_clock;
@@ -124,7 +124,7 @@ const char* kCases[] = {"f16->f16", "f32->f16"};
 // touched before the first round.
 void bm_rounds(benchmark::State& state, Shape shape) {
   Setup f16(shape, GgmlType::F16), f32(shape, GgmlType::F32);
-  const xdna::ScatterTarget f16_target = f16.target(), f32_target = f32.target();
+  const kvshare::ScatterTarget f16_target = f16.target(), f32_target = f32.target();
   const uint64_t bytes = f16.destination_bytes();
   PageBuffer source(bytes), destination(bytes);
   const unsigned n_threads = bench_threads();
@@ -132,7 +132,7 @@ void bm_rounds(benchmark::State& state, Shape shape) {
   // One untimed round first: the threads' stacks, the rows in cache, the CPU's clock.
   threaded_memcpy(destination.data, source.data, bytes, n_threads);
   for (const auto* target : {&f16_target, &f32_target})
-    if (auto result = xdna::scatter(*target, target == &f16_target ? f16.batch : f32.batch); !result)
+    if (auto result = kvshare::scatter(*target, target == &f16_target ? f16.batch : f32.batch); !result)
       return state.SkipWithError(result.error().what().c_str());
   size_t turn = 0;
   for (auto _ : state) {
@@ -143,7 +143,7 @@ void bm_rounds(benchmark::State& state, Shape shape) {
       if (which == 0) {
         threaded_memcpy(destination.data, source.data, bytes, n_threads);
       } else {
-        auto result = xdna::scatter(which == 1 ? f16_target : f32_target, which == 1 ? f16.batch : f32.batch);
+        auto result = kvshare::scatter(which == 1 ? f16_target : f32_target, which == 1 ? f16.batch : f32.batch);
         if (!result) return state.SkipWithError(result.error().what().c_str());
       }
       benchmark::ClobberMemory();
@@ -168,7 +168,7 @@ void bm_rounds(benchmark::State& state, Shape shape) {
 
 const bool registered = add_group({
     "scatter",
-    "xdna::scatter f16->f16 and f32->f16 into a Qwen3-Coder-30B-A3B f16 cache vs memcpy of the same bytes, "
+    "kvshare::scatter f16->f16 and f32->f16 into a Qwen3-Coder-30B-A3B f16 cache vs memcpy of the same bytes, "
     "in rotating rounds",
     [](const BenchArgs& args) {
       std::vector<int> tokens = args.tokens.empty() ? std::vector<int>{4096} : args.tokens;

@@ -1,4 +1,4 @@
-// The DMA plan, executed by the simulator, must write exactly what xdna::scatter writes;
+// The DMA plan, executed by the simulator, must write exactly what kvshare::scatter writes;
 // the simulator must refuse every pattern the shim could not run.
 #include "xdna/dma_plan.h"
 
@@ -6,22 +6,22 @@
 
 #include <random>
 
-#include "cache_fixture.h"
+#include "support/cache_fixture.h"
 
 namespace kvshare::xdna {
 namespace {
 
 using layout::GgmlType;
-using testing::CacheSpec;
-using testing::make_rows;
-using testing::Region;
+using kvshare::testing::CacheSpec;
+using kvshare::testing::make_rows;
+using kvshare::testing::Region;
 
 std::span<std::byte> tensor_bytes(Region& region, const std::string& name) {
   const layout::SharedTensor* placed = region.layout.find(name);
   return {region.tensor(name), placed->tensor.nbytes};
 }
 
-ScatterBatch batch_for(const testing::ProviderRows& rows, uint32_t il, uint32_t nk, uint32_t nv, GgmlType type,
+ScatterBatch batch_for(const kvshare::testing::ProviderRows& rows, uint32_t il, uint32_t nk, uint32_t nv, GgmlType type,
                        uint32_t pos0, uint32_t n_tokens, uint32_t stream = 0) {
   ScatterBatch batch;
   batch.layers.push_back({il, rows.bytes.data(), nk, nv});

@@ -5,9 +5,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include "cache_fixture.h"
+#include "support/cache_fixture.h"
 #include "fake_amdxdna.h"
-#include "recurrent_fixture.h"
+#include "support/recurrent_fixture.h"
 #include "kvshare/region/exporter.h"
 #include "support/test_support.h"
 
@@ -15,11 +15,11 @@ namespace kvshare::xdna {
 namespace {
 
 using kvshare::testing::FdLeakCheck;
-using kvshare::xdna::testing::CacheSpec;
+using kvshare::testing::CacheSpec;
 using kvshare::xdna::testing::fake_device;
 using kvshare::xdna::testing::FakeDriver;
 using kvshare::xdna::testing::ScopedFakeDriver;
-using kvshare::xdna::testing::make_memory;
+using kvshare::testing::make_memory;
 
 class NpuShare_ : public FdLeakCheck {
  protected:
@@ -78,7 +78,7 @@ TEST_F(NpuShare_, AddressesEachTensorAtItsChunksBufferAddressPlusItsOffset) {
 }
 
 TEST_F(NpuShare_, AddressesARecurrentModelsStateTensorsByName) {
-  share_memory(testing::mamba2_memory());
+  share_memory(kvshare::testing::mamba2_memory());
   ScopedFakeDriver fake_driver;
   auto npu = NpuShare::import(fake_device(), *share_);
   ASSERT_TRUE(npu) << npu.error().what();

@@ -1,4 +1,4 @@
-// xdna::scatter writing position-major rows through a chunk's descriptor (pwrite) instead
+// kvshare::scatter writing position-major rows through a chunk's descriptor (pwrite) instead
 // of the provider's mapping (ScatterTarget::chunk_files). The mapping a test hands in is
 // MAP_PRIVATE, so bytes written through it never reach the memfd: what the memfd holds
 // afterwards is exactly what went through the descriptor.
@@ -10,11 +10,11 @@
 #include <cstring>
 #include <vector>
 
-#include "cache_fixture.h"
+#include "support/cache_fixture.h"
 #include "kvshare/fd.h"
-#include "xdna/scatter.h"
+#include "kvshare/scatter/scatter.h"
 
-namespace kvshare::xdna {
+namespace kvshare {
 namespace {
 
 using layout::GgmlType;
@@ -157,4 +157,4 @@ TEST(ScatterThroughFile, NamesTheLayerAndChunkWhenAWriteFails) {
 }
 
 }  // namespace
-}  // namespace kvshare::xdna
+}  // namespace kvshare

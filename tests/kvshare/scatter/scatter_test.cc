@@ -1,16 +1,16 @@
-// xdna::scatter against positions computed here from llama.cpp's tensor geometry and
+// kvshare::scatter against positions computed here from llama.cpp's tensor geometry and
 // values converted one element at a time with layout/half.h.
-#include "xdna/scatter.h"
+#include "kvshare/scatter/scatter.h"
 
 #include <gtest/gtest.h>
 
 #include <cstring>
 
-#include "cache_fixture.h"
+#include "support/cache_fixture.h"
 #include "layout/half.h"
 #include "layout/row_convert.h"
 
-namespace kvshare::xdna {
+namespace kvshare {
 namespace {
 
 using layout::GgmlType;
@@ -243,4 +243,4 @@ TEST(Gather, UndoesTheRotationOfAQuantizedCacheWhenAsked) {
 }
 
 }  // namespace
-}  // namespace kvshare::xdna
+}  // namespace kvshare

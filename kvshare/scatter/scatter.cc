@@ -1,4 +1,4 @@
-#include "xdna/scatter.h"
+#include "kvshare/scatter/scatter.h"
 
 #include <fmt/format.h>
 
@@ -14,7 +14,7 @@
 
 #include "layout/row_convert.h"
 
-namespace kvshare::xdna {
+namespace kvshare {
 namespace {
 
 using layout::CacheTensor;
@@ -449,4 +449,4 @@ Result<void> gather(const ScatterTarget& target, const GatherRequest& request, s
   return {};
 }
 
-}  // namespace kvshare::xdna
+}  // namespace kvshare

@@ -9,7 +9,7 @@
 #include "layout/model_shape.h"
 #include "layout/shape_fixtures.h"
 
-namespace kvshare::xdna::testing {
+namespace kvshare::testing {
 
 inline layout::MemoryShape memory_of(const layout::testing::MetadataBuilder& builder, uint32_t n_seq_max) {
   auto model = layout::derive_model_shape(builder.metadata());
@@ -45,4 +45,4 @@ inline layout::MemoryShape lfm2_memory() {
   return memory_of(builder, 1);
 }
 
-}  // namespace kvshare::xdna::testing
+}  // namespace kvshare::testing

@@ -1,4 +1,4 @@
-// xdna::write_state and state_width: a recurrent layer's R or S row for one cell, on
+// kvshare::write_state and state_width: a recurrent layer's R or S row for one cell, on
 // memories derived from GGUF metadata (mamba2: recurrent; lfm2: hybrid with a 0-wide S)
 // and placed by layout::share_layout, in vector-backed chunks filled with a sentinel.
 #include <gtest/gtest.h>
@@ -9,13 +9,13 @@
 #include <cstring>
 #include <vector>
 
-#include "cache_fixture.h"
+#include "support/cache_fixture.h"
 #include "kvshare/fd.h"
-#include "recurrent_fixture.h"
+#include "support/recurrent_fixture.h"
 #include "support/test_support.h"
-#include "xdna/scatter.h"
+#include "kvshare/scatter/scatter.h"
 
-namespace kvshare::xdna {
+namespace kvshare {
 namespace {
 
 using layout::TensorKind;
@@ -255,4 +255,4 @@ TEST_F(WriteStateThroughFile, WritesTheRowWithPwriteAndLeavesTheMappingAlone) {
 }
 
 }  // namespace
-}  // namespace kvshare::xdna
+}  // namespace kvshare

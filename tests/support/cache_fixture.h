@@ -12,9 +12,9 @@
 #include "layout/half.h"
 #include "layout/memory_shape.h"
 #include "layout/share_layout.h"
-#include "xdna/scatter.h"
+#include "kvshare/scatter/scatter.h"
 
-namespace kvshare::xdna::testing {
+namespace kvshare::testing {
 
 struct CacheSpec {
   std::vector<uint32_t> n_embd_k;  // per layer (il = index)
@@ -125,4 +125,4 @@ inline ProviderRows make_rows(uint32_t n_tokens, uint32_t n_k, uint32_t n_v, lay
   return rows;
 }
 
-}  // namespace kvshare::xdna::testing
+}  // namespace kvshare::testing

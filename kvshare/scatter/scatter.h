@@ -30,7 +30,7 @@
 #include "layout/memory_shape.h"
 #include "layout/share_layout.h"
 
-namespace kvshare::xdna {
+namespace kvshare {
 
 // Where a scatter writes. Borrows everything: the layout and shape must outlive the call,
 // and `chunks` are kvshare's own writable mappings of the region's fds (one per
@@ -126,4 +126,4 @@ struct GatherRequest {
 // `out` (n_tokens rows). Same validation and errors as scatter.
 Result<void> gather(const ScatterTarget& target, const GatherRequest& request, std::span<float> out);
 
-}  // namespace kvshare::xdna
+}  // namespace kvshare
