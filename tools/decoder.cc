@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "refmodel/decoder/decoder_app.h"
+#include "apps/decoder/decoder_app.h"
 #include "refmodel/blas_kernels.h"
 
 int main(int argc, char** argv) {

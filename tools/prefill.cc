@@ -11,8 +11,8 @@
 #include "layout/state_format.h"
 #include "layout/tensor_type.h"
 #include "kvshare/share/provider_share.h"
-#include "refmodel/provider/prefill_provider.h"
-#include "refmodel/provider/resident_provider.h"
+#include "apps/provider/prefill_provider.h"
+#include "apps/provider/resident_provider.h"
 #include "refmodel/blas_kernels.h"
 
 int main(int argc, char** argv) {

@@ -8,7 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "refmodel/provider/provider_server.h"
+#include "apps/provider/provider_server.h"
 
 int main(int argc, char** argv) {
   kvshare::refmodel::ProviderServerOptions o;

@@ -7,9 +7,9 @@
 #include <cstdlib>
 #include <cstdio>
 
-#include "kvshare/route/api_key.h"
-#include "kvshare/route/serve.h"
-#include "kvshare/route/serve_config.h"
+#include "route/api_key.h"
+#include "route/serve.h"
+#include "route/serve_config.h"
 
 int main(int argc, char** argv) {
   using namespace kvshare::route;

@@ -2,7 +2,7 @@
 // route in a process of its own, so that nothing a remote peer does to UCX (UCX 1.13 aborts
 // the process that hosts a worker when a peer dies during wire-up) can reach the decoder or
 // serve. serve starts it with one end of a socket pair and supervises it
-// (kvshare/route/remote_receiver_process.h); it answers serve's requests
+// (route/remote_receiver_process.h); it answers serve's requests
 // (layout/receiver_message.h) one at a time:
 //
 //   listen  -> a ShareBroker socket in `private_dir`; serve asks the decoder to share to it

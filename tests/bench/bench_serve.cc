@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "bench_files.h"
-#include "kvshare/route/decoder_process.h"
+#include "route/decoder_process.h"
 
 namespace kvshare::bench {
 

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "kvshare/route/decoder_client.h"
+#include "route/decoder_client.h"
 #include "kvshare/share/spawn.h"
 
 namespace kvshare::bench {

@@ -31,8 +31,8 @@
 #include "bench_registry.h"
 #include "bench_serve.h"
 #include "bench_stats.h"
-#include "kvshare/route/decoder_process.h"
-#include "kvshare/route/upstream_stream.h"
+#include "route/decoder_process.h"
+#include "route/upstream_stream.h"
 
 namespace kvshare::bench {
 namespace {

@@ -61,8 +61,8 @@
 #include "bench_registry.h"
 #include "bench_serve.h"
 #include "bench_stats.h"
-#include "kvshare/route/decoder_client.h"
-#include "kvshare/route/upstream_stream.h"
+#include "route/decoder_client.h"
+#include "route/upstream_stream.h"
 
 namespace kvshare::bench {
 namespace {

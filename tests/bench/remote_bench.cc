@@ -27,8 +27,8 @@
 #include "layout/model_shape.h"
 #include "layout/remote_grant.h"
 #include "layout/share_header.h"
-#include "refmodel/decoder/refmodel_engine.h"
-#include "refmodel/provider/remote_prefill.h"
+#include "apps/decoder/refmodel_engine.h"
+#include "apps/provider/remote_prefill.h"
 
 namespace kvshare::bench {
 namespace {

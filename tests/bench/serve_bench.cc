@@ -24,8 +24,8 @@
 #include "bench_files.h"
 #include "bench_registry.h"
 #include "bench_stats.h"
-#include "kvshare/route/decoder_process.h"
-#include "kvshare/route/upstream_stream.h"
+#include "route/decoder_process.h"
+#include "route/upstream_stream.h"
 #include "kvshare/share/spawn.h"
 
 namespace kvshare::bench {

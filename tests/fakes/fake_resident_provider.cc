@@ -1,5 +1,5 @@
 // kvshare-fake-resident-provider: a resident provider for serve's supervision tests
-// (tests/kvshare/route/resident_provider_test.cc). It speaks the protocol through the real
+// (tests/route/resident_provider_test.cc). It speaks the protocol through the real
 // provider channel and proves what it received by what it writes: a shared prefill writes its
 // ids as int32 into the first bytes of the region's chunk 0, through the mapping it made at
 // the region request; a file prefill writes a one-line text file naming what it was asked.

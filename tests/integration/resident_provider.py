@@ -13,7 +13,7 @@ the server, or LLAMA_KVSHARE_PREFILL=path), each started once by serve with
   still --device cpu's (a fallback or the restarted provider), serve starts another,
   /metrics counts the restart, and the handoffs come back;
 - (a provider that dies during a prefill, hangs or breaks the protocol: the unit tests of
-  tests/kvshare/route/resident_provider_test.cc, against a fake that does so on demand);
+  tests/route/resident_provider_test.cc, against a fake that does so on demand);
 - SIGTERM to serve ends the resident provider with it; nothing is left behind.
 
 usage: resident_provider.py BIN_DIR

@@ -7,12 +7,12 @@
 #include <memory>
 #include <thread>
 
-#include "kvshare/route/api_key.h"
-#include "kvshare/route/decoder_client.h"
-#include "kvshare/route/upstream_stream.h"
-#include "refmodel/decoder/fake_engine.h"
-#include "refmodel/decoder/http_client.h"
-#include "refmodel/decoder/http_server.h"
+#include "route/api_key.h"
+#include "route/decoder_client.h"
+#include "route/upstream_stream.h"
+#include "apps/decoder/fake_engine.h"
+#include "apps/decoder/http_client.h"
+#include "apps/decoder/http_server.h"
 #include "support/test_support.h"
 
 namespace kvshare::security {

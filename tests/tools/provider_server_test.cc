@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "kvshare/route/api_key.h"
+#include "route/api_key.h"
 #include "support/test_support.h"
 
 extern char** environ;

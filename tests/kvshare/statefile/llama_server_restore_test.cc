@@ -19,7 +19,7 @@
 #include <thread>
 
 #include "kvshare/mapping.h"
-#include "kvshare/route/state_version_probe.h"
+#include "route/state_version_probe.h"
 #include "kvshare/statefile/state_file_reader.h"
 #include "kvshare/statefile/state_file_writer.h"
 #include "kvshare/statefile/state_tools.h"

@@ -1,0 +1,237 @@
+#include "apps/provider/remote_prefill.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "kvshare/mapping.h"
+#include "kvshare/remote/remote_sender.h"
+#include "route/decoder_process.h"
+#include "route/provider_run.h"
+#include "kvshare/statefile/state_file_reader.h"
+#include "kvshare/statefile/state_file_writer.h"
+#include "layout/remote_grant.h"
+#include "layout/share_header.h"
+#include "layout/tensor_type.h"
+#include "refmodel/engine.h"
+#include "apps/provider/private_kv.h"
+#include "kvshare/scatter/scatter.h"
+
+namespace kvshare::refmodel {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
+
+}  // namespace
+
+struct RemotePrefiller::Impl {
+  std::string model_path;
+  int n_threads = 0;
+  std::shared_ptr<const Model> model;
+};
+
+RemotePrefiller::RemotePrefiller(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+RemotePrefiller::~RemotePrefiller() = default;
+
+Result<std::unique_ptr<RemotePrefiller>> RemotePrefiller::load(const std::string& model_path, int n_threads) {
+  auto mapping = Mapping::map_file_readonly(model_path);
+  if (!mapping) return fail(mapping.error().with_context(fmt::format("model {}", model_path)));
+  auto keep = std::make_shared<Mapping>(std::move(*mapping));
+  auto model = Model::from_gguf(keep->bytes(), keep, model_path);
+  if (!model) return fail(model.error().with_context(fmt::format("model {}", model_path)));
+  auto impl = std::make_unique<Impl>();
+  impl->model_path = model_path;
+  impl->n_threads = n_threads;
+  impl->model = std::move(*model);
+  return std::unique_ptr<RemotePrefiller>(new RemotePrefiller(std::move(impl)));
+}
+
+int32_t RemotePrefiller::n_vocab() const { return impl_->model->tokenizer().n_vocab(); }
+
+namespace {
+
+// The offer against this model and the tokens: EINVAL naming the field, before any
+// connection (compatibility first, vLLM PR #29503).
+Result<void> check_offer(const Model& model, const std::string& model_path, std::span<const int32_t> tokens,
+                         const remote::RemoteOffer& offer) {
+  auto ours = layout::make_share_header(layout::model_fingerprint(model.metadata(), model.tensor_infos()),
+                                        model.shape(), offer.header.params);
+  if (!ours) return fail(ours.error().with_context(fmt::format("model {}", model_path)));
+  if (auto ok = layout::check_compatible(*ours, offer.header, "the decoder's offer"); !ok)
+    return fail(ok.error().with_context(fmt::format("model {}", model_path)));
+  if (tokens.empty()) return fail(EINVAL, "no tokens to prefill");
+  if (tokens.size() > offer.n_cells)
+    return fail(EINVAL, "{} tokens, the decoder granted {} cells", tokens.size(), offer.n_cells);
+  const int32_t vocab = model.tokenizer().n_vocab();
+  for (size_t i = 0; i < tokens.size(); ++i)
+    if (tokens[i] < 0 || tokens[i] >= vocab)
+      return fail(EINVAL, "tokens[{}] is {}, outside the vocabulary of model {} ({} tokens)", i, tokens[i], model_path,
+                  vocab);
+  return {};
+}
+
+// Rows are placed here first, exactly as they will sit in the decoder's chunks, then sent
+// range by range. Uninitialised: only the granted cells are touched, so untouched pages
+// of a large context cost nothing.
+struct Staging {
+  std::vector<std::unique_ptr<std::byte[]>> owned;
+  std::vector<std::span<std::byte>> chunks;
+  explicit Staging(const layout::ShareLayout& share_layout) {
+    for (const layout::ShareChunk& chunk : share_layout.chunks) {
+      owned.emplace_back(new std::byte[chunk.size_bytes]);
+      chunks.emplace_back(owned.back().get(), chunk.size_bytes);
+    }
+  }
+};
+
+// One write per K/V tensor (per element row of a transposed V) of cells [begin, end) of
+// layer `il`: a layer's rows go as a few large messages, never a descriptor per token.
+Result<void> send_cells(remote::RemoteSender& sender, const remote::RemoteOffer& offer, const Staging& staging,
+                        uint32_t il, uint32_t begin, uint32_t end) {
+  for (const layout::ChunkRange& r : layout::cell_ranges(offer.header.layout, offer.header.memory, il, begin, end))
+    if (auto sent = sender.write({offer.share_id, offer.secret, r.chunk, r.offset, r.size_bytes},
+                                 staging.chunks[r.chunk].subspan(r.offset, r.size_bytes));
+        !sent)
+      return sent;
+  return {};
+}
+
+// Flush, then the completion with the bytes the decoder accepted.
+Result<uint64_t> finish(remote::RemoteSender& sender, const remote::RemoteOffer& offer, uint32_t n,
+                        Clock::time_point deadline) {
+  if (auto flushed = sender.flush(deadline); !flushed) return fail(flushed.error().with_context("remote route"));
+  const layout::RemoteDone done{offer.share_id, offer.secret, n, sender.bytes_sent(), offer.layout_hash};
+  if (auto finished = sender.finish(done, deadline); !finished) return fail(finished.error().with_context("remote route"));
+  return done.bytes;
+}
+
+}  // namespace
+
+Result<RemotePrefillReport> RemotePrefiller::run(std::span<const int32_t> tokens, const remote::RemoteOffer& offer) {
+  const Model& model = *impl_->model;
+  const auto t0 = Clock::now();
+  const auto deadline = t0 + std::chrono::milliseconds(offer.timeout_ms);
+  if (auto ok = check_offer(model, impl_->model_path, tokens, offer); !ok) return fail(ok.error());
+  const layout::ShareLayout& share_layout = offer.header.layout;
+  const layout::MemoryShape& memory = offer.header.memory;
+  Staging staging(share_layout);
+  auto sender = remote::RemoteSender::connect(offer.worker_address);
+  if (!sender) return fail(sender.error());
+  const auto n = static_cast<uint32_t>(tokens.size());
+  auto own = make_private_kv(model, offer.header.params, n);
+  if (!own) return fail(own.error());
+  auto ctx = Context::create(impl_->model, (*own)->kv, impl_->n_threads);
+  if (!ctx) return fail(ctx.error());
+  kvshare::ScatterTarget target{share_layout, memory, staging.chunks, 0, head_k(model), head_v(model)};
+  const bool rotation_disabled = statefile::attn_rotation_disabled_by_env();
+  double transfer_ms = 0;
+  auto ok = (*ctx)->prefill(tokens, [&](const LayerRows& rows) -> Result<void> {
+    const auto w0 = Clock::now();
+    const kvshare::ScatterBatch batch = scatter_batch_of(rows, rotation_disabled, impl_->n_threads);
+    if (auto scattered = kvshare::scatter(target, batch); !scattered) return scattered;
+    if (auto sent = send_cells(**sender, offer, staging, rows.il, batch.pos0, batch.pos0 + batch.n_tokens); !sent)
+      return sent;
+    transfer_ms += ms_since(w0);
+    if (Clock::now() > deadline) return fail(ETIMEDOUT, "the offer's deadline passed during the prefill");
+    return {};
+  });
+  if (!ok) return fail(ok.error().with_context("remote route"));
+  const auto f0 = Clock::now();
+  auto bytes = finish(**sender, offer, n, deadline);
+  if (!bytes) return fail(bytes.error());
+  transfer_ms += ms_since(f0);
+  RemotePrefillReport report;
+  report.n_tokens = n;
+  report.prefill_ms = ms_since(t0);
+  report.transfer_ms = transfer_ms;
+  report.forward_ms = report.prefill_ms - transfer_ms;
+  report.bytes_sent = *bytes;
+  return report;
+}
+
+Result<RemotePrefillReport> RemotePrefiller::run_command(std::span<const int32_t> tokens,
+                                                         const remote::RemoteOffer& offer, const std::string& command,
+                                                         std::chrono::milliseconds timeout) {
+  const auto t0 = Clock::now();
+  const auto deadline = t0 + std::chrono::milliseconds(offer.timeout_ms);
+  if (auto ok = check_offer(*impl_->model, impl_->model_path, tokens, offer); !ok) return fail(ok.error());
+  auto dir = route::make_private_dir("kvshare-provider-server");
+  if (!dir) return fail(dir.error());
+  struct RemoveDir {
+    std::filesystem::path path;
+    ~RemoveDir() {
+      std::error_code ec;
+      std::filesystem::remove_all(path, ec);
+    }
+  } remove_dir{*dir};
+  const std::filesystem::path ids_path = *dir / "prompt.ids", state_path = *dir / "prompt.state";
+  {
+    std::ofstream ids(ids_path);
+    for (int32_t id : tokens) ids << id << '\n';
+    if (!ids) return fail(EIO, "writing the ids file {}", ids_path.string());
+  }
+  const layout::KvParams& p = offer.header.params;
+  const std::vector<std::string> argv = {command, "--tokens", ids_path.string(), "--out", state_path.string(),
+                                         "--model", impl_->model_path, "--ctx-size", std::to_string(p.n_ctx),
+                                         "--flash-attn", p.flash_attn ? "on" : "off",
+                                         "--cache-type-k", std::string(layout::ggml_type_name(p.type_k)),
+                                         "--cache-type-v", std::string(layout::ggml_type_name(p.type_v))};
+  const route::ProviderRun run = route::run_provider(argv, {}, timeout);
+  if (!run.err.empty()) std::fprintf(stderr, "%s", run.err.c_str());
+  if (!run.ok()) return fail(EIO, "the provider command {} {}", command, run.describe());
+  const double forward_ms = run.prefill_ms();
+  const auto w0 = Clock::now();
+  const layout::MemoryShape& memory = offer.header.memory;
+  auto file = statefile::read_state_file(state_path, &memory);
+  if (!file) return fail(EIO, "the provider command's state file: {}", file.error().what());
+  if (!std::equal(file->tokens().begin(), file->tokens().end(), tokens.begin(), tokens.end()))
+    return fail(EIO, "the provider command's state file holds {} other tokens than the {} asked for",
+                file->tokens().size(), tokens.size());
+  const auto n = static_cast<uint32_t>(tokens.size());
+  const layout::KvCacheShape& cache = memory.kv_caches.front();
+  Staging staging(offer.header.layout);
+  for (const layout::StateSection* section : file->sections()) {
+    const layout::SharedTensor* t = offer.header.layout.find(0, section->il, section->kind);
+    if (t == nullptr || section->n_rows != n)
+      return fail(EIO, "the provider command's state file: section {} of layer {} has {} rows, expected {}",
+                  layout::tensor_kind_name(section->kind), section->il, section->n_rows, n);
+    const std::vector<std::byte> rows = file->rows(*section);  // cell order
+    std::byte* base = staging.chunks[t->chunk].data() + t->offset;
+    if (section->kind == layout::TensorKind::v && cache.v_trans) {
+      // Element j of cell c at (j * kv_size + c) * element, as kvshare::scatter places it.
+      const uint64_t elem = layout::ggml_row_size(cache.type_v, 1);
+      for (uint32_t c = 0; c < n; ++c)
+        for (uint32_t j = 0; j < section->n_embd; ++j)
+          std::memcpy(base + (static_cast<uint64_t>(j) * cache.kv_size + c) * elem,
+                      rows.data() + (static_cast<uint64_t>(c) * section->n_embd + j) * elem, elem);
+    } else {
+      if (rows.size() != static_cast<uint64_t>(n) * t->tensor.row_bytes)
+        return fail(EIO, "the provider command's state file: layer {} {} rows are {} bytes, the layout says {}",
+                    section->il, layout::tensor_kind_name(section->kind), rows.size(),
+                    static_cast<uint64_t>(n) * t->tensor.row_bytes);
+      std::memcpy(base, rows.data(), rows.size());
+    }
+  }
+  auto sender = remote::RemoteSender::connect(offer.worker_address);
+  if (!sender) return fail(sender.error());
+  for (const layout::KvCacheLayer& layer : cache.layers)
+    if (auto sent = send_cells(**sender, offer, staging, layer.il, 0, n); !sent)
+      return fail(sent.error().with_context("remote route"));
+  auto bytes = finish(**sender, offer, n, deadline);
+  if (!bytes) return fail(bytes.error());
+  RemotePrefillReport report;
+  report.n_tokens = n;
+  report.forward_ms = forward_ms;
+  report.transfer_ms = ms_since(w0);
+  report.prefill_ms = ms_since(t0);
+  report.bytes_sent = *bytes;
+  return report;
+}
+
+}  // namespace kvshare::refmodel
