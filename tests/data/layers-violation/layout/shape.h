@@ -1,0 +1,2 @@
+// Allowed: its own layer.
+#include "layout/other.h"
