@@ -15,9 +15,9 @@ function(kvshare_target_defaults target)
 endfunction()
 
 # A kvshare library: sources are every .cc of its folder (and subfolders listed in
-# ARGN) so that adding a unit never needs an edit here. Public headers live beside
-# their sources and are installed under include/kvshare/<folder>/.
-function(kvshare_library target folder)
+# ARGN) so that adding a unit never needs an edit here. Its headers live beside its
+# sources; they are internal (only the C API is installed, scripts/cmake/KvshareInstall.cmake).
+function(kvshare_library target)
   cmake_parse_arguments(ARG "" "" "LINK_PUBLIC;LINK_PRIVATE;SUBDIRS" ${ARGN})
   set(globs ${CMAKE_CURRENT_SOURCE_DIR}/*.cc)
   foreach(sub IN LISTS ARG_SUBDIRS)
@@ -26,12 +26,7 @@ function(kvshare_library target folder)
   file(GLOB sources CONFIGURE_DEPENDS ${globs})
   add_library(${target} ${sources})
   add_library(kvshare::${target} ALIAS ${target})
-  target_include_directories(${target} PUBLIC
-    $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}>
-    $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}/kvshare>)
+  target_include_directories(${target} PUBLIC $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}>)
   target_link_libraries(${target} PUBLIC ${ARG_LINK_PUBLIC} PRIVATE ${ARG_LINK_PRIVATE})
-  set_target_properties(${target} PROPERTIES EXPORT_NAME ${target})
   kvshare_target_defaults(${target})
-  set_property(GLOBAL APPEND PROPERTY KVSHARE_LIBRARIES ${target})
-  set_property(GLOBAL APPEND PROPERTY KVSHARE_HEADER_DIRS ${folder})
 endfunction()

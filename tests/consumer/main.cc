@@ -1,17 +1,17 @@
-// Links the installed kvshare and uses one symbol of each public library.
+// Links the installed kvshare (the C API) from C++17 and calls it.
 #include <cstdio>
 
-#include "kvshare/fd.h"
-#include "layout/tensor_type.h"
+#include "kvshare.h"
 
 int main() {
-  kvshare::Fd fd;  // empty: -1
-  const auto row = kvshare::layout::ggml_row_size(kvshare::layout::GgmlType::F16, 128);
-  if (fd.valid() || row != 256) {
-    std::fprintf(stderr, "kvshare-consumer: unexpected values from the installed library\n");
+  kvshare_kv_params params{};
+  kvshare_kv_params_init(&params);
+  if (params.struct_size != sizeof params || params.n_ctx != 4096 || params.n_seq_max != 1) {
+    std::fprintf(stderr, "kvshare-consumer: kvshare_kv_params_init gave struct_size %u, n_ctx %u, n_seq_max %u\n",
+                 params.struct_size, params.n_ctx, params.n_seq_max);
     return 1;
   }
-  std::printf("kvshare-consumer: linked the installed kvshare (f16 row of 128 = %llu bytes)\n",
-              static_cast<unsigned long long>(row));
+  std::printf("kvshare-consumer: linked the installed libkvshare_c (llama-server's defaults: n_ctx %u)\n",
+              params.n_ctx);
   return 0;
 }
