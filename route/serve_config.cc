@@ -158,12 +158,15 @@ Result<Backend> resolve_backend(const ServeConfig& config, const std::string& pa
     const std::filesystem::path candidate = std::filesystem::path(dir) / "llama-server";
     if (is_executable_file(candidate)) return Backend{BackendKind::llama_server, candidate};
   }
-  const std::filesystem::path embedded = serve_dir / "kvshare-decoder";
-  if (is_executable_file(embedded)) return Backend{BackendKind::kvshare_decoder, embedded};
+  // No silent substitute: the decoder of record is llama-server; the reference decoder
+  // (kvshare-decoder) runs only when named, so a missing llama-server is never mistaken
+  // for a working deployment (issue #25).
   return fail(ENOENT,
-              "no decoder: --backend not given, no llama-server on PATH, and no kvshare-decoder beside "
-              "kvshare-serve ({}); build kvshare-decoder or pass --backend PATH",
-              embedded.string());
+              "no decoder: --backend not given and no llama-server on PATH. kvshare-serve decodes with "
+              "llama-server, patched by integrations/llama.cpp for the shared route: "
+              "scripts/build-llama-server.sh --with-kvshare builds it and prints its path; pass it as --backend PATH "
+              "or put its directory on PATH (the reference decoder runs only when named: --backend {})",
+              (serve_dir / "kvshare-decoder").string());
 }
 
 Result<void> validate_backend(const ServeConfig& config, const Backend& backend) {

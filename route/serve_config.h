@@ -90,9 +90,9 @@ struct Backend {
   std::filesystem::path program;
 };
 
-// --backend when given (must be an executable file); else `llama-server` on `path_env`;
-// else `kvshare-decoder` beside serve's own binary (`serve_dir`). ENOENT naming every
-// place looked at.
+// --backend when given (must be an executable file); else `llama-server` on `path_env`.
+// Else ENOENT saying how to build the patched llama-server; the reference decoder beside
+// serve's own binary (`serve_dir`) is named there but never chosen unasked.
 Result<Backend> resolve_backend(const ServeConfig& config, const std::string& path_env,
                                 const std::filesystem::path& serve_dir);
 // What the chosen decoder cannot do for this config: kvshare-decoder serves one slot, so

@@ -1,26 +1,28 @@
 #!/usr/bin/env bash
-# The main job: the hybrid route end to end on any machine, in about a minute.
-#   1. builds kvshare (cmake + ninja into build/) unless the tools are there already;
+# The main job: the hybrid route end to end on any machine.
+#   1. builds kvshare (cmake + ninja into build/) unless the tools are there already, and the
+#      decoder of record: llama-server with the patch series of integrations/llama.cpp
+#      (scripts/build-llama-server.sh --with-kvshare; 10-30 minutes on 2 cores the first
+#      time, cached in ~/.cache/kvshare afterwards; LLAMA_SERVER_KVSHARE=path uses one built
+#      already), with llama-kvshare-prefill, its reference provider;
 #   2. generates a tiny random-weight model with kvshare-mkmodel;
-#   3. starts kvshare-serve --device hybrid with the reference pair (kvshare-prefill
-#      prefills, kvshare-decoder decodes) and ONEBIT_KV_SHARE=1 (the shared route: the
-#      decoder's KV cache handed over as fds, no state file) on a free loopback port;
-#      and beside it kvshare-serve --device cpu (the same decoder alone);
+#   3. starts kvshare-serve --device hybrid with ONEBIT_KV_SHARE=1 (the shared route: the
+#      decoder's KV cache handed over as fds, no state file) on a free loopback port, and
+#      beside it kvshare-serve --device cpu (the same decoder alone);
 #   4. sends a two-turn chat to both (turn 2 hands over only what the decoder's cells do not
-#      hold on the shared route), prints each reply beside the decoder's own, and serve's
-#      `hybrid:` lines; exits 1 if a reply differs;
+#      hold), prints each reply beside the decoder's own, and serve's `hybrid:` lines;
+#      exits 1 if a reply differs;
 #   5. stops both cleanly (SIGTERM) and removes what it made.
 # KVSHARE_BUILD_DIR=dir uses another build directory; KVSHARE_DEMO_ROUTE=file shows the
-# state-file route instead. KVSHARE_DEMO_DECODER=llama-server runs the same demo with the
-# real decoder: llama-server and llama-kvshare-prefill built with the patch series of
-# integrations/llama.cpp (scripts/build-llama-server.sh --with-kvshare, on first use).
+# state-file route instead. KVSHARE_DEMO_DECODER=reference runs the reference pair
+# (kvshare-prefill, kvshare-decoder) instead of llama-server: no llama.cpp build.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${KVSHARE_BUILD_DIR:-$root/build}
 bin=$build/bin
 route=${KVSHARE_DEMO_ROUTE:-shared}
-decoder_kind=${KVSHARE_DEMO_DECODER:-reference}
-case "$decoder_kind" in reference|llama-server) ;; *) echo "KVSHARE_DEMO_DECODER=$decoder_kind: not reference or llama-server"; exit 2 ;; esac
+decoder_kind=${KVSHARE_DEMO_DECODER:-llama-server}
+case "$decoder_kind" in reference|llama-server) ;; *) echo "KVSHARE_DEMO_DECODER=$decoder_kind: not llama-server or reference"; exit 2 ;; esac
 
 need=(kvshare-serve kvshare-decoder kvshare-prefill kvshare-mkmodel)
 missing=0
@@ -48,9 +50,15 @@ trap cleanup EXIT INT TERM
 backend=$bin/kvshare-decoder
 provider=$bin/kvshare-prefill
 if [ "$decoder_kind" = llama-server ]; then
-  echo "== the patched llama-server (scripts/build-llama-server.sh --with-kvshare; long the first time)"
-  backend=$(KVSHARE_BUILD_DIR="$build" "$root/scripts/build-llama-server.sh" --with-kvshare)
+  if [ -n "${LLAMA_SERVER_KVSHARE:-}" ] && [ -x "$LLAMA_SERVER_KVSHARE" ]; then
+    echo "== the patched llama-server (LLAMA_SERVER_KVSHARE)"
+    backend=$LLAMA_SERVER_KVSHARE
+  else
+    echo "== the patched llama-server (scripts/build-llama-server.sh --with-kvshare; 10-30 minutes the first time)"
+    backend=$(KVSHARE_BUILD_DIR="$build" "$root/scripts/build-llama-server.sh" --with-kvshare)
+  fi
   provider=$(dirname "$backend")/llama-kvshare-prefill
+  [ -x "$provider" ] || { echo "no llama-kvshare-prefill beside $backend"; exit 1; }
   echo "   $backend"
 fi
 

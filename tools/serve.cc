@@ -1,5 +1,5 @@
 // kvshare-serve: an OpenAI-style server whose prompts are prefilled by a provider and
-// decoded by a llama-server (or kvshare-decoder) child — the hybrid route. docs/hybrid.md.
+// decoded by a llama-server child (kvshare-decoder when named) — the hybrid route. docs/hybrid.md.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -48,7 +48,9 @@ int main(int argc, char** argv) {
                  "decoder evaluating what its slot does not hold), always, never, or N (when the provider would "
                  "prefill at least N tokens); docs/hybrid.md")
       ->capture_default_str();
-  app.add_option("--backend", config.backend, "the decoder program (else llama-server on PATH, else kvshare-decoder)");
+  app.add_option("--backend", config.backend,
+                 "the decoder: llama-server, patched by integrations/llama.cpp for the shared route (default: "
+                 "llama-server on PATH); build/bin/kvshare-decoder runs the reference decoder");
   app.add_flag("--print-backend", config.print_backend, "print the decoder's command line and exit");
   app.add_option("--parallel", config.parallel,
                  "-np: the decoder's slots (1..256); each request is handed into a free slot, one KV stream each "

@@ -182,28 +182,34 @@ TEST(ResolveBackend, PrefersTheNamedBackend) {
   EXPECT_EQ(backend->program, dir / "my-llama-server");
 }
 
-TEST(ResolveBackend, FindsLlamaServerOnPathBeforeTheEmbeddedDecoder) {
+TEST(ResolveBackend, FindsLlamaServerOnPath) {
   TempDir dir;
   std::filesystem::create_directory(dir / "bin");
-  std::filesystem::create_directory(dir / "serve");
   make_executable(dir / "bin" / "llama-server");
-  make_executable(dir / "serve" / "kvshare-decoder");
   auto backend = resolve_backend(ServeConfig{}, "/nonexistent:" + (dir / "bin").string(), dir / "serve");
-  ASSERT_TRUE(backend);
+  ASSERT_TRUE(backend) << backend.error().what();
+  EXPECT_EQ(backend->kind, BackendKind::llama_server);
   EXPECT_EQ(backend->program, dir / "bin" / "llama-server");
-  backend = resolve_backend(ServeConfig{}, "/nonexistent", dir / "serve");
-  ASSERT_TRUE(backend);
-  EXPECT_EQ(backend->kind, BackendKind::kvshare_decoder);
-  EXPECT_EQ(backend->program, dir / "serve" / "kvshare-decoder");
 }
 
-TEST(ResolveBackend, NamesWhereItLookedWhenThereIsNoDecoder) {
+// The decoder of record is llama-server: the reference decoder beside serve is never a
+// silent substitute for a missing one (issue #25), only named in the refusal.
+TEST(ResolveBackend, NeverFallsBackToTheReferenceDecoderUnasked) {
   TempDir dir;
-  auto backend = resolve_backend(ServeConfig{}, "", dir.path());
-  ASSERT_FALSE(backend);
+  std::filesystem::create_directory(dir / "serve");
+  make_executable(dir / "serve" / "kvshare-decoder");
+  auto backend = resolve_backend(ServeConfig{}, "/nonexistent", dir / "serve");
+  ASSERT_FALSE(backend) << "chose " << backend->program;
   EXPECT_EQ(backend.error().errno_value(), ENOENT);
-  EXPECT_NE(backend.error().message().find("kvshare-decoder"), std::string::npos);
-  EXPECT_NE(backend.error().message().find("llama-server"), std::string::npos);
+  const std::string message = backend.error().message();
+  EXPECT_NE(message.find("no llama-server on PATH"), std::string::npos) << message;
+  EXPECT_NE(message.find("scripts/build-llama-server.sh --with-kvshare"), std::string::npos) << message;
+  EXPECT_NE(message.find("--backend " + (dir / "serve" / "kvshare-decoder").string()), std::string::npos) << message;
+  ServeConfig named;
+  named.backend = (dir / "serve" / "kvshare-decoder").string();
+  backend = resolve_backend(named, "/nonexistent", dir / "serve");
+  ASSERT_TRUE(backend) << backend.error().what();
+  EXPECT_EQ(backend->kind, BackendKind::kvshare_decoder);
 }
 
 TEST(BackendCommand, RunsOneSlotWithTheSlotDirectoryOnLoopbackAndTheKvFlags) {
