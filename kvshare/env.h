@@ -10,7 +10,7 @@
 
 namespace kvshare {
 
-// ONEBIT_KV_SHARE turns the shared route on. Read as "set and non-empty", like the seed's
+// ONEBIT_KV_SHARE turns the shared route on. Read as "set and non-empty", like the patched llama-server's
 // decoder and serve: ONEBIT_KV_SHARE=0 is ON too; the opt-out is an unset variable.
 inline constexpr const char* kKvShareEnv = "ONEBIT_KV_SHARE";
 // KVSHARE_EXPORT=memfd|udmabuf|dmaheap forces one export backend (no fallback).

@@ -1,6 +1,7 @@
-// Counting a JSON text's nesting before parsing it: nlohmann's parser recurses once per
-// level (building and later destroying a value per level), so a hostile document of a
-// million '[' would exhaust the stack. Callers refuse anything deeper than they need.
+// Counting a JSON text's nesting before parsing it. nlohmann's parser keeps its own stack,
+// but a parsed value's copy, comparison and dump() recurse once per level, and so do our
+// readers that walk it: a hostile document of a million '[' would exhaust the stack there.
+// Callers refuse anything deeper than they need before the value exists.
 #pragma once
 
 #include <string_view>

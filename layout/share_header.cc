@@ -483,7 +483,7 @@ Result<void> check_consistency(const ShareHeader& h, std::string_view source) {
                   h.layout.tensors[i - 1].cache_index);
   }
 
-  // Rebuild the cache objects' tensor lists and recompute the layout the fork would use.
+  // Rebuild the cache objects' tensor lists and recompute the layout the decoder would use.
   MemoryShape memory = h.memory;
   for (auto& cache : memory.kv_caches) cache.tensors.clear();
   if (memory.recurrent) memory.recurrent->tensors.clear();

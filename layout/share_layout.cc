@@ -7,8 +7,8 @@ namespace {
 
 uint64_t pad_share(uint64_t bytes) { return (bytes + kShareAlign - 1) / kShareAlign * kShareAlign; }
 
-// The fork's share_layout over one ggml context. We model one buffer type per cache object
-// (a single device, or the CPU), so a cache object is one context; the fork's extra
+// share_layout over one ggml context. We model one buffer type per cache object (a single
+// device, or the CPU), so a cache object is one context; a decoder's extra
 // buft_get_alloc_size padding is ggml_nbytes on CPU and Vulkan, the only backends that
 // export dma-bufs there.
 void place_cache(const std::vector<CacheTensor>& tensors, uint32_t cache_index, ShareLayout& layout) {

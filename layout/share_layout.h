@@ -1,7 +1,7 @@
-// The fork's share_layout (1bit-MONSTER/llama.cpp src/llama-kv-share.cpp): where every
+// share_layout (as the patch series' src/llama-kvshare.cpp places it): where every
 // cache tensor sits inside the exported region, chunked at 1 GiB, one fd per chunk, each
 // chunk with its FNV-1a layout hash over type and shape. Same model and params must give
-// byte-identical offsets, sizes and hashes to the fork's decoder.
+// byte-identical offsets, sizes and hashes to the patched llama-server's.
 #pragma once
 
 #include <cstdint>
@@ -15,9 +15,9 @@ namespace kvshare::layout {
 // 4096, not the runtime page size: the decoder's layout fixes it, whatever the host.
 inline constexpr uint64_t kShareAlign = 4096;
 inline constexpr uint64_t kShareChunkMax = uint64_t{1} << 30;
-// The fork writes the seed as the decimal literal 1469598103934665603: FNV-1a's offset
-// basis (14695981039346656037) missing its last digit. Its hashes start from this value,
-// so ours must too (the spec's "0xcbf29ce484222325" is the textbook basis, not the fork's).
+// The layout hash starts from the decimal 1469598103934665603: FNV-1a's offset basis
+// (14695981039346656037) missing its last digit, not the textbook 0xcbf29ce484222325.
+// It is the format: the vectors and every decoder's and provider's hashes start from it.
 inline constexpr uint64_t kLayoutHashSeed = 1469598103934665603ull;  // 0x14650fb0739d0383
 inline constexpr uint64_t kLayoutHashPrime = 1099511628211ull;
 

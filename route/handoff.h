@@ -1,4 +1,4 @@
-// One request's handoff (the seed's steps 1-3): template and tokenize on the decoder, take a
+// One request's handoff (docs/hybrid.md's steps 1-3): template and tokenize on the decoder, take a
 // slot, have the provider prefill the prompt less its last token, and put that KV into the
 // slot — by
 // the shared route (share -> fds -> provider -> adopt) when ONEBIT_KV_SHARE is on, else

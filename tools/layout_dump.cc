@@ -45,7 +45,7 @@ int print_error(const kvshare::Error& error) {
 int main(int argc, char** argv) {
   using namespace kvshare;
   CLI::App app{fmt::format(
-      "Prints the KV cache region llama.cpp (with the kvshare fork's share_layout) would export for MODEL: per "
+      "Prints the KV cache region llama.cpp (patched by integrations/llama.cpp) would export for MODEL: per "
       "tensor its name, type, shape, chunk, offset and padded size; per chunk its size and layout hash; totals. "
       "Shape-only GGUFs (no tensor data) work.\nSupported archs: {}",
       fmt::join(layout::supported_archs(), ", "))};

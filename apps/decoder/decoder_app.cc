@@ -144,7 +144,7 @@ int run_decoder(const DecoderOptions& options) {
   engine_options.params = resolved.params;
   engine_options.n_threads = options.n_threads;
   engine_options.state_version = static_cast<uint32_t>(options.state_version);
-  // "Set and non-empty", as the seed's decoder reads it: ONEBIT_KV_SHARE=0 is on too.
+  // "Set and non-empty", as kvshare::share_requested reads it (kvshare/env.h): ONEBIT_KV_SHARE=0 is on too.
   const char* share_flag = std::getenv("ONEBIT_KV_SHARE");
   engine_options.share_requested = share_flag != nullptr && share_flag[0] != '\0';
   auto engine = load_refmodel_engine(engine_options);

@@ -1,4 +1,4 @@
-// The reference provider (kvshare-prefill): the seed's provider contract on the CPU
+// The reference provider (kvshare-prefill): the provider contract of docs/provider.md on the CPU
 // reference transformer, both forms.
 //   file route:   --tokens IDS --out STATE --model M [--elfs DIR] [-c N -ctk T -ctv T -fa on|off]
 //                 computes the prompt's K/V and streams a llama.cpp sequence-state file

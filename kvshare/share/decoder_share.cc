@@ -14,7 +14,7 @@ std::string share_degrade_warning(bool flag_set, std::string_view backend_reason
 }
 
 std::string share_unavailable_reason(bool flag_set, std::string_view backend_reason) {
-  // Flag unset: the seed's 501 names both causes, since a caller cannot tell from outside
+  // Flag unset: the 501 names both causes, since a caller cannot tell from outside
   // which applies; every decoder (kvshare-decoder, the patched llama-server) says this text.
   if (!flag_set)
     return "this decoder cannot share its KV cache: either ONEBIT_KV_SHARE was not set when it started (it was "

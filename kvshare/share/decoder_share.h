@@ -75,7 +75,7 @@ Result<void> check_share_stream(const layout::ShareHeader& header, uint32_t stre
 // of the stream (the smallest KV cache's kv_size - first_cell). No range stays 0, 0.
 ShareCells resolve_share_cells(const layout::MemoryShape& memory, ShareCells cells);
 
-// The line a decoder that cannot export logs once at start (the seed's share_degrade).
+// The line a decoder that cannot export logs once at start (share_degrade, as the patched llama-server logs it).
 // `flag_set`: ONEBIT_KV_SHARE was set; `backend_reason`: why no backend exported.
 std::string share_degrade_warning(bool flag_set, std::string_view backend_reason);
 // The refusal a decoder that cannot export answers share with: names both causes.

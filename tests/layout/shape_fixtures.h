@@ -80,7 +80,7 @@ inline MetadataBuilder qwen3_coder_30b() {
   return builder;
 }
 
-// The spec's worked example: 2 layers, 2 KV heads of 64.
+// docs/layout.md's worked example: 2 layers, 2 KV heads of 64.
 inline MetadataBuilder worked_example_model() {
   auto builder = transformer("llama", 2, 256, 4, 2, 4096);
   builder.u32("attention.key_length", 64).u32("attention.value_length", 64);

@@ -295,7 +295,7 @@ TEST(CheckCompatible, CatchesAFlashAttentionMismatchTheHashCannotSee) {
   params.n_ctx = 512;
   params.flash_attn = false;
   const ShareHeader theirs = example_header(params);
-  // Every V has the same width, so the fork's hashes agree although V is transposed.
+  // Every V has the same width, so the layout hashes agree although V is transposed.
   EXPECT_EQ(theirs.layout.chunks[0].layout_hash, example_header().layout.chunks[0].layout_hash);
   auto result = check_compatible(example_header(), theirs, "peer");
   ASSERT_FALSE(result.has_value());

@@ -57,7 +57,7 @@ TEST(ShareLayout, ReproducesTheSpecsWorkedExample) {
 
 TEST(ShareLayout, HashesTypeAndShapeAsWholeWordsTensorByTensor) {
   const MemoryShape memory = worked_example_memory(1, true);
-  // The spec's running values after each tensor of the worked example.
+  // docs/layout.md's running values after each tensor of the worked example.
   const uint64_t expected[] = {0xbd59b378fd6c1e3cull, 0x05b423ba98441fa1ull, 0x0012c5b70ef7bdd6ull,
                                0xc152419dd99b2d2full};
   uint64_t hash = kLayoutHashSeed;
@@ -67,8 +67,8 @@ TEST(ShareLayout, HashesTypeAndShapeAsWholeWordsTensorByTensor) {
   }
 }
 
-// Regression: the spec gives the seed as 0xcbf29ce484222325, but the fork's literal is
-// decimal 1469598103934665603; only the latter reproduces the spec's own hash values.
+// Regression: the start value is decimal 1469598103934665603, not FNV-1a's textbook
+// 0xcbf29ce484222325; only the former reproduces the worked example's hash values.
 TEST(ShareLayout, SeedsWithTheForksDecimalLiteral) {
   EXPECT_EQ(kLayoutHashSeed, 0x14650fb0739d0383ull);
 }

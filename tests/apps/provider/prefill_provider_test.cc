@@ -192,7 +192,7 @@ TEST_F(PrefillTool, WritesTheStateVersionOfTheFlagElseTheEnvironmentElseThree) {
   EXPECT_EQ(written("ONEBIT_HYBRID_STATE_VERSION=4", ""), -2);   // bad usage, not ignored
 }
 
-// The seed's handoff: the provider gets the prompt minus its last token, the decoder
+// The handoff of docs/hybrid.md: the provider gets the prompt minus its last token, the decoder
 // restores the file and evaluates that last token itself.
 void expect_state_file_decode_matches(const GeneratorOptions& o, const std::string& ctk, bool flash_attn) {
   TempDir dir;

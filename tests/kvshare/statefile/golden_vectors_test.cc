@@ -1,4 +1,4 @@
-// Golden vectors: files written by a real llama.cpp (libllama at the spec's commit, the
+// Golden vectors: files written by a real llama.cpp (libllama at d32676d, the
 // tiny qwen3 model kvshare-mkmodel makes by default, prompt "Hi there!", 5 tokens; recipe in
 // docs/state-file.md). Our decoder reads them field by field and re-encodes them byte for
 // byte, and our writer, fed the f32 vector's rows, reproduces llama.cpp's conversions.
