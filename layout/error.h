@@ -43,3 +43,25 @@ tl::unexpected<Error> fail(int errno_value, fmt::format_string<Args...> format, 
 inline tl::unexpected<Error> fail(Error error) { return tl::unexpected<Error>(std::move(error)); }
 
 }  // namespace kvshare
+
+// The one early-return mechanism for Result (C++ has no `?`): in a function returning
+// Result<U>, evaluate a Result<T> expression and return its error, if any.
+//   KVSHARE_TRY(write_header(out));                       // the value, if any, is dropped
+//   KVSHARE_TRY_ASSIGN(auto n, in.take<uint32_t>("n"));  // declares n
+//   KVSHARE_TRY_ASSIGN(w.output, ld.matrix("output"));   // assigns an existing object
+// KVSHARE_TRY_ASSIGN expands to several statements: use it as a statement of a block, never
+// as the lone body of an unbraced if or loop.
+#define KVSHARE_TRY_CONCAT_(a, b) a##b
+#define KVSHARE_TRY_NAME_(n) KVSHARE_TRY_CONCAT_(kvshare_try_, n)
+#define KVSHARE_TRY(expr)                                                          \
+  do {                                                                             \
+    auto&& kvshare_try_result_ = (expr);                                           \
+    if (!kvshare_try_result_) return ::tl::make_unexpected(kvshare_try_result_.error()); \
+  } while (0)
+// __COUNTER__ becomes a number once, as the argument n, so the three uses name one temporary.
+#define KVSHARE_TRY_ASSIGN(dst, expr) KVSHARE_TRY_ASSIGN_N_(__COUNTER__, dst, expr)
+#define KVSHARE_TRY_ASSIGN_N_(n, dst, expr) KVSHARE_TRY_ASSIGN_(KVSHARE_TRY_NAME_(n), dst, expr)
+#define KVSHARE_TRY_ASSIGN_(tmp, dst, expr)            \
+  auto&& tmp = (expr);                                  \
+  if (!tmp) return ::tl::make_unexpected(tmp.error()); \
+  dst = std::move(*tmp)

@@ -25,20 +25,6 @@ void HparamsDraft::set_swa_pattern(uint32_t period, bool dense_first) {
 
 namespace {
 
-#define KVSHARE_TRY(expr)                          \
-  do {                                             \
-    auto kvshare_try_result = (expr);              \
-    if (!kvshare_try_result) return fail(kvshare_try_result.error()); \
-  } while (0)
-
-// Reads "{arch}.<suffix>" into `out`, failing when it is absent or not UINT32.
-#define KVSHARE_READ_REQUIRED(keys, suffix, out) \
-  do {                                           \
-    auto kvshare_value = (keys).u32(suffix);     \
-    if (!kvshare_value) return fail(kvshare_value.error()); \
-    (out) = *kvshare_value;                      \
-  } while (0)
-
 // Plain attention models: llama_kv_cache over every layer, nothing arch-specific in the
 // shape (src/models/llama.cpp, qwen2.cpp, qwen2moe.cpp, qwen3.cpp, qwen3moe.cpp).
 Result<void> plain_attention(const ArchKeys&, HparamsDraft&) { return {}; }
@@ -92,12 +78,14 @@ Result<void> gemma3(const ArchKeys& keys, HparamsDraft& hparams) {
 }
 
 Result<void> read_ssm(const ArchKeys& keys, HparamsDraft& hparams, bool has_group_count) {
-  KVSHARE_READ_REQUIRED(keys, "ssm.conv_kernel", hparams.ssm_d_conv);
-  KVSHARE_READ_REQUIRED(keys, "ssm.inner_size", hparams.ssm_d_inner);
-  KVSHARE_READ_REQUIRED(keys, "ssm.state_size", hparams.ssm_d_state);
+  KVSHARE_TRY_ASSIGN(hparams.ssm_d_conv, keys.u32("ssm.conv_kernel"));
+  KVSHARE_TRY_ASSIGN(hparams.ssm_d_inner, keys.u32("ssm.inner_size"));
+  KVSHARE_TRY_ASSIGN(hparams.ssm_d_state, keys.u32("ssm.state_size"));
   // Not part of the state's shape, but llama.cpp refuses a model without it.
   KVSHARE_TRY(keys.u32("ssm.time_step_rank"));
-  if (has_group_count) KVSHARE_READ_REQUIRED(keys, "ssm.group_count", hparams.ssm_n_group);
+  if (has_group_count) {
+    KVSHARE_TRY_ASSIGN(hparams.ssm_n_group, keys.u32("ssm.group_count"));
+  }
   return {};
 }
 
@@ -137,7 +125,7 @@ Result<void> granite_hybrid(const ArchKeys& keys, HparamsDraft& hparams) {
 // state only; with a non-zero sliding_window every attention layer is SWA and the memory
 // hybrid_iswa.
 Result<void> lfm2(const ArchKeys& keys, HparamsDraft& hparams) {
-  KVSHARE_READ_REQUIRED(keys, "shortconv.l_cache", hparams.n_shortconv_l_cache);
+  KVSHARE_TRY_ASSIGN(hparams.n_shortconv_l_cache, keys.u32("shortconv.l_cache"));
   if (hparams.n_shortconv_l_cache < 2)
     return fail(EINVAL, "key {} is {}: the conv state keeps l_cache - 1 columns, llama.cpp asserts l_cache > 1",
                 keys.key("shortconv.l_cache"), hparams.n_shortconv_l_cache);
@@ -201,8 +189,6 @@ Result<void> deepseek2(const ArchKeys& keys, HparamsDraft& hparams) {
   return {};
 }
 
-#undef KVSHARE_TRY
-#undef KVSHARE_READ_REQUIRED
 
 }  // namespace
 

@@ -199,19 +199,14 @@ class Field {
 };
 
 // Reads `name` of `parent` with `read` (a Field member function) into `out`.
-#define KVSHARE_FIELD(parent, name, read, out)               \
-  do {                                                       \
-    auto kvshare_field = (parent).member(name);              \
-    if (!kvshare_field) return fail(kvshare_field.error());  \
-    auto kvshare_value = kvshare_field->read();              \
-    if (!kvshare_value) return fail(kvshare_value.error());  \
-    (out) = *kvshare_value;                                  \
+#define KVSHARE_FIELD(parent, name, read, out)                             \
+  do {                                                                     \
+    KVSHARE_TRY_ASSIGN(const Field& kvshare_field_, (parent).member(name)); \
+    KVSHARE_TRY_ASSIGN(out, kvshare_field_.read());                        \
   } while (0)
 
-#define KVSHARE_CHILD(parent, name, out)                     \
-  auto out##_result = (parent).member(name);                 \
-  if (!out##_result) return fail(out##_result.error());      \
-  const Field& out = *out##_result
+// Declares `out`, the member `name` of `parent`.
+#define KVSHARE_CHILD(parent, name, out) KVSHARE_TRY_ASSIGN(const Field& out, (parent).member(name))
 
 Result<ModelFingerprint> parse_model(const Field& f) {
   ModelFingerprint m;

@@ -208,16 +208,6 @@ class Cursor {
   uint64_t pos_ = 0;
 };
 
-#define KVS_TRY(var, expr)            \
-  auto var##_result = (expr);         \
-  if (!var##_result) return tl::unexpected(var##_result.error()); \
-  auto var = *var##_result
-
-#define KVS_CHECK(expr)                \
-  do {                                 \
-    auto check_result_ = (expr);       \
-    if (!check_result_) return tl::unexpected(check_result_.error()); \
-  } while (0)
 
 // Expectations for one section when a memory shape is given.
 struct SectionExpect {
@@ -243,7 +233,7 @@ ParseResult<StateSection> parse_section(Cursor& in, std::string_view role, Tenso
   section.header_offset = in.pos();
   const std::string label = section_label(role, kind, section.il);
 
-  KVS_TRY(type_id, in.take<int32_t>(label + " type"));
+  KVSHARE_TRY_ASSIGN(auto type_id, in.take<int32_t>(label + " type"));
   const auto traits = ggml_type_traits(type_id);
   if (!traits) return in.error_at(section.header_offset, "{} type is {}, not a ggml type", label, type_id);
   section.type = static_cast<GgmlType>(type_id);
@@ -253,12 +243,12 @@ ParseResult<StateSection> parse_section(Cursor& in, std::string_view role, Tenso
 
   if (transposed) {
     const uint64_t el_offset = in.pos();
-    KVS_TRY(el_size, in.take<uint32_t>(label + " element size"));
+    KVSHARE_TRY_ASSIGN(auto el_size, in.take<uint32_t>(label + " element size"));
     if (el_size != static_cast<uint64_t>(traits->type_size))
       return in.error_at(el_offset, "{} element size is {} bytes, {} has {}", label, el_size, traits->name,
                          traits->type_size);
     const uint64_t n_embd_offset = in.pos();
-    KVS_TRY(n_embd, in.take<uint32_t>(label + " n_embd_v_gqa"));
+    KVSHARE_TRY_ASSIGN(auto n_embd, in.take<uint32_t>(label + " n_embd_v_gqa"));
     if (expect && n_embd != expect->n_embd)
       return in.error_at(n_embd_offset, "{} n_embd_v_gqa is {}, layout says {}", label, n_embd, expect->n_embd);
     if (n_embd == 0) return in.error_at(n_embd_offset, "{} n_embd_v_gqa is 0", label);
@@ -266,7 +256,7 @@ ParseResult<StateSection> parse_section(Cursor& in, std::string_view role, Tenso
     section.row_bytes = uint64_t{el_size} * n_embd;
   } else {
     const uint64_t row_offset = in.pos();
-    KVS_TRY(row_bytes, in.take<uint64_t>(label + " row size"));
+    KVSHARE_TRY_ASSIGN(auto row_bytes, in.take<uint64_t>(label + " row size"));
     if (expect) {
       const uint64_t want = ggml_row_size(expect->type, expect->n_embd);
       if (row_bytes != want)
@@ -284,7 +274,7 @@ ParseResult<StateSection> parse_section(Cursor& in, std::string_view role, Tenso
     section.row_bytes = row_bytes;
   }
   section.data_offset = in.pos();
-  KVS_CHECK(in.skip(n_rows, section.row_bytes, label + " rows"));
+  KVSHARE_TRY(in.skip(n_rows, section.row_bytes, label + " rows"));
   return section;
 }
 
@@ -295,7 +285,7 @@ ParseResult<std::vector<StateSection>> parse_sections(Cursor& in, std::string_vi
   // Each section takes at least its 12-byte header: bound the reservation by the file.
   sections.reserve(std::min<uint64_t>(count, in.remaining() / kStateSectionHeaderBytes));
   for (uint32_t i = 0; i < count; ++i) {
-    KVS_TRY(section, parse_section(in, role, kind, i, transposed, n_rows, expect ? &(*expect)[i] : nullptr));
+    KVSHARE_TRY_ASSIGN(auto section, parse_section(in, role, kind, i, transposed, n_rows, expect ? &(*expect)[i] : nullptr));
     sections.push_back(section);
   }
   return sections;
@@ -307,7 +297,7 @@ ParseResult<StateBlock> parse_kv_block(Cursor& in, std::string role, bool mrope,
   block.kind = StateBlockKind::kv;
   block.role = std::move(role);
   block.offset = in.pos();
-  KVS_TRY(n_stream, in.take<uint32_t>(block.role + " KV block n_stream"));
+  KVSHARE_TRY_ASSIGN(auto n_stream, in.take<uint32_t>(block.role + " KV block n_stream"));
   if (expect && n_stream != expect->n_stream)
     return in.error_at(block.offset, "{} KV block n_stream is {}, layout says {} (-kvu / -np differ)", block.role,
                        n_stream, expect->n_stream);
@@ -331,7 +321,7 @@ ParseResult<StateBlock> parse_kv_block(Cursor& in, std::string role, bool mrope,
     stream.index = s;
     stream.offset = in.pos();
     const std::string where = n_stream == 1 ? block.role : fmt::format("{} stream {}", block.role, s);
-    KVS_TRY(cell_count, in.take<uint32_t>(where + " cell_count"));
+    KVSHARE_TRY_ASSIGN(auto cell_count, in.take<uint32_t>(where + " cell_count"));
     stream.cell_count = cell_count;
     if (cell_count == 0) {
       block.streams.push_back(std::move(stream));
@@ -350,8 +340,8 @@ ParseResult<StateBlock> parse_kv_block(Cursor& in, std::string role, bool mrope,
     for (uint32_t i = 0; i < cell_count; ++i) {
       StateCell cell;
       const uint64_t cell_offset = in.pos();
-      KVS_TRY(pos, in.take<int32_t>("cell pos"));
-      KVS_TRY(n_seq_id, in.take<uint32_t>("cell n_seq_id"));
+      KVSHARE_TRY_ASSIGN(auto pos, in.take<int32_t>("cell pos"));
+      KVSHARE_TRY_ASSIGN(auto n_seq_id, in.take<uint32_t>("cell n_seq_id"));
       // llama_kv_cache::state_read_meta: a sequence file's cells belong to exactly one sequence.
       if (n_seq_id != 1)
         return kv_cell_error(in.error_at(cell_offset + 4, "{} cell {}: n_seq_id is {}, a sequence file has exactly 1",
@@ -360,23 +350,23 @@ ParseResult<StateBlock> parse_kv_block(Cursor& in, std::string role, bool mrope,
       cell.pos = pos;
       cell.n_seq_id = n_seq_id;
       if (mrope) {
-        KVS_TRY(x, in.take<int32_t>("cell ext x"));
-        KVS_TRY(y, in.take<int32_t>("cell ext y"));
+        KVSHARE_TRY_ASSIGN(auto x, in.take<int32_t>("cell ext x"));
+        KVSHARE_TRY_ASSIGN(auto y, in.take<int32_t>("cell ext y"));
         cell.ext_x = x;
         cell.ext_y = y;
         if (version >= kStateSeqVersion3) {
-          KVS_TRY(tok, in.take<int32_t>("cell ext tok"));
+          KVSHARE_TRY_ASSIGN(auto tok, in.take<int32_t>("cell ext tok"));
           cell.ext_tok = tok;
         }
       }
-      KVS_TRY(seq_id, in.take<int32_t>("cell seq_id"));
+      KVSHARE_TRY_ASSIGN(auto seq_id, in.take<int32_t>("cell seq_id"));
       cell.seq_id = seq_id;
       stream.cells.push_back(cell);
     }
 
     stream.has_data = true;
     stream.data_header_offset = in.pos();
-    KVS_TRY(v_trans, in.take<uint32_t>(where + " v_trans"));
+    KVSHARE_TRY_ASSIGN(auto v_trans, in.take<uint32_t>(where + " v_trans"));
     if (v_trans > 1) return in.error_at(stream.data_header_offset, "{} v_trans is {}, not 0 or 1", where, v_trans);
     if (expect && (v_trans != 0) != expect->v_trans)
       return in.error_at(stream.data_header_offset,
@@ -384,18 +374,18 @@ ParseResult<StateBlock> parse_kv_block(Cursor& in, std::string role, bool mrope,
                          where, v_trans, expect->v_trans ? 1 : 0);
     stream.is_transposed = v_trans != 0;
     const uint64_t n_layer_offset = in.pos();
-    KVS_TRY(n_layer, in.take<uint32_t>(where + " n_layer"));
+    KVSHARE_TRY_ASSIGN(auto n_layer, in.take<uint32_t>(where + " n_layer"));
     if (expect && n_layer != expect->layers.size())
       return in.error_at(n_layer_offset, "{} n_layer is {}, layout says {}", where, n_layer, expect->layers.size());
     if (n_layer > in.remaining() / kStateSectionHeaderBytes)
       return in.error_at(n_layer_offset, "{} n_layer {} needs more bytes than the file has", where, n_layer);
     stream.n_layer = n_layer;
 
-    KVS_TRY(k_sections, parse_sections(in, block.role, TensorKind::k, n_layer, false, cell_count,
+    KVSHARE_TRY_ASSIGN(auto k_sections, parse_sections(in, block.role, TensorKind::k, n_layer, false, cell_count,
                                        expect ? &k_expect : nullptr));
     stream.sections = std::move(k_sections);
     if (expect) {
-      KVS_TRY(v_sections, parse_sections(in, block.role, TensorKind::v, static_cast<uint32_t>(v_expect.size()),
+      KVSHARE_TRY_ASSIGN(auto v_sections, parse_sections(in, block.role, TensorKind::v, static_cast<uint32_t>(v_expect.size()),
                                          stream.is_transposed, cell_count, &v_expect));
       stream.sections.insert(stream.sections.end(), v_sections.begin(), v_sections.end());
     } else {
@@ -470,7 +460,7 @@ ParseResult<std::vector<StateSection>> parse_recurrent_sections(Cursor& in, uint
   // Each section takes at least its 12-byte header: bound the reservation by the file.
   run.reserve(std::min<uint64_t>(max_sections, in.remaining() / kStateSectionHeaderBytes));
   while (in.remaining() > 0 && run.size() < max_sections) {
-    KVS_TRY(section, parse_recurrent_section(in, static_cast<uint32_t>(run.size()), n_rows));
+    KVSHARE_TRY_ASSIGN(auto section, parse_recurrent_section(in, static_cast<uint32_t>(run.size()), n_rows));
     run.push_back(section);
   }
   if (run.size() % 2 != 0)
@@ -506,7 +496,7 @@ ParseResult<StateBlock> parse_recurrent_block(Cursor& in, const RecurrentShape* 
   StateStream stream;
   stream.offset = in.pos();
   stream.cell_record_bytes = static_cast<uint32_t>(kRecurrentCellBytes);
-  KVS_TRY(cell_count, in.take<uint32_t>("recurrent cell_count"));
+  KVSHARE_TRY_ASSIGN(auto cell_count, in.take<uint32_t>("recurrent cell_count"));
   if (expect && cell_count > expect->rs_size)
     return in.error_at(stream.offset, "recurrent cell_count {} exceeds the memory's {} cells", cell_count,
                        expect->rs_size);
@@ -518,8 +508,8 @@ ParseResult<StateBlock> parse_recurrent_block(Cursor& in, const RecurrentShape* 
   stream.cells.reserve(cell_count);
   for (uint32_t i = 0; i < cell_count; ++i) {
     const uint64_t cell_offset = in.pos();
-    KVS_TRY(pos, in.take<int32_t>("recurrent cell pos"));
-    KVS_TRY(n_seq_id, in.take<uint32_t>("recurrent cell n_seq_id"));
+    KVSHARE_TRY_ASSIGN(auto pos, in.take<int32_t>("recurrent cell pos"));
+    KVSHARE_TRY_ASSIGN(auto n_seq_id, in.take<uint32_t>("recurrent cell n_seq_id"));
     // llama_memory_recurrent::state_read_meta: seq ids appear only in whole-context saves.
     if (n_seq_id != 0)
       return in.error_at(cell_offset + 4, "recurrent cell {}: n_seq_id is {}, a sequence file has 0", i, n_seq_id);
@@ -528,11 +518,11 @@ ParseResult<StateBlock> parse_recurrent_block(Cursor& in, const RecurrentShape* 
   }
   stream.has_data = true;
   stream.data_header_offset = in.pos();
-  KVS_TRY(s_trans, in.take<uint32_t>("recurrent s_trans"));
+  KVSHARE_TRY_ASSIGN(auto s_trans, in.take<uint32_t>("recurrent s_trans"));
   if (s_trans != 0)
     return in.error_at(stream.data_header_offset, "recurrent s_trans is {}, llama.cpp only writes 0", s_trans);
   const uint64_t n_layer_offset = in.pos();
-  KVS_TRY(n_layer, in.take<uint32_t>("recurrent n_layer"));
+  KVSHARE_TRY_ASSIGN(auto n_layer, in.take<uint32_t>("recurrent n_layer"));
   if (expect && n_layer != expect->n_layer)
     return in.error_at(n_layer_offset, "recurrent n_layer is {}, layout says {}", n_layer, expect->n_layer);
   stream.n_layer = n_layer;
@@ -546,12 +536,12 @@ ParseResult<StateBlock> parse_recurrent_block(Cursor& in, const RecurrentShape* 
                           layer.n_embd_s});
     }
     const auto count = static_cast<uint32_t>(r_expect.size());
-    KVS_TRY(r_sections, parse_sections(in, "recurrent", TensorKind::r, count, false, cell_count, &r_expect));
-    KVS_TRY(s_sections, parse_sections(in, "recurrent", TensorKind::s, count, false, cell_count, &s_expect));
+    KVSHARE_TRY_ASSIGN(auto r_sections, parse_sections(in, "recurrent", TensorKind::r, count, false, cell_count, &r_expect));
+    KVSHARE_TRY_ASSIGN(auto s_sections, parse_sections(in, "recurrent", TensorKind::s, count, false, cell_count, &s_expect));
     stream.sections = std::move(r_sections);
     stream.sections.insert(stream.sections.end(), s_sections.begin(), s_sections.end());
   } else {
-    KVS_TRY(sections, parse_recurrent_sections(in, n_layer, cell_count));
+    KVSHARE_TRY_ASSIGN(auto sections, parse_recurrent_sections(in, n_layer, cell_count));
     stream.sections = std::move(sections);
   }
   block.streams.push_back(std::move(stream));
@@ -580,17 +570,17 @@ ParseResult<StateLayout> parse_memory(std::span<const std::byte> file, std::stri
                                       const StateLayout& header, MemoryKind kind, bool mrope,
                                       const MemoryShape* expect) {
   Cursor in(file, name);
-  KVS_CHECK(in.skip(1, start, "header"));
+  KVSHARE_TRY(in.skip(1, start, "header"));
   StateLayout layout = header;
   layout.memory_kind = kind;
   layout.has_mrope_cells = mrope;
   if (expect) {
     for (const auto& cache : expect->kv_caches) {
-      KVS_TRY(block, parse_kv_block(in, cache.role.empty() ? "kv" : cache.role, mrope, layout.version, &cache));
+      KVSHARE_TRY_ASSIGN(auto block, parse_kv_block(in, cache.role.empty() ? "kv" : cache.role, mrope, layout.version, &cache));
       layout.blocks.push_back(std::move(block));
     }
     if (expect->recurrent) {
-      KVS_TRY(block, parse_recurrent_block(in, &*expect->recurrent));
+      KVSHARE_TRY_ASSIGN(auto block, parse_recurrent_block(in, &*expect->recurrent));
       layout.blocks.push_back(std::move(block));
     }
   } else {
@@ -599,7 +589,7 @@ ParseResult<StateLayout> parse_memory(std::span<const std::byte> file, std::stri
     // to the next (base 0..nb-1, then SWA nb..), so each (kind, il) names one section.
     uint32_t first_il = 0;
     for (const auto& role : plan.kv_roles) {
-      KVS_TRY(block, parse_kv_block(in, role, mrope, layout.version, nullptr));
+      KVSHARE_TRY_ASSIGN(auto block, parse_kv_block(in, role, mrope, layout.version, nullptr));
       uint32_t n_layer = 0;
       for (auto& stream : block.streams) {
         for (auto& section : stream.sections) section.il += first_il;
@@ -609,7 +599,7 @@ ParseResult<StateLayout> parse_memory(std::span<const std::byte> file, std::stri
       layout.blocks.push_back(std::move(block));
     }
     if (plan.has_recurrent) {
-      KVS_TRY(block, parse_recurrent_block(in, nullptr));
+      KVSHARE_TRY_ASSIGN(auto block, parse_recurrent_block(in, nullptr));
       layout.blocks.push_back(std::move(block));
     }
   }

@@ -206,12 +206,6 @@ Result<Weights> load_weights(const Hparams& hp, const std::vector<GgufTensorInfo
                              std::string_view name) {
   Loader ld{tensors, data_of, name};
   Weights w;
-#define KVSHARE_TRY_ASSIGN(dst, expr) \
-  do {                                \
-    auto r_ = (expr);                 \
-    if (!r_) return fail(r_.error()); \
-    dst = std::move(*r_);             \
-  } while (0)
   KVSHARE_TRY_ASSIGN(w.tok_embd, ld.matrix("token_embd.weight", hp.n_embd, hp.n_vocab));
   KVSHARE_TRY_ASSIGN(w.output_norm, ld.vec("output_norm.weight", hp.n_embd));
   KVSHARE_TRY_ASSIGN(w.output, ld.matrix("output.weight", hp.n_embd, hp.n_vocab, /*optional=*/true));
@@ -239,7 +233,6 @@ Result<Weights> load_weights(const Hparams& hp, const std::vector<GgufTensorInfo
     KVSHARE_TRY_ASSIGN(L.ffn_up, ld.matrix(p + "ffn_up.weight", hp.n_embd, hp.n_ff));
     KVSHARE_TRY_ASSIGN(L.ffn_down, ld.matrix(p + "ffn_down.weight", hp.n_ff, hp.n_embd));
   }
-#undef KVSHARE_TRY_ASSIGN
   return w;
 }
 
