@@ -50,19 +50,6 @@ std::optional<std::string> parallel_in(const std::vector<std::string>& args, int
 
 }  // namespace
 
-std::vector<std::string> normalize_llama_flags(std::vector<std::string> args) {
-  static const std::pair<const char*, const char*> kLongForms[] = {
-      {"-fa", "--flash-attn"}, {"-ctk", "--cache-type-k"}, {"-ctv", "--cache-type-v"}, {"-np", "--parallel"}};
-  for (std::string& arg : args) {
-    if (arg == "--") break;
-    for (const auto& [short_form, long_form] : kLongForms) {
-      if (arg == short_form) arg = long_form;
-      else if (arg.rfind(std::string(short_form) + "=", 0) == 0) arg = long_form + arg.substr(arg.find('='));
-    }
-  }
-  return args;
-}
-
 ServeEnv read_serve_env() {
   ServeEnv env;
   env.hybrid_prefill = env_or_empty("ONEBIT_HYBRID_PREFILL");

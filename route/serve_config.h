@@ -53,10 +53,6 @@ struct ServeConfig {
   std::vector<std::string> refused_flags; // each refused flag as it was given
 };
 
-// llama-server's multi-letter single-dash flags (-fa, -ctk, -ctv, -np) as their long
-// forms, up to a `--` (what follows it goes to the decoder untouched): CLI11 takes only
-// one-letter single-dash names.
-std::vector<std::string> normalize_llama_flags(std::vector<std::string> args);
 
 // The environment serve reads, captured once (tests pass their own).
 struct ServeEnv {

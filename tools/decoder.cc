@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "apps/decoder/decoder_app.h"
+#include "layout/llama_flags.h"
 #include "refmodel/blas_kernels.h"
 
 int main(int argc, char** argv) {
@@ -45,7 +46,7 @@ int main(int argc, char** argv) {
   app.add_option("--n-gpu-layers", ignored_gpu_layers, "-ngl: accepted for llama-server compatibility, ignored (CPU)");
 
   std::vector<std::string> args(argv + 1, argv + argc);
-  args = kvshare::decoder::normalize_llama_flags(std::move(args));
+  args = kvshare::layout::normalize_llama_flags(std::move(args));
   std::reverse(args.begin(), args.end());
   try {
     app.parse(args);

@@ -13,27 +13,10 @@
 #include "kvshare/mapping.h"
 #include "layout/gguf_reader.h"
 #include "layout/layout_dump.h"
+#include "layout/llama_flags.h"
 #include "layout/model_shape.h"
 
 namespace {
-
-// llama-server spells these with one dash; CLI11 2.1 only takes one-letter short names,
-// so they are rewritten to their long forms before parsing.
-constexpr std::pair<std::string_view, std::string_view> kLlamaAliases[] = {
-    {"-np", "--parallel"},       {"-kvu", "--kv-unified"},  {"-ctk", "--cache-type-k"},
-    {"-ctv", "--cache-type-v"}, {"-fa", "--flash-attn"},   {"-ub", "--ubatch-size"},
-};
-
-std::vector<std::string> rewrite_llama_aliases(int argc, char** argv) {
-  std::vector<std::string> args;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    for (const auto& [alias, long_name] : kLlamaAliases)
-      if (arg == alias) arg = long_name;
-    args.push_back(std::move(arg));
-  }
-  return args;
-}
 
 int print_error(const kvshare::Error& error) {
   std::fprintf(stderr, "kvshare-layout-dump: %s\n", error.what().c_str());
@@ -78,7 +61,7 @@ int main(int argc, char** argv) {
   app.add_flag("--json", as_json, "print the layout header (JSON) instead of the report");
 
   try {
-    std::vector<std::string> args = rewrite_llama_aliases(argc, argv);
+    std::vector<std::string> args = kvshare::layout::normalize_llama_flags({argv + 1, argv + argc});
     std::reverse(args.begin(), args.end());  // CLI11 takes the vector last-first
     app.parse(args);
   } catch (const CLI::ParseError& e) {

@@ -7,12 +7,13 @@
 #include <string>
 #include <vector>
 
-#include "kvshare/env.h"
-#include "layout/state_format.h"
-#include "layout/tensor_type.h"
-#include "kvshare/share/provider_share.h"
 #include "apps/provider/prefill_provider.h"
 #include "apps/provider/resident_provider.h"
+#include "kvshare/env.h"
+#include "kvshare/share/provider_share.h"
+#include "layout/llama_flags.h"
+#include "layout/state_format.h"
+#include "layout/tensor_type.h"
 #include "refmodel/blas_kernels.h"
 
 int main(int argc, char** argv) {
@@ -82,11 +83,8 @@ int main(int argc, char** argv) {
     serve->excludes(per_request);
     serve_fd->excludes(per_request);
   }
-  // llama-server spells these with one dash; CLI11 takes one-dash names of one letter
-  // only, so they are rewritten to their two-dash twins before parsing.
-  std::vector<std::string> args(argv, argv + argc);
-  for (auto& a : args)
-    if (a == "-ctk" || a == "-ctv" || a == "-fa" || a == "-np" || a == "-kvu") a = "-" + a;
+  // llama-server's spellings (-ctk, -fa, -np, ...) read as they do for llama-server.
+  std::vector<std::string> args = kvshare::layout::normalize_llama_flags({argv, argv + argc});
   std::vector<char*> argv2;
   for (auto& a : args) argv2.push_back(a.data());
   try {

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstdio>
 
+#include "layout/llama_flags.h"
 #include "route/api_key.h"
 #include "route/serve.h"
 #include "route/serve_config.h"
@@ -74,7 +75,7 @@ int main(int argc, char** argv) {
   app.add_option("backend_flags", config.backend_extra, "flags after -- go to the decoder");
   try {
     // CLI11 wants the arguments last-first.
-    std::vector<std::string> args = normalize_llama_flags(std::vector<std::string>(argv + 1, argv + argc));
+    std::vector<std::string> args = kvshare::layout::normalize_llama_flags(std::vector<std::string>(argv + 1, argv + argc));
     std::reverse(args.begin(), args.end());
     app.parse(args);
   } catch (const CLI::ParseError& error) {

@@ -9,24 +9,17 @@
 #include <vector>
 
 #include "kvshare/statefile/state_tools.h"
-#include "layout/tensor_type.h"
 #include "layout/kv_params.h"
+#include "layout/llama_flags.h"
+#include "layout/tensor_type.h"
 
 namespace {
 
-// CLI11 takes one-letter short options only; llama-server's spellings (-np, -ctk, -fa, ...)
-// are mapped to their long names first, so the flags read as they do for llama-server.
+// llama-server's spellings (-np, -ctk, -fa, ...) read as they do for llama-server; CLI11's
+// vector form takes the arguments last-first.
 std::vector<std::string> llama_style_args(int argc, char** argv) {
-  static const std::vector<std::pair<std::string, std::string>> kAliases{
-      {"-np", "--parallel"}, {"-kvu", "--kv-unified"},   {"-ctk", "--cache-type-k"},
-      {"-ctv", "--cache-type-v"}, {"-fa", "--flash-attn"}, {"-ub", "--ubatch-size"}};
-  std::vector<std::string> args;
-  for (int i = argc - 1; i >= 1; --i) {  // CLI11's vector form takes the arguments reversed
-    std::string arg = argv[i];
-    for (const auto& [alias, name] : kAliases)
-      if (arg == alias) arg = name;
-    args.push_back(arg);
-  }
+  std::vector<std::string> args = kvshare::layout::normalize_llama_flags({argv + 1, argv + argc});
+  std::reverse(args.begin(), args.end());
   return args;
 }
 

@@ -21,20 +21,6 @@
 
 namespace kvshare::decoder {
 
-std::vector<std::string> normalize_llama_flags(std::vector<std::string> args) {
-  static const std::map<std::string, std::string> kLong = {
-      {"-np", "--parallel"},      {"-fa", "--flash-attn"},    {"-ctk", "--cache-type-k"},
-      {"-ctv", "--cache-type-v"}, {"-ub", "--ubatch-size"},   {"-ngl", "--n-gpu-layers"},
-      {"-kvu", "--kv-unified"},   {"-dev", "--device"},
-  };
-  for (auto& arg : args) {
-    const auto eq = arg.find('=');
-    const std::string name = arg.substr(0, eq);
-    if (auto it = kLong.find(name); it != kLong.end()) arg = it->second + (eq == std::string::npos ? "" : arg.substr(eq));
-  }
-  return args;
-}
-
 namespace {
 
 struct ResolvedParams {

@@ -28,9 +28,6 @@ struct DecoderOptions {
   std::filesystem::path api_key_file;       // --api-key-file (LLAMA_ARG_API_KEY_FILE)
 };
 
-// llama-server spells some flags with one dash and several letters (-np, -fa, -ctk);
-// CLI11 reads those as bundles of short flags. Rewrites them to their long names.
-std::vector<std::string> normalize_llama_flags(std::vector<std::string> args);
 
 // Runs the decoder until SIGINT or SIGTERM. Returns the process exit code: 0 after a
 // clean shutdown, 1 when the model or the server failed (said on stderr), 2 for options

@@ -148,13 +148,6 @@ TEST(ServeConfigValidate, RefusesAFlashAttentionValueOtherThanOnOrOff) {
   EXPECT_FALSE(validate(config));
 }
 
-TEST(NormalizeLlamaFlags, RewritesMultiLetterShortFlagsBeforeTheSeparatorOnly) {
-  const auto args = normalize_llama_flags({"-fa", "off", "-ctk=q8_0", "-np", "1", "--", "-fa", "on"});
-  const std::vector<std::string> expected = {"--flash-attn", "off", "--cache-type-k=q8_0", "--parallel", "1",
-                                             "--", "-fa", "on"};
-  EXPECT_EQ(args, expected);
-}
-
 TEST(ApplyEnv, TakesTheProviderFromTheEnvironmentUnlessAFlagNamedOne) {
   ServeConfig config;
   ServeEnv env;
