@@ -26,10 +26,40 @@
 extern "C" {
 #endif
 
-#define KVSHARE_C_API_VERSION 1
-/* The newest version node this header declares (KVSHARE_1.4): an engine built against an
- * older header lacks the calls of the nodes after it. */
-#define KVSHARE_C_API_MINOR 4
+/*
+ * The version of the C API this header declares, libkvshare_c's own (libkvshare_c.so.1.5.0;
+ * the build refuses a library whose VERSION differs). MINOR is the newest version node of
+ * kvshare.map declared here (KVSHARE_1.5): an engine built against an older header lacks
+ * the calls of the nodes after it. The library an engine runs with may be newer than the
+ * header it was built with: kvshare_version_major() and kvshare_check_version() ask it.
+ */
+#define KVSHARE_C_API_VERSION_MAJOR 1
+#define KVSHARE_C_API_VERSION_MINOR 5
+#define KVSHARE_C_API_VERSION_PATCH 0
+/* One number for #if: 10500 for 1.5.0. (Before KVSHARE_1.5 it was 1, the major alone.) */
+#define KVSHARE_C_API_VERSION \
+    (KVSHARE_C_API_VERSION_MAJOR * 10000 + KVSHARE_C_API_VERSION_MINOR * 100 + KVSHARE_C_API_VERSION_PATCH)
+/* KVSHARE_1.4's name for KVSHARE_C_API_VERSION_MINOR, kept for the engines that test it. */
+#define KVSHARE_C_API_MINOR KVSHARE_C_API_VERSION_MINOR
+
+/*
+ * Since KVSHARE_1.5. The version of the libkvshare_c this process runs with (liburing's
+ * io_uring_major_version / io_uring_minor_version), which may be newer than the header
+ * the caller was built with.
+ */
+int kvshare_version_major(void);
+int kvshare_version_minor(void);
+int kvshare_version_patch(void);
+
+/*
+ * Since KVSHARE_1.5. 1 when the library this process runs with is version major.minor or
+ * later, else 0 (the opposite sense of liburing's io_uring_check_version, true when the
+ * library is older). A call of a later node needs no check: the dynamic linker refuses a
+ * library without that node. What does is a behaviour without a call of its own, such as
+ * a struct field added later: an engine built against a newer header sets that field only
+ * when kvshare_check_version says the library knows it.
+ */
+int kvshare_check_version(int major, int minor);
 
 /*
  * The KV parameters llama-server takes (-c, -np, -kvu, -ctk, -ctv, -fa, --swa-full, -ub).

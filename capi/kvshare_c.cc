@@ -31,6 +31,14 @@
 #include "xdna/npu_share.h"
 #include "kvshare/scatter/scatter.h"
 
+// capi/CMakeLists.txt's VERSION names the library file; kvshare.h's macros are what a caller
+// compiles against and what kvshare_version_*() report. One version, or no build.
+static_assert(KVSHARE_C_LIBRARY_VERSION_MAJOR == KVSHARE_C_API_VERSION_MAJOR &&
+                  KVSHARE_C_LIBRARY_VERSION_MINOR == KVSHARE_C_API_VERSION_MINOR &&
+                  KVSHARE_C_LIBRARY_VERSION_PATCH == KVSHARE_C_API_VERSION_PATCH,
+              "capi/CMakeLists.txt's kvshare_c_version differs from kvshare.h's KVSHARE_C_API_VERSION_*: "
+              "bump both");
+
 namespace {
 
 using kvshare::Error;
@@ -238,6 +246,15 @@ void kvshare_kv_params_init(kvshare_kv_params* params) {
 }
 
 int kvshare_share_requested(void) { return kvshare::kv_share_enabled() ? 1 : 0; }
+
+int kvshare_version_major(void) { return KVSHARE_C_API_VERSION_MAJOR; }
+int kvshare_version_minor(void) { return KVSHARE_C_API_VERSION_MINOR; }
+int kvshare_version_patch(void) { return KVSHARE_C_API_VERSION_PATCH; }
+
+int kvshare_check_version(int major, int minor) {
+  return major < KVSHARE_C_API_VERSION_MAJOR ||
+         (major == KVSHARE_C_API_VERSION_MAJOR && minor <= KVSHARE_C_API_VERSION_MINOR);
+}
 
 int kvshare_decoder_open(const char* model_path, const kvshare_kv_params* params, kvshare_decoder** out) {
   if (out == nullptr) return -EINVAL;

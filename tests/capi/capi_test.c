@@ -1479,6 +1479,43 @@ static void resident_prefill_sets_the_cells_of_the_region(void) {
     close_decoder_share(&s);
 }
 
+/* KVSHARE_1.5: the library reports the version its header names, and its file carries it
+ * too (capi/CMakeLists.txt's VERSION): one version in three places. */
+static void version_query_matches_the_header_and_the_library_file(void) {
+    CHECK(kvshare_version_major() == KVSHARE_C_API_VERSION_MAJOR);
+    CHECK(kvshare_version_minor() == KVSHARE_C_API_VERSION_MINOR);
+    CHECK(kvshare_version_patch() == KVSHARE_C_API_VERSION_PATCH);
+    CHECK(KVSHARE_C_API_VERSION ==
+          KVSHARE_C_API_VERSION_MAJOR * 10000 + KVSHARE_C_API_VERSION_MINOR * 100 + KVSHARE_C_API_VERSION_PATCH);
+    CHECK(KVSHARE_C_API_VERSION >= 10500); /* no longer the 1 of KVSHARE_1.0 to 1.4 */
+    CHECK(KVSHARE_C_API_MINOR == KVSHARE_C_API_VERSION_MINOR);
+
+    /* "At least": true for this version and every earlier one, false for any later one. */
+    CHECK(kvshare_check_version(KVSHARE_C_API_VERSION_MAJOR, KVSHARE_C_API_VERSION_MINOR) == 1);
+    CHECK(kvshare_check_version(1, 0) == 1);
+    CHECK(kvshare_check_version(0, 99) == 1);
+    CHECK(kvshare_check_version(KVSHARE_C_API_VERSION_MAJOR, KVSHARE_C_API_VERSION_MINOR + 1) == 0);
+    CHECK(kvshare_check_version(KVSHARE_C_API_VERSION_MAJOR + 1, 0) == 0);
+
+    /* The mapped file is the real one behind the libkvshare_c.so.1 symlink. */
+    char expected[64], line[4096], mapped[4096] = "";
+    snprintf(expected, sizeof expected, "libkvshare_c.so.%d.%d.%d", KVSHARE_C_API_VERSION_MAJOR,
+             KVSHARE_C_API_VERSION_MINOR, KVSHARE_C_API_VERSION_PATCH);
+    FILE *maps = fopen("/proc/self/maps", "r");
+    CHECK(maps != NULL);
+    while (maps != NULL && fgets(line, sizeof line, maps) != NULL) {
+        const char *name = strstr(line, "libkvshare_c.so");
+        if (name == NULL) continue;
+        snprintf(mapped, sizeof mapped, "%s", name);
+        mapped[strcspn(mapped, "\n")] = '\0';
+        break;
+    }
+    if (maps != NULL) fclose(maps);
+    if (strcmp(mapped, expected) != 0)
+        fprintf(stderr, "the library mapped is \"%s\", the header names %s\n", mapped, expected);
+    CHECK(strcmp(mapped, expected) == 0);
+}
+
 struct test {
     const char *name;
     void (*run)(void);
@@ -1507,6 +1544,7 @@ static const struct test tests[] = {
     {"ShareCellsToAUnifiedCacheNamesTheRange", share_cells_to_a_unified_cache_names_the_range},
     {"SharesOfDisjointCellsAreEachAdoptable", shares_of_disjoint_cells_are_each_adoptable},
     {"ResidentPrefillSetsTheCellsOfTheRegion", resident_prefill_sets_the_cells_of_the_region},
+    {"VersionQueryMatchesTheHeaderAndTheLibraryFile", version_query_matches_the_header_and_the_library_file},
 };
 
 static void remove_work_dir(void) {
