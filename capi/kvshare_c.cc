@@ -154,8 +154,11 @@ int guarded(std::string& last_error, const char* what, Body&& body) noexcept {
 struct kvshare_decoder {
   std::optional<kvshare::DecoderShare> share;  // empty after decline or when open failed before start
   std::string open_failure;                    // why the decoder cannot share ("" when it can)
-  std::string refusal;
-  std::string last_error;
+  // The texts a call hands back (kvshare_decoder_refusal, *_last_error): what the handle
+  // reports about its last call, not the decoder's state, so a getter on a const handle
+  // still formats and keeps them.
+  mutable std::string refusal;
+  mutable std::string last_error;
   bool can_share() const { return share.has_value() && share->can_share(); }
 };
 
@@ -169,13 +172,15 @@ struct kvshare_provider {
   uint32_t stream = 0;    // the KV stream scatter writes (< n_stream, kvshare_provider_set_cells)
   uint32_t first_cell = 0;  // where scatter's position 0 goes (kvshare_provider_set_cells)
   uint32_t n_cells = 0;     // positions scatter may write, 0 with first_cell 0: no range (kv_size)
-  std::string last_error;
+  // A report about the last call, not the provider's state: a failing getter on a const
+  // handle (kvshare_provider_tensor of an unknown name) still leaves its message here.
+  mutable std::string last_error;
 };
 
 namespace {
 
-int provider_not_open(kvshare_provider* p) {
-  p->last_error = fmt::format("provider: not open ({})", p->last_error.empty() ? "open failed" : p->last_error);
+int provider_not_open(const kvshare_provider& p) {
+  p.last_error = fmt::format("provider: not open ({})", p.last_error.empty() ? "open failed" : p.last_error);
   return -EBADFD;
 }
 
@@ -306,9 +311,9 @@ int kvshare_decoder_can_share(const kvshare_decoder* decoder) { return decoder !
 const char* kvshare_decoder_refusal(const kvshare_decoder* decoder) {
   static const std::string flag_unset = kvshare::share_unavailable_reason(false, "");
   if (decoder == nullptr) return flag_unset.c_str();
-  auto* d = const_cast<kvshare_decoder*>(decoder);
-  d->refusal = d->can_share() ? std::string() : kvshare::share_unavailable_reason(true, d->open_failure);
-  return d->refusal.c_str();
+  const kvshare_decoder& d = *decoder;
+  d.refusal = d.can_share() ? std::string() : kvshare::share_unavailable_reason(true, d.open_failure);
+  return d.refusal.c_str();
 }
 
 void kvshare_decoder_decline(kvshare_decoder* decoder, const char* reason) {
@@ -323,12 +328,12 @@ uint32_t kvshare_decoder_n_chunks(const kvshare_decoder* decoder) {
 
 int kvshare_decoder_chunk(const kvshare_decoder* decoder, uint32_t index, void** base, uint64_t* size_bytes) {
   if (decoder == nullptr) return -EINVAL;
-  auto* d = const_cast<kvshare_decoder*>(decoder);
-  if (!d->can_share()) {
-    d->last_error = kvshare_decoder_refusal(d);
+  const kvshare_decoder& d = *decoder;
+  if (!d.can_share()) {
+    d.last_error = kvshare_decoder_refusal(&d);
     return -ENOTSUP;
   }
-  return fill_chunk(d->share->chunk_bytes(), index, base, size_bytes, d->last_error);
+  return fill_chunk(d.share->chunk_bytes(), index, base, size_bytes, d.last_error);
 }
 
 uint32_t kvshare_decoder_n_tensors(const kvshare_decoder* decoder) {
@@ -338,13 +343,13 @@ uint32_t kvshare_decoder_n_tensors(const kvshare_decoder* decoder) {
 
 int kvshare_decoder_tensor(const kvshare_decoder* decoder, const char* name, kvshare_tensor_info* out) {
   if (decoder == nullptr || name == nullptr) return -EINVAL;
-  auto* d = const_cast<kvshare_decoder*>(decoder);
-  return guarded(d->last_error, "kvshare_decoder_tensor", [&] {
-    if (!d->can_share()) {
-      d->last_error = kvshare_decoder_refusal(d);
+  const kvshare_decoder& d = *decoder;
+  return guarded(d.last_error, "kvshare_decoder_tensor", [&] {
+    if (!d.can_share()) {
+      d.last_error = kvshare_decoder_refusal(&d);
       return -ENOTSUP;
     }
-    return fill_tensor_info(d->share->view(name), out, d->last_error);
+    return fill_tensor_info(d.share->view(name), out, d.last_error);
   });
 }
 
@@ -445,9 +450,9 @@ const char* kvshare_provider_last_error(const kvshare_provider* provider) {
 
 int kvshare_provider_kv_params(const kvshare_provider* provider, kvshare_kv_params* out) {
   if (provider == nullptr || out == nullptr) return -EINVAL;
-  auto* p = const_cast<kvshare_provider*>(provider);
-  if (!p->share) return provider_not_open(p);
-  from_kv_params(p->share->header().params, out);
+  const kvshare_provider& p = *provider;
+  if (!p.share) return provider_not_open(p);
+  from_kv_params(p.share->header().params, out);
   return 0;
 }
 
@@ -462,9 +467,9 @@ uint32_t kvshare_provider_n_chunks(const kvshare_provider* provider) {
 
 int kvshare_provider_chunk(const kvshare_provider* provider, uint32_t index, void** base, uint64_t* size_bytes) {
   if (provider == nullptr) return -EINVAL;
-  auto* p = const_cast<kvshare_provider*>(provider);
-  if (!p->share) return provider_not_open(p);
-  return fill_chunk(p->share->imported().chunk_bytes(), index, base, size_bytes, p->last_error);
+  const kvshare_provider& p = *provider;
+  if (!p.share) return provider_not_open(p);
+  return fill_chunk(p.share->imported().chunk_bytes(), index, base, size_bytes, p.last_error);
 }
 
 uint32_t kvshare_provider_n_tensors(const kvshare_provider* provider) {
@@ -474,16 +479,16 @@ uint32_t kvshare_provider_n_tensors(const kvshare_provider* provider) {
 
 int kvshare_provider_tensor(const kvshare_provider* provider, const char* name, kvshare_tensor_info* out) {
   if (provider == nullptr || name == nullptr) return -EINVAL;
-  auto* p = const_cast<kvshare_provider*>(provider);
-  if (!p->share) return provider_not_open(p);
-  return guarded(p->last_error, "kvshare_provider_tensor",
-                 [&] { return fill_tensor_info(p->share->view(name), out, p->last_error); });
+  const kvshare_provider& p = *provider;
+  if (!p.share) return provider_not_open(p);
+  return guarded(p.last_error, "kvshare_provider_tensor",
+                 [&] { return fill_tensor_info(p.share->view(name), out, p.last_error); });
 }
 
 int kvshare_provider_begin_write(kvshare_provider* provider) {
   if (provider == nullptr) return -EINVAL;
   kvshare_provider& p = *provider;
-  if (!p.share) return provider_not_open(&p);
+  if (!p.share) return provider_not_open(p);
   return guarded(p.last_error, "kvshare_provider_begin_write", [&] {
     if (!p.write_access.empty()) return 0;
     auto access = p.share->begin_write();
@@ -509,7 +514,7 @@ int kvshare_provider_scatter(kvshare_provider* provider, uint32_t il, uint32_t p
                              uint32_t n_embd_v_gqa) {
   if (provider == nullptr) return -EINVAL;
   kvshare_provider& p = *provider;
-  if (!p.share) return provider_not_open(&p);
+  if (!p.share) return provider_not_open(p);
   return guarded(p.last_error, "kvshare_provider_scatter", [&] {
     if (!layout::ggml_type_traits(src_type)) {
       p.last_error = fmt::format("scatter of layer {}: source type {} is not a ggml type id", il, src_type);
@@ -554,7 +559,7 @@ int kvshare_provider_set_stream(kvshare_provider* provider, uint32_t stream) {
 int kvshare_provider_set_cells(kvshare_provider* provider, uint32_t stream, uint32_t first_cell, uint32_t n_cells) {
   if (provider == nullptr) return -EINVAL;
   kvshare_provider& p = *provider;
-  if (!p.share) return provider_not_open(&p);
+  if (!p.share) return provider_not_open(p);
   const uint32_t n_stream = kvshare_provider_n_stream(&p);
   if (stream >= n_stream) {
     p.last_error = fmt::format("provider: stream {} but the KV cache has n_stream {} (streams 0..{})", stream,
@@ -596,7 +601,7 @@ uint32_t kvshare_provider_n_cells(const kvshare_provider* provider) {
 int kvshare_provider_import_npu(kvshare_provider* provider, const char* accel_dir) {
   if (provider == nullptr) return -EINVAL;
   kvshare_provider& p = *provider;
-  if (!p.share) return provider_not_open(&p);
+  if (!p.share) return provider_not_open(p);
   return guarded(p.last_error, "kvshare_provider_import_npu", [&] {
     if (p.npu) return 0;
     auto device = kvshare::xdna::find_device(accel_dir != nullptr ? accel_dir : kvshare::xdna::kAccelDir);
@@ -616,20 +621,20 @@ int kvshare_provider_import_npu(kvshare_provider* provider, const char* accel_di
 
 int kvshare_provider_device_address(const kvshare_provider* provider, const char* name, uint64_t* address) {
   if (provider == nullptr || name == nullptr || address == nullptr) return -EINVAL;
-  auto* p = const_cast<kvshare_provider*>(provider);
-  if (!p->share) return provider_not_open(p);
-  return guarded(p->last_error, "kvshare_provider_device_address", [&] {
-    if (!p->npu) {
-      if (auto view = p->share->view(name); !view) {
-        p->last_error = view.error().what();
+  const kvshare_provider& p = *provider;
+  if (!p.share) return provider_not_open(p);
+  return guarded(p.last_error, "kvshare_provider_device_address", [&] {
+    if (!p.npu) {
+      if (auto view = p.share->view(name); !view) {
+        p.last_error = view.error().what();
         return negative_errno(view.error());
       }
-      p->last_error = fmt::format("{}: the share is not imported into an NPU (call kvshare_provider_import_npu)", name);
+      p.last_error = fmt::format("{}: the share is not imported into an NPU (call kvshare_provider_import_npu)", name);
       return -ENXIO;
     }
-    auto found = p->npu->device_address(p->share->imported(), name);
+    auto found = p.npu->device_address(p.share->imported(), name);
     if (!found) {
-      p->last_error = found.error().what();
+      p.last_error = found.error().what();
       return negative_errno(found.error());
     }
     *address = *found;
@@ -644,16 +649,16 @@ uint32_t kvshare_provider_rs_size(const kvshare_provider* provider) {
 
 int kvshare_provider_state_width(const kvshare_provider* provider, uint32_t il, int kind, uint64_t* n_values) {
   if (provider == nullptr) return -EINVAL;
-  auto* p = const_cast<kvshare_provider*>(provider);
-  if (!p->share) return provider_not_open(p);
-  return guarded(p->last_error, "kvshare_provider_state_width", [&] {
+  const kvshare_provider& p = *provider;
+  if (!p.share) return provider_not_open(p);
+  return guarded(p.last_error, "kvshare_provider_state_width", [&] {
     if (n_values == nullptr) return fail_with(Error(EINVAL, fmt::format("state width of layer {}: n_values is NULL", il)),
-                                              p->last_error);
+                                              p.last_error);
     auto tensor_kind = to_state_kind(kind, il);
-    if (!tensor_kind) return fail_with(tensor_kind.error(), p->last_error);
-    const auto& header = p->share->header();
+    if (!tensor_kind) return fail_with(tensor_kind.error(), p.last_error);
+    const auto& header = p.share->header();
     auto width = kvshare::state_width(header.layout, header.memory, il, *tensor_kind);
-    if (!width) return fail_with(width.error(), p->last_error);
+    if (!width) return fail_with(width.error(), p.last_error);
     *n_values = *width;
     return 0;
   });
@@ -663,7 +668,7 @@ int kvshare_provider_write_state(kvshare_provider* provider, uint32_t il, int ki
                                  uint64_t n_values) {
   if (provider == nullptr) return -EINVAL;
   kvshare_provider& p = *provider;
-  if (!p.share) return provider_not_open(&p);
+  if (!p.share) return provider_not_open(p);
   return guarded(p.last_error, "kvshare_provider_write_state", [&] {
     auto tensor_kind = to_state_kind(kind, il);
     if (!tensor_kind) return fail_with(tensor_kind.error(), p.last_error);
