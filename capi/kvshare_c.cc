@@ -46,8 +46,9 @@ using kvshare::Result;
 namespace layout = kvshare::layout;
 
 // An errno for an Error that carries none (a parse or shape refusal): EINVAL, so a C
-// caller always sees a negative value on failure.
-int negative_errno(const Error& error) { return -(error.errno_value() != 0 ? error.errno_value() : EINVAL); }
+// caller always sees a negative value on failure, and serve a reply's errno 1..4095.
+int errno_of(const Error& error) { return error.errno_value() != 0 ? error.errno_value() : EINVAL; }
+int negative_errno(const Error& error) { return -errno_of(error); }
 
 Result<layout::KvParams> to_kv_params(const kvshare_kv_params* in) {
   if (in == nullptr) return kvshare::fail(EINVAL, "KV params: NULL");
@@ -278,14 +279,8 @@ int kvshare_decoder_open(const char* model_path, const kvshare_kv_params* params
     if (!model) return refuse(model.error());
     auto header = layout::make_share_header(model->fingerprint, model->shape, *kv_params);
     if (!header) return refuse(header.error().with_context(fmt::format("model {}", model_path)));
-    // What adopt can take (llama.cpp's glue marks each part): a plain cache, an iSWA pair,
-    // a recurrent state, or a hybrid's attention cache and recurrent state. A hybrid with
-    // an SWA attention cache would be adopted and then re-processed by llama-server's reuse
-    // gate (its recurrent part pins the first position at N-2), so it is refused here.
-    if (!kvshare::adoptable_memory_kind(header->memory.kind))
-      return refuse(Error(ENOTSUP, fmt::format("model {}: memory kind {} cannot be adopted yet (plain, iSWA, "
-                                               "recurrent and hybrid memories can)",
-                                               model_path, layout::memory_kind_name(header->memory.kind))));
+    if (auto adoptable = kvshare::check_adoptable_memory_kind(header->memory.kind); !adoptable)
+      return refuse(adoptable.error().with_context(fmt::format("model {}", model_path)));
     auto export_options = kvshare::ExportOptions::from_env();
     if (!export_options) return refuse(export_options.error());
     d.share.emplace(kvshare::DecoderShare::start(std::move(*header), true, *export_options));
@@ -560,32 +555,11 @@ int kvshare_provider_set_cells(kvshare_provider* provider, uint32_t stream, uint
   if (provider == nullptr) return -EINVAL;
   kvshare_provider& p = *provider;
   if (!p.share) return provider_not_open(p);
-  const uint32_t n_stream = kvshare_provider_n_stream(&p);
-  if (stream >= n_stream) {
-    p.last_error = fmt::format("provider: stream {} but the KV cache has n_stream {} (streams 0..{})", stream,
-                               n_stream, n_stream - 1);
-    return -EINVAL;
-  }
-  const kvshare::ShareCells cells =
-      kvshare::resolve_share_cells(p.share->header().memory, kvshare::ShareCells{stream, first_cell, n_cells});
-  if (cells.names_range()) {
-    const auto& caches = p.share->header().memory.kv_caches;
-    if (caches.empty()) {
-      p.last_error = fmt::format("provider: cells first_cell {} n_cells {} but the memory has no KV cache",
-                                 first_cell, n_cells);
-      return -EINVAL;
-    }
-    for (const auto& cache : caches) {
-      if (cells.n_cells == 0 || uint64_t{cells.first_cell} + cells.n_cells > cache.kv_size) {
-        p.last_error = fmt::format("provider: cells first_cell {} n_cells {} pass the \"{}\" KV cache's kv_size {}",
-                                   first_cell, n_cells, cache.role, cache.kv_size);
-        return -EINVAL;
-      }
-    }
-  }
-  p.stream = stream;
-  p.first_cell = cells.first_cell;
-  p.n_cells = cells.n_cells;
+  auto cells = kvshare::check_cells_in_memory(p.share->header(), kvshare::ShareCells{stream, first_cell, n_cells});
+  if (!cells) return fail_with(cells.error().with_context("provider"), p.last_error);
+  p.stream = cells->stream;
+  p.first_cell = cells->first_cell;
+  p.n_cells = cells->n_cells;
   return 0;
 }
 
@@ -696,8 +670,9 @@ int kvshare_provider_write_state(kvshare_provider* provider, uint32_t il, int ki
 }  // extern "C"
 
 // KVSHARE_1.3: the provider end of one resident provider, over ProviderChannel / ProviderListener. The
-// protocol's rules that need no engine live here, so a C engine cannot get them wrong:
-// which region is held, ESTALE for any other, and the checks of a region's share.
+// handle keeps what the protocol's rules need (the hello, which region is held, its header)
+// and answers itself what they refuse (kvshare::check_prefill_admitted, check_cells_in_memory,
+// a region's share that open_checked refuses), so a C engine cannot get them wrong.
 struct kvshare_resident {
   std::optional<ModelFacts> model;       // every REGION is checked against it (none: unchecked)
   std::string model_path;
@@ -710,9 +685,10 @@ struct kvshare_resident {
   kvshare::ProviderOp pending_op = kvshare::ProviderOp::prefill;
   uint64_t pending_region_id = 0;
   kvshare_provider* region = nullptr;    // the latest REGION's, until taken, replaced or ended
+  // The latest REGION's header, kept when the engine takes the region: a PREFILL_SHARED's
+  // stream and cells are checked against it.
+  std::optional<layout::ShareHeader> region_header;
   uint64_t held_region_id = 0;           // the REGION last answered ok (0: none)
-  uint32_t held_n_stream = 1;            // that region's streams (kvshare_provider_n_stream)
-  uint32_t held_kv_size = 0;             // the smallest KV cache's kv_size of that region
   uint32_t first_cell = 0;               // the pending PREFILL_SHARED's range (kvshare_resident_cells)
   uint32_t n_cells = 0;
   std::vector<int32_t> tokens;           // the pending PREFILL's
@@ -797,10 +773,7 @@ int take_region_request(kvshare_resident& r, kvshare::ProviderCall& call, kvshar
   }
   r.region = p.release();
   r.pending_region_id = region_id;
-  r.held_n_stream = kvshare_provider_n_stream(r.region);
-  r.held_kv_size = 0;
-  for (const auto& cache : r.region->share->header().memory.kv_caches)
-    r.held_kv_size = r.held_kv_size == 0 ? cache.kv_size : std::min(r.held_kv_size, cache.kv_size);
+  r.region_header = r.region->share->header();
   out->kind = KVSHARE_REQUEST_REGION;
   out->region_id = region_id;
   out->region = r.region;
@@ -811,29 +784,19 @@ int take_region_request(kvshare_resident& r, kvshare::ProviderCall& call, kvshar
 // Fills *out from a PREFILL, or answers it here. As take_region_request.
 int take_prefill_request(kvshare_resident& r, kvshare::ProviderCall& call, kvshare_resident_request* out) {
   kvshare::ProviderRequest& q = call.request;
-  const kvshare::ProviderReply& hello = *r.hello;
   const bool shared = q.route == kvshare::PrefillRoute::shared;
-  auto refuse = [&](int errnum, std::string message) {
-    const int sent = answer_inside(r, kvshare::ProviderOp::prefill, errnum, std::move(message));
+  auto refuse = [&](const Error& error) {
+    const int sent = answer_inside(r, kvshare::ProviderOp::prefill, errno_of(error), error.message());
     return sent < 0 ? sent : 0;
   };
-  if (shared ? !hello.takes_shared : !hello.takes_file)
-    return refuse(ENOTSUP, fmt::format("this provider does not take the {} route (its hello offered {})",
-                                       kvshare::prefill_route_name(q.route), hello.takes_shared ? "shared" : "file"));
-  if (shared && q.region_id != r.held_region_id)
-    return refuse(ESTALE, r.held_region_id == 0
-                              ? fmt::format("region {}: this provider holds no region; send it", q.region_id)
-                              : fmt::format("region {}: this provider holds region {}; send region {} again",
-                                            q.region_id, r.held_region_id, q.region_id));
-  if (shared && q.n_cached > 0 && !hello.takes_cached)
-    return refuse(ENOTSUP, fmt::format("n_cached {}: this provider prefills whole prompts only (its hello said "
-                                       "\"cached\": false)", q.n_cached));
+  if (auto admitted = kvshare::check_prefill_admitted(*r.hello, r.held_region_id, q); !admitted)
+    return refuse(admitted.error());
   kvshare_kv_params_init(&out->kv);
   if (!shared) {
     auto type_k = layout::parse_cache_type(q.kv.type_k);
-    if (!type_k) return refuse(EINVAL, fmt::format("\"kv\" \"type_k\": {}", type_k.error().what()));
+    if (!type_k) return refuse(Error(EINVAL, fmt::format("\"kv\" \"type_k\": {}", type_k.error().what())));
     auto type_v = layout::parse_cache_type(q.kv.type_v);
-    if (!type_v) return refuse(EINVAL, fmt::format("\"kv\" \"type_v\": {}", type_v.error().what()));
+    if (!type_v) return refuse(Error(EINVAL, fmt::format("\"kv\" \"type_v\": {}", type_v.error().what())));
     out->kv.n_ctx = q.kv.n_ctx;
     out->kv.type_k = static_cast<int32_t>(*type_k);
     out->kv.type_v = static_cast<int32_t>(*type_v);
@@ -844,23 +807,21 @@ int take_prefill_request(kvshare_resident& r, kvshare::ProviderCall& call, kvsha
     out->state_file = r.state_file.c_str();
     out->state_version = q.state_version;
   }
-  if (shared && q.stream >= r.held_n_stream)
-    return refuse(EINVAL, fmt::format("\"stream\" {}: region {}'s KV cache has n_stream {}; nothing was written",
-                                      q.stream, q.region_id, r.held_n_stream));
-  if (shared && (q.n_cells > 0 || q.first_cell > 0) &&
-      (q.n_cells == 0 || uint64_t{q.first_cell} + q.n_cells > r.held_kv_size))
-    return refuse(EINVAL, fmt::format("\"first_cell\" {} \"n_cells\" {}: region {}'s KV cache has kv_size {}; "
-                                      "nothing was written", q.first_cell, q.n_cells, q.region_id, r.held_kv_size));
-  if (shared && q.n_cells > 0 && q.tokens.size() > q.n_cells)
-    return refuse(ERANGE, fmt::format("{} tokens do not fit \"n_cells\" {}; nothing was written", q.tokens.size(),
-                                      q.n_cells));
-  // The engine scatters through the region it was handed: it then writes the stream and
-  // cells serve named, unchanged. A region the engine took is its own to set (out->stream,
-  // kvshare_resident_cells).
-  if (shared && r.region != nullptr) {
-    if (kvshare_provider_set_cells(r.region, q.stream, q.first_cell, q.n_cells) != 0)
-      return refuse(EINVAL, fmt::format("\"first_cell\" {} \"n_cells\" {}: {}; nothing was written", q.first_cell,
-                                        q.n_cells, kvshare_provider_last_error(r.region)));
+  if (shared) {
+    auto refuse_in_region = [&](const Error& error) {
+      return refuse(Error(error.errno_value(),
+                          fmt::format("region {}: {}; nothing was written", q.region_id, error.message())));
+    };
+    // Admitted: the region named is the one held, and region_header is its header.
+    auto cells = kvshare::check_cells_in_memory(*r.region_header, kvshare::ShareCells{q.stream, q.first_cell, q.n_cells});
+    if (!cells) return refuse_in_region(cells.error());
+    if (auto fits = kvshare::check_tokens_fit_cells(*cells, q.tokens.size()); !fits)
+      return refuse_in_region(fits.error());
+    // The engine scatters through the region it was handed: it then writes the stream and
+    // cells serve named, unchanged. A region the engine took is its own to set (out->stream,
+    // kvshare_resident_cells).
+    if (r.region != nullptr && kvshare_provider_set_cells(r.region, q.stream, q.first_cell, q.n_cells) != 0)
+      return refuse_in_region(Error(EINVAL, r.region->last_error));
   }
   r.first_cell = shared ? q.first_cell : 0;
   r.n_cells = shared ? q.n_cells : 0;

@@ -1214,7 +1214,7 @@ static void resident_prefill_names_the_stream_of_the_region(void) {
     CHECK(q.kind == KVSHARE_REQUEST_PREFILL_SHARED && q.stream == 2);
     char *refused = serve_receive(serve);
     CHECK_CONTAINS(refused, "\"ok\":false");
-    CHECK_CONTAINS(refused, "\"stream\\\" 3");
+    CHECK_CONTAINS(refused, "region 1: share of stream 3");
     CHECK_CONTAINS(refused, "n_stream 3");
     free(refused);
     if (region != NULL) {
