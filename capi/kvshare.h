@@ -8,6 +8,15 @@
  * which object, and why (the same text kvshare's C++ Error carries). No exception crosses
  * this boundary. A handle is not thread-safe: callers serialize calls on one handle.
  *
+ * An open that fails (kvshare_provider_open, kvshare_resident_from_fd,
+ * kvshare_resident_listen) hands back no handle: *out is NULL, and
+ * kvshare_*_last_error(NULL) gives the message of the calling thread's latest failed open
+ * (valid until the next one on that thread). Before KVSHARE_1.5 such an open handed back a
+ * handle holding only the message; every call takes NULL, and closing NULL is a no-op, so
+ * a caller written for that still reports the reason and frees nothing twice.
+ * kvshare_decoder_open differs on purpose: a decoder that cannot share is still a handle,
+ * which answers every share with its refusal.
+ *
  * Exported symbols are listed in kvshare.map (version nodes KVSHARE_1.0, ...): an ABI
  * addition is a new line in a new node. Link with `pkg-config --libs kvshare-c` or the
  * CMake target kvshare::kvshare_c.
@@ -124,11 +133,12 @@ struct kvshare_decoder;
  * with *params, and exports one region per chunk of that layout (dma-heap, udmabuf or
  * memfd; KVSHARE_EXPORT forces one).
  *
- * Always stores a handle in *out (NULL only when memory for it ran out, -ENOMEM).
+ * Always stores a handle in *out (NULL only when memory for it ran out, -ENOMEM, or for
+ * out NULL, -EINVAL: kvshare_decoder_last_error(NULL) then says which).
  * Returns 0 when the regions are exported. Otherwise the handle is a decoder that cannot
  * share: every share fails with -ENOTSUP and kvshare_decoder_refusal() names both causes;
- * the return value says why: -ENOTSUP for a memory kind the route cannot adopt (iSWA,
- * recurrent, hybrid) or no export backend, -EINVAL for bad params or a model kvshare
+ * the return value says why: -ENOTSUP for a memory kind the route cannot adopt (a
+ * hybrid with SWA layers) or no export backend, -EINVAL for bad params or a model kvshare
  * cannot shape, -ENOENT/-EACCES for the model file. kvshare_decoder_last_error() has
  * the message either way. Close the handle with kvshare_decoder_close().
  */
@@ -140,7 +150,7 @@ int kvshare_decoder_open(const char *model_path, const struct kvshare_kv_params 
 void kvshare_decoder_close(struct kvshare_decoder *decoder);
 
 /* The message of the last failed call on this handle, "" when none failed. Valid until
- * the next call on the handle. */
+ * the next call on the handle. NULL: the calling thread's latest failed open. */
 const char *kvshare_decoder_last_error(const struct kvshare_decoder *decoder);
 
 /* 1 when share can work (regions exported, not declined), else 0. */
@@ -277,10 +287,10 @@ struct kvshare_provider;
  * from that GGUF's in anything that changes the bytes (-EINVAL naming the field and both
  * values); NULL skips the check (tools that only inspect a share).
  *
- * Always stores a handle in *out (NULL only on -ENOMEM); on failure it holds only the
- * message (kvshare_provider_last_error) and must still be closed. Errors: -EINVAL (a bad
- * fd list, header or mismatch), -EBADF (a number that is not an open descriptor),
- * -ENOENT (the header file).
+ * Stores the handle in *out on success. On failure *out is NULL (since KVSHARE_1.5) and
+ * kvshare_provider_last_error(NULL) says why. Errors: -EINVAL (a bad fd list, header or
+ * mismatch, out NULL), -EBADF (a number that is not an open descriptor), -ENOENT (the
+ * header file), -ENOMEM.
  */
 int kvshare_provider_open(const char *layout_path, const char *fd_list, const char *model_path,
                           struct kvshare_provider **out);
@@ -289,14 +299,15 @@ int kvshare_provider_open(const char *layout_path, const char *fd_list, const ch
  * no-op. */
 void kvshare_provider_close(struct kvshare_provider *provider);
 
-/* The message of the last failed call on this handle, "" when none failed. */
+/* The message of the last failed call on this handle, "" when none failed. NULL: the
+ * calling thread's latest failed open. */
 const char *kvshare_provider_last_error(const struct kvshare_provider *provider);
 
 /* The KV params in the header (the decoder's): what the provider must run with. */
 int kvshare_provider_kv_params(const struct kvshare_provider *provider, struct kvshare_kv_params *out);
 
 /* Cells of the shared KV cache (kv_size of its first KV cache: the plain one, an iSWA pair's base, a
- * hybrid's attention cache), 0 when not open or when the memory has none (recurrent only). */
+ * hybrid's attention cache), 0 when the memory has none (recurrent only). */
 uint32_t kvshare_provider_kv_size(const struct kvshare_provider *provider);
 
 /* As the decoder's: chunk count, chunk base/size in this process's mapping, placements. */
@@ -336,8 +347,7 @@ int kvshare_provider_scatter(struct kvshare_provider *provider, uint32_t il, uin
  * the region it hands out from serve's message (kvshare_resident_request.stream), so an
  * engine that scatters through the region needs no change.
  * kvshare_provider_set_stream: -EINVAL (nothing changes) for stream >= n_stream.
- * kvshare_provider_n_stream: the streams of the first KV cache, 1 when there is none
- * (or the handle is not open).
+ * kvshare_provider_n_stream: the streams of the first KV cache, 1 when there is none.
  */
 int kvshare_provider_set_stream(struct kvshare_provider *provider, uint32_t stream);
 uint32_t kvshare_provider_stream(const struct kvshare_provider *provider);
@@ -405,8 +415,8 @@ enum kvshare_state_kind {
     KVSHARE_STATE_S = 2  /* cache_s_l<il>: the SSM / delta state, n_embd_s values per cell */
 };
 
-/* Since KVSHARE_1.2. Cells of the recurrent state (rs_size, max(1, n_seq_max)), 0 when not
- * open or when the memory has no recurrent state (a plain or iSWA KV cache). */
+/* Since KVSHARE_1.2. Cells of the recurrent state (rs_size, max(1, n_seq_max)), 0 when the
+ * memory has no recurrent state (a plain or iSWA KV cache). */
 uint32_t kvshare_provider_rs_size(const struct kvshare_provider *provider);
 
 /*
@@ -416,7 +426,7 @@ uint32_t kvshare_provider_rs_size(const struct kvshare_provider *provider);
  * takes; lets an engine size its buffers without reading the layout header.
  * Errors: -ENOENT (layer il has no recurrent state: an attention layer, a layer past the
  * model, a memory without recurrent state; the message names the layer), -EINVAL (NULL
- * arguments, a kind that is not a kvshare_state_kind), -EBADFD (the handle is not open).
+ * arguments, a kind that is not a kvshare_state_kind).
  * *n_values is untouched on failure.
  */
 int kvshare_provider_state_width(const struct kvshare_provider *provider, uint32_t il, int kind,
@@ -431,8 +441,7 @@ int kvshare_provider_state_width(const struct kvshare_provider *provider, uint32
  *   -EINVAL  not inside a write bracket; a kind that is not a kvshare_state_kind; a layer
  *            without recurrent state; n_values differing from the row width
  *            (kvshare_provider_state_width); values NULL with n_values > 0;
- *   -ERANGE  cell >= rs_size (kvshare_provider_rs_size);
- *   -EBADFD  the handle is not open.
+ *   -ERANGE  cell >= rs_size (kvshare_provider_rs_size).
  * The message names the layer, the tensor (cache_r_l3), the cell and both widths. A
  * 0-wide row (LFM2's S) with n_values 0 is accepted and writes nothing. A failing write
  * to the region itself returns its errno (the row may then be partly written).
@@ -519,10 +528,10 @@ struct kvshare_resident;
  * passed), checks that its peer runs as this uid or root and marks it close-on-exec.
  * With a model_path, reads that GGUF's metadata once: every REGION is refused unless its
  * header describes this model (kvshare_provider_open's check); NULL skips the check.
- * Always stores a handle in *out (NULL only on -ENOMEM); on failure it holds only the
- * message and must still be closed. fd is closed on failure too.
+ * Stores the handle in *out on success; on failure *out is NULL (since KVSHARE_1.5),
+ * kvshare_resident_last_error(NULL) says why, and fd is closed too.
  * Errors: -ENOTSOCK (not a stream socket), -EPERM (a peer of another uid), -ENOENT /
- * -EINVAL (the model: missing, or not a GGUF kvshare can shape).
+ * -EINVAL (the model: missing, or not a GGUF kvshare can shape), -EINVAL (out NULL).
  */
 int kvshare_resident_from_fd(int fd, const char *model_path, struct kvshare_resident **out);
 
@@ -542,7 +551,8 @@ int kvshare_resident_listen(const char *socket_path, const char *model_path, str
 void kvshare_resident_close(struct kvshare_resident *resident);
 
 /* Since KVSHARE_1.3. The message of the last failed call on this handle, "" when none
- * failed. Valid until the next call on the handle. */
+ * failed. Valid until the next call on the handle. NULL: the calling thread's latest
+ * failed open. */
 const char *kvshare_resident_last_error(const struct kvshare_resident *resident);
 
 /*

@@ -163,8 +163,11 @@ struct kvshare_decoder {
   bool can_share() const { return share.has_value() && share->can_share(); }
 };
 
+// Made only by a successful open (kvshare_provider_open, a resident provider's REGION), so
+// every handle a caller holds is open.
 struct kvshare_provider {
-  std::optional<kvshare::ProviderShare> share;
+  explicit kvshare_provider(kvshare::ProviderShare opened) : share(std::move(opened)) {}
+  kvshare::ProviderShare share;
   std::vector<kvshare::DmaBufCpuAccess> write_access;
   bool in_write = false;  // between begin_write and end_write (write_access is empty for memfd)
   std::optional<kvshare::xdna::NpuShare> npu;  // after kvshare_provider_import_npu
@@ -180,16 +183,23 @@ struct kvshare_provider {
 
 namespace {
 
-int provider_not_open(const kvshare_provider& p) {
-  p.last_error = fmt::format("provider: not open ({})", p.last_error.empty() ? "open failed" : p.last_error);
-  return -EBADFD;
+// Why the calling thread's latest failed open (kvshare_provider_open, kvshare_resident_from_fd,
+// kvshare_resident_listen; kvshare_decoder_open without memory for its handle) failed. A
+// failed open hands back no handle to hold its message, so every *_last_error(NULL) answers
+// with this one; thread-local, so an open failing on another thread cannot replace it.
+thread_local std::string t_open_failure;
+
+// An open given no place for its handle.
+int refuse_null_out(const char* what) {
+  t_open_failure = fmt::format("{}: out is NULL: pass the address of the handle pointer to fill", what);
+  return -EINVAL;
 }
 
 // Where scatter and write_state write: the header's layout, this handle's mappings and,
 // for memfd chunks, its descriptors.
 kvshare::ScatterTarget provider_target(const kvshare_provider& p) {
-  const auto& header = p.share->header();
-  const auto chunks = p.share->imported().chunk_bytes();
+  const auto& header = p.share.header();
+  const auto chunks = p.share.imported().chunk_bytes();
   const bool heads_agree = p.n_embd_head_k != UINT32_MAX && p.n_embd_head_v != UINT32_MAX;
   return kvshare::ScatterTarget{header.layout,
                                       header.memory,
@@ -197,7 +207,7 @@ kvshare::ScatterTarget provider_target(const kvshare_provider& p) {
                                       0,
                                       heads_agree ? p.n_embd_head_k : 0,
                                       heads_agree ? p.n_embd_head_v : 0,
-                                      p.share->imported().chunk_files()};
+                                      p.share.imported().chunk_files()};
 }
 
 // A kvshare_state_kind as the tensor kind it names.
@@ -217,29 +227,30 @@ int fail_with(const Error& error, std::string& last_error) {
 // file and inherited fds, or a resident provider's region request): `import` gets our
 // header, this model under the decoder's params `theirs` (so the comparison sees every
 // difference of model or shape, as kvshare-prefill does), or nullptr without a model,
-// and returns the imported ProviderShare.
+// and returns the imported ProviderShare. The handle is made only once that succeeded.
 template <class Import>
-int open_checked(kvshare_provider& p, const ModelFacts* model, const char* model_path, const layout::KvParams& theirs,
-                 Import&& import) {
+Result<std::unique_ptr<kvshare_provider>> open_checked(const ModelFacts* model, const char* model_path,
+                                                       const layout::KvParams& theirs, Import&& import) {
   std::optional<layout::ShareHeader> ours;
   if (model != nullptr) {
     auto header = layout::make_share_header(model->fingerprint, model->shape, theirs);
-    if (!header) return fail_with(header.error().with_context(fmt::format("model {}", model_path)), p.last_error);
+    if (!header) return kvshare::fail(header.error().with_context(fmt::format("model {}", model_path)));
     ours = std::move(*header);
   }
   auto share = import(ours ? &*ours : nullptr);
   if (!share)
-    return fail_with(model != nullptr ? share.error().with_context(fmt::format("model {}", model_path)) : share.error(),
-                     p.last_error);
-  p.share.emplace(std::move(*share));
-  if (model == nullptr) return 0;
+    return kvshare::fail(model != nullptr ? share.error().with_context(fmt::format("model {}", model_path))
+                                          : share.error());
+  auto p = std::make_unique<kvshare_provider>(std::move(*share));
+  if (model == nullptr) return p;
   // llama.cpp rotates quantized caches by the head size all layers share (0: none).
+  auto shared_head = [](uint32_t so_far, uint32_t head) { return so_far == 0 || so_far == head ? head : UINT32_MAX; };
   for (const auto& layer : model->shape.layers) {
     if (!layer.has_kv) continue;
-    p.n_embd_head_k = p.n_embd_head_k == 0 || p.n_embd_head_k == layer.n_embd_head_k ? layer.n_embd_head_k : UINT32_MAX;
-    p.n_embd_head_v = p.n_embd_head_v == 0 || p.n_embd_head_v == layer.n_embd_head_v ? layer.n_embd_head_v : UINT32_MAX;
+    p->n_embd_head_k = shared_head(p->n_embd_head_k, layer.n_embd_head_k);
+    p->n_embd_head_v = shared_head(p->n_embd_head_v, layer.n_embd_head_v);
   }
-  return 0;
+  return p;
 }
 
 }  // namespace
@@ -263,9 +274,12 @@ int kvshare_check_version(int major, int minor) {
 }
 
 int kvshare_decoder_open(const char* model_path, const kvshare_kv_params* params, kvshare_decoder** out) {
-  if (out == nullptr) return -EINVAL;
+  if (out == nullptr) return refuse_null_out("kvshare_decoder_open");
   *out = new (std::nothrow) kvshare_decoder;
-  if (*out == nullptr) return -ENOMEM;
+  if (*out == nullptr) {
+    t_open_failure = "kvshare_decoder_open: out of memory for the handle";
+    return -ENOMEM;
+  }
   kvshare_decoder& d = **out;
   const int rc = guarded(d.last_error, "kvshare_decoder_open", [&]() -> int {
     auto refuse = [&](const Error& error) {
@@ -298,7 +312,7 @@ int kvshare_decoder_open(const char* model_path, const kvshare_kv_params* params
 void kvshare_decoder_close(kvshare_decoder* decoder) { delete decoder; }
 
 const char* kvshare_decoder_last_error(const kvshare_decoder* decoder) {
-  return decoder == nullptr ? "" : decoder->last_error.c_str();
+  return decoder == nullptr ? t_open_failure.c_str() : decoder->last_error.c_str();
 }
 
 int kvshare_decoder_can_share(const kvshare_decoder* decoder) { return decoder != nullptr && decoder->can_share(); }
@@ -415,78 +429,79 @@ int kvshare_decoder_adopt_stream(kvshare_decoder* decoder, uint64_t n_tokens, ui
 
 int kvshare_provider_open(const char* layout_path, const char* fd_list, const char* model_path,
                           kvshare_provider** out) {
-  if (out == nullptr) return -EINVAL;
-  *out = new (std::nothrow) kvshare_provider;
-  if (*out == nullptr) return -ENOMEM;
-  kvshare_provider& p = **out;
-  return guarded(p.last_error, "kvshare_provider_open", [&]() -> int {
+  if (out == nullptr) return refuse_null_out("kvshare_provider_open");
+  *out = nullptr;
+  return guarded(t_open_failure, "kvshare_provider_open", [&]() -> int {
     if (layout_path == nullptr || fd_list == nullptr)
-      return fail_with(Error(EINVAL, "provider: NULL layout path or fd list"), p.last_error);
+      return fail_with(Error(EINVAL, "provider: NULL layout path or fd list"), t_open_failure);
     auto fds = kvshare::parse_fd_list(fd_list);
-    if (!fds) return fail_with(fds.error().with_context("--fds"), p.last_error);
+    if (!fds) return fail_with(fds.error().with_context("--fds"), t_open_failure);
     auto import = [&](const layout::ShareHeader* ours) {
       return ours != nullptr ? kvshare::ProviderShare::open(layout_path, *fds, *ours)
                              : kvshare::ProviderShare::open_unchecked(layout_path, *fds);
     };
-    if (model_path == nullptr) return open_checked(p, nullptr, nullptr, layout::KvParams{}, import);
-    auto theirs = kvshare::read_header_file(layout_path);
-    if (!theirs) return fail_with(theirs.error(), p.last_error);
-    auto model = read_model(model_path);
-    if (!model) return fail_with(model.error(), p.last_error);
-    return open_checked(p, &*model, model_path, theirs->params, import);
+    std::optional<ModelFacts> model;
+    layout::KvParams theirs;
+    if (model_path != nullptr) {
+      auto header = kvshare::read_header_file(layout_path);
+      if (!header) return fail_with(header.error(), t_open_failure);
+      theirs = header->params;
+      auto read = read_model(model_path);
+      if (!read) return fail_with(read.error(), t_open_failure);
+      model = std::move(*read);
+    }
+    auto opened = open_checked(model ? &*model : nullptr, model_path, theirs, import);
+    if (!opened) return fail_with(opened.error(), t_open_failure);
+    *out = opened->release();
+    return 0;
   });
 }
 
 void kvshare_provider_close(kvshare_provider* provider) { delete provider; }
 
 const char* kvshare_provider_last_error(const kvshare_provider* provider) {
-  return provider == nullptr ? "" : provider->last_error.c_str();
+  return provider == nullptr ? t_open_failure.c_str() : provider->last_error.c_str();
 }
 
 int kvshare_provider_kv_params(const kvshare_provider* provider, kvshare_kv_params* out) {
   if (provider == nullptr || out == nullptr) return -EINVAL;
   const kvshare_provider& p = *provider;
-  if (!p.share) return provider_not_open(p);
-  from_kv_params(p.share->header().params, out);
+  from_kv_params(p.share.header().params, out);
   return 0;
 }
 
 uint32_t kvshare_provider_kv_size(const kvshare_provider* provider) {
-  if (provider == nullptr || !provider->share || provider->share->header().memory.kv_caches.empty()) return 0;
-  return provider->share->header().memory.kv_caches.front().kv_size;
+  if (provider == nullptr || provider->share.header().memory.kv_caches.empty()) return 0;
+  return provider->share.header().memory.kv_caches.front().kv_size;
 }
 
 uint32_t kvshare_provider_n_chunks(const kvshare_provider* provider) {
-  return provider != nullptr && provider->share ? static_cast<uint32_t>(provider->share->imported().regions().size()) : 0;
+  return provider != nullptr ? static_cast<uint32_t>(provider->share.imported().regions().size()) : 0;
 }
 
 int kvshare_provider_chunk(const kvshare_provider* provider, uint32_t index, void** base, uint64_t* size_bytes) {
   if (provider == nullptr) return -EINVAL;
   const kvshare_provider& p = *provider;
-  if (!p.share) return provider_not_open(p);
-  return fill_chunk(p.share->imported().chunk_bytes(), index, base, size_bytes, p.last_error);
+  return fill_chunk(p.share.imported().chunk_bytes(), index, base, size_bytes, p.last_error);
 }
 
 uint32_t kvshare_provider_n_tensors(const kvshare_provider* provider) {
-  return provider != nullptr && provider->share ? static_cast<uint32_t>(provider->share->header().layout.tensors.size())
-                                                : 0;
+  return provider != nullptr ? static_cast<uint32_t>(provider->share.header().layout.tensors.size()) : 0;
 }
 
 int kvshare_provider_tensor(const kvshare_provider* provider, const char* name, kvshare_tensor_info* out) {
   if (provider == nullptr || name == nullptr) return -EINVAL;
   const kvshare_provider& p = *provider;
-  if (!p.share) return provider_not_open(p);
   return guarded(p.last_error, "kvshare_provider_tensor",
-                 [&] { return fill_tensor_info(p.share->view(name), out, p.last_error); });
+                 [&] { return fill_tensor_info(p.share.view(name), out, p.last_error); });
 }
 
 int kvshare_provider_begin_write(kvshare_provider* provider) {
   if (provider == nullptr) return -EINVAL;
   kvshare_provider& p = *provider;
-  if (!p.share) return provider_not_open(p);
   return guarded(p.last_error, "kvshare_provider_begin_write", [&] {
     if (!p.write_access.empty()) return 0;
-    auto access = p.share->begin_write();
+    auto access = p.share.begin_write();
     if (!access) {
       p.last_error = access.error().what();
       return negative_errno(access.error());
@@ -509,7 +524,6 @@ int kvshare_provider_scatter(kvshare_provider* provider, uint32_t il, uint32_t p
                              uint32_t n_embd_v_gqa) {
   if (provider == nullptr) return -EINVAL;
   kvshare_provider& p = *provider;
-  if (!p.share) return provider_not_open(p);
   return guarded(p.last_error, "kvshare_provider_scatter", [&] {
     if (!layout::ggml_type_traits(src_type)) {
       p.last_error = fmt::format("scatter of layer {}: source type {} is not a ggml type id", il, src_type);
@@ -541,8 +555,8 @@ int kvshare_provider_scatter(kvshare_provider* provider, uint32_t il, uint32_t p
 }
 
 uint32_t kvshare_provider_n_stream(const kvshare_provider* provider) {
-  if (provider == nullptr || !provider->share) return 1;
-  return kvshare::share_n_stream(provider->share->header().memory);
+  if (provider == nullptr) return 1;
+  return kvshare::share_n_stream(provider->share.header().memory);
 }
 
 uint32_t kvshare_provider_stream(const kvshare_provider* provider) { return provider == nullptr ? 0 : provider->stream; }
@@ -554,8 +568,7 @@ int kvshare_provider_set_stream(kvshare_provider* provider, uint32_t stream) {
 int kvshare_provider_set_cells(kvshare_provider* provider, uint32_t stream, uint32_t first_cell, uint32_t n_cells) {
   if (provider == nullptr) return -EINVAL;
   kvshare_provider& p = *provider;
-  if (!p.share) return provider_not_open(p);
-  auto cells = kvshare::check_cells_in_memory(p.share->header(), kvshare::ShareCells{stream, first_cell, n_cells});
+  auto cells = kvshare::check_cells_in_memory(p.share.header(), kvshare::ShareCells{stream, first_cell, n_cells});
   if (!cells) return fail_with(cells.error().with_context("provider"), p.last_error);
   p.stream = cells->stream;
   p.first_cell = cells->first_cell;
@@ -568,14 +581,13 @@ uint32_t kvshare_provider_first_cell(const kvshare_provider* provider) {
 }
 
 uint32_t kvshare_provider_n_cells(const kvshare_provider* provider) {
-  if (provider == nullptr || !provider->share) return 0;
+  if (provider == nullptr) return 0;
   return provider->n_cells > 0 ? provider->n_cells : kvshare_provider_kv_size(provider);
 }
 
 int kvshare_provider_import_npu(kvshare_provider* provider, const char* accel_dir) {
   if (provider == nullptr) return -EINVAL;
   kvshare_provider& p = *provider;
-  if (!p.share) return provider_not_open(p);
   return guarded(p.last_error, "kvshare_provider_import_npu", [&] {
     if (p.npu) return 0;
     auto device = kvshare::xdna::find_device(accel_dir != nullptr ? accel_dir : kvshare::xdna::kAccelDir);
@@ -583,7 +595,7 @@ int kvshare_provider_import_npu(kvshare_provider* provider, const char* accel_di
       p.last_error = device.error().what();
       return negative_errno(device.error());
     }
-    auto imported = kvshare::xdna::NpuShare::import(std::move(*device), p.share->imported());
+    auto imported = kvshare::xdna::NpuShare::import(std::move(*device), p.share.imported());
     if (!imported) {
       p.last_error = imported.error().what();
       return negative_errno(imported.error());
@@ -596,17 +608,16 @@ int kvshare_provider_import_npu(kvshare_provider* provider, const char* accel_di
 int kvshare_provider_device_address(const kvshare_provider* provider, const char* name, uint64_t* address) {
   if (provider == nullptr || name == nullptr || address == nullptr) return -EINVAL;
   const kvshare_provider& p = *provider;
-  if (!p.share) return provider_not_open(p);
   return guarded(p.last_error, "kvshare_provider_device_address", [&] {
     if (!p.npu) {
-      if (auto view = p.share->view(name); !view) {
+      if (auto view = p.share.view(name); !view) {
         p.last_error = view.error().what();
         return negative_errno(view.error());
       }
       p.last_error = fmt::format("{}: the share is not imported into an NPU (call kvshare_provider_import_npu)", name);
       return -ENXIO;
     }
-    auto found = p.npu->device_address(p.share->imported(), name);
+    auto found = p.npu->device_address(p.share.imported(), name);
     if (!found) {
       p.last_error = found.error().what();
       return negative_errno(found.error());
@@ -617,20 +628,19 @@ int kvshare_provider_device_address(const kvshare_provider* provider, const char
 }
 
 uint32_t kvshare_provider_rs_size(const kvshare_provider* provider) {
-  if (provider == nullptr || !provider->share || !provider->share->header().memory.recurrent) return 0;
-  return provider->share->header().memory.recurrent->rs_size;
+  if (provider == nullptr || !provider->share.header().memory.recurrent) return 0;
+  return provider->share.header().memory.recurrent->rs_size;
 }
 
 int kvshare_provider_state_width(const kvshare_provider* provider, uint32_t il, int kind, uint64_t* n_values) {
   if (provider == nullptr) return -EINVAL;
   const kvshare_provider& p = *provider;
-  if (!p.share) return provider_not_open(p);
   return guarded(p.last_error, "kvshare_provider_state_width", [&] {
     if (n_values == nullptr) return fail_with(Error(EINVAL, fmt::format("state width of layer {}: n_values is NULL", il)),
                                               p.last_error);
     auto tensor_kind = to_state_kind(kind, il);
     if (!tensor_kind) return fail_with(tensor_kind.error(), p.last_error);
-    const auto& header = p.share->header();
+    const auto& header = p.share.header();
     auto width = kvshare::state_width(header.layout, header.memory, il, *tensor_kind);
     if (!width) return fail_with(width.error(), p.last_error);
     *n_values = *width;
@@ -642,7 +652,6 @@ int kvshare_provider_write_state(kvshare_provider* provider, uint32_t il, int ki
                                  uint64_t n_values) {
   if (provider == nullptr) return -EINVAL;
   kvshare_provider& p = *provider;
-  if (!p.share) return provider_not_open(p);
   return guarded(p.last_error, "kvshare_provider_write_state", [&] {
     auto tensor_kind = to_state_kind(kind, il);
     if (!tensor_kind) return fail_with(tensor_kind.error(), p.last_error);
@@ -733,23 +742,22 @@ std::string serve_of(const kvshare_resident& r) {
   return fmt::format("kvshare-serve (pid {})", r.channel->peer().pid);
 }
 
+// A handle for `open` to connect, stored in *out only when it and the model's reading
+// succeed; a failure closes whatever it opened (serve sees the channel end) with it.
 int create_resident(const char* model_path, kvshare_resident** out, const char* what,
                     const std::function<Result<void>(kvshare_resident&)>& open) {
-  if (out == nullptr) return -EINVAL;
-  *out = new (std::nothrow) kvshare_resident;
-  if (*out == nullptr) return -ENOMEM;
-  kvshare_resident& r = **out;
-  return guarded(r.last_error, what, [&]() -> int {
-    if (auto opened = open(r); !opened) return fail_with(opened.error(), r.last_error);
-    if (model_path == nullptr) return 0;
-    auto model = read_model(model_path);
-    if (!model) {
-      r.channel.reset();
-      r.listener.reset();
-      return fail_with(model.error(), r.last_error);
+  if (out == nullptr) return refuse_null_out(what);
+  *out = nullptr;
+  return guarded(t_open_failure, what, [&]() -> int {
+    auto r = std::make_unique<kvshare_resident>();
+    if (auto opened = open(*r); !opened) return fail_with(opened.error(), t_open_failure);
+    if (model_path != nullptr) {
+      auto model = read_model(model_path);
+      if (!model) return fail_with(model.error(), t_open_failure);
+      r->model = std::move(*model);
+      r->model_path = model_path;
     }
-    r.model = std::move(*model);
-    r.model_path = model_path;
+    *out = r.release();
     return 0;
   });
 }
@@ -761,19 +769,18 @@ int take_region_request(kvshare_resident& r, kvshare::ProviderCall& call, kvshar
   r.held_region_id = 0;  // replaced: until the engine answers, no region is held
   const uint64_t region_id = call.request.region_id;
   const std::string source = fmt::format("region {} from {}", region_id, serve_of(r));
-  auto p = std::make_unique<kvshare_provider>();
   const layout::KvParams theirs = call.region->header.params;
   auto import = [&](const layout::ShareHeader* ours) {
     return kvshare::ProviderShare::open_received(std::move(*call.region), ours, source);
   };
-  const int rc = open_checked(*p, r.model ? &*r.model : nullptr, r.model_path.c_str(), theirs, import);
-  if (rc != 0) {
-    const int sent = answer_inside(r, kvshare::ProviderOp::region, -rc, std::move(p->last_error));
+  auto opened = open_checked(r.model ? &*r.model : nullptr, r.model_path.c_str(), theirs, import);
+  if (!opened) {
+    const int sent = answer_inside(r, kvshare::ProviderOp::region, errno_of(opened.error()), opened.error().what());
     return sent < 0 ? sent : 0;
   }
-  r.region = p.release();
+  r.region = opened->release();
   r.pending_region_id = region_id;
-  r.region_header = r.region->share->header();
+  r.region_header = r.region->share.header();
   out->kind = KVSHARE_REQUEST_REGION;
   out->region_id = region_id;
   out->region = r.region;
@@ -813,7 +820,8 @@ int take_prefill_request(kvshare_resident& r, kvshare::ProviderCall& call, kvsha
                           fmt::format("region {}: {}; nothing was written", q.region_id, error.message())));
     };
     // Admitted: the region named is the one held, and region_header is its header.
-    auto cells = kvshare::check_cells_in_memory(*r.region_header, kvshare::ShareCells{q.stream, q.first_cell, q.n_cells});
+    auto cells =
+        kvshare::check_cells_in_memory(*r.region_header, kvshare::ShareCells{q.stream, q.first_cell, q.n_cells});
     if (!cells) return refuse_in_region(cells.error());
     if (auto fits = kvshare::check_tokens_fit_cells(*cells, q.tokens.size()); !fits)
       return refuse_in_region(fits.error());
@@ -855,7 +863,7 @@ extern "C" {
 int kvshare_resident_from_fd(int fd, const char* model_path, kvshare_resident** out) {
   if (out == nullptr) {
     if (fd >= 0) ::close(fd);
-    return -EINVAL;
+    return refuse_null_out("kvshare_resident_from_fd");
   }
   return create_resident(model_path, out, "kvshare_resident_from_fd", [fd](kvshare_resident& r) -> Result<void> {
     auto channel = kvshare::ProviderChannel::from_fd(kvshare::Fd(fd));
@@ -882,7 +890,7 @@ void kvshare_resident_close(kvshare_resident* resident) {
 }
 
 const char* kvshare_resident_last_error(const kvshare_resident* resident) {
-  return resident == nullptr ? "" : resident->last_error.c_str();
+  return resident == nullptr ? t_open_failure.c_str() : resident->last_error.c_str();
 }
 
 int kvshare_resident_hello(kvshare_resident* resident, int routes_mask, int takes_cached) {

@@ -6,6 +6,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -438,9 +439,8 @@ static void provider_refuses_another_models_layout_and_bad_fds(void) {
 
     struct kvshare_provider *p = NULL;
     CHECK_RC(kvshare_provider_open(layout_path, fd_list, model_path("qwen2", 4), &p), -EINVAL);
+    CHECK(p == NULL);
     CHECK_CONTAINS(kvshare_provider_last_error(p), "model.");
-    void *base = NULL;
-    CHECK_RC(kvshare_provider_chunk(p, 0, &base, NULL), -EBADFD);
     kvshare_provider_close(p);
 
     CHECK_RC(kvshare_provider_open(layout_path, "1", model_path("llama", 3), &p), -EINVAL);
@@ -983,12 +983,14 @@ static void resident_listener_says_hello_to_each_serve(void) {
     CHECK(access(path, F_OK) != 0);
 }
 
-/* Misuse is refused by name, and a handle that could not be made still closes cleanly. */
+/* Misuse is refused by name, and code written for the handle a failed open used to hand
+ * back (before KVSHARE_1.5) still reports the reason and closes cleanly. */
 static void resident_refuses_misuse_by_name(void) {
     struct kvshare_resident *r = NULL;
     int not_a_socket = open("/dev/null", O_RDONLY | O_CLOEXEC);
     const int before = count_open_fds();
     CHECK_RC(kvshare_resident_from_fd(not_a_socket, NULL, &r), -ENOTSOCK);
+    CHECK(r == NULL);
     CHECK_CONTAINS(kvshare_resident_last_error(r), "--serve-fd");
     CHECK(count_open_fds() == before - 1); /* taken, and closed on failure */
     kvshare_resident_close(r);
@@ -1000,7 +1002,7 @@ static void resident_refuses_misuse_by_name(void) {
     CHECK_RC(kvshare_resident_from_fd(pair[1], missing, &r), -ENOENT);
     CHECK_CONTAINS(kvshare_resident_last_error(r), "no-such-model.gguf");
     kvshare_resident_close(r);
-    char *eof = serve_receive(pair[0]); /* the provider's end was closed with the handle */
+    char *eof = serve_receive(pair[0]); /* the provider's end was closed by the failed open */
     CHECK(eof[0] == '\0');
     free(eof);
     close(pair[0]);
@@ -1479,6 +1481,52 @@ static void resident_prefill_sets_the_cells_of_the_region(void) {
     close_decoder_share(&s);
 }
 
+static char other_thread_message[4096];
+
+/* An open that fails on another thread, keeping the message that thread sees. */
+static void *fail_a_provider_open(void *unused) {
+    (void)unused;
+    struct kvshare_provider *p = NULL;
+    CHECK_RC(kvshare_provider_open("/nonexistent/layout.json", "1", NULL, &p), -EINVAL);
+    snprintf(other_thread_message, sizeof other_thread_message, "%s", kvshare_provider_last_error(NULL));
+    return NULL;
+}
+
+/* Since KVSHARE_1.5 a failed open hands back no handle: *out is NULL whatever it held, and
+ * *_last_error(NULL) says why, per thread. (Before, a handle that held only the message.) */
+static void a_failed_open_leaves_no_handle_and_says_why(void) {
+    static char not_a_handle;
+    struct kvshare_provider *p = (struct kvshare_provider *)(void *)&not_a_handle;
+    CHECK_RC(kvshare_provider_open("/nonexistent/layout.json", "1", NULL, &p), -EINVAL);
+    CHECK(p == NULL);
+    CHECK_CONTAINS(kvshare_provider_last_error(NULL), "--fds");
+    /* One message whatever the kind of handle: the thread's latest failed open. */
+    CHECK_CONTAINS(kvshare_decoder_last_error(NULL), "--fds");
+
+    struct kvshare_resident *r = (struct kvshare_resident *)(void *)&not_a_handle;
+    int not_a_socket = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    const int before = count_open_fds();
+    CHECK_RC(kvshare_resident_from_fd(not_a_socket, NULL, &r), -ENOTSOCK);
+    CHECK(r == NULL);
+    CHECK(count_open_fds() == before - 1); /* taken, and closed on failure */
+    CHECK_CONTAINS(kvshare_resident_last_error(NULL), "--serve-fd");
+
+    r = (struct kvshare_resident *)(void *)&not_a_handle;
+    CHECK_RC(kvshare_resident_listen("relative.sock", NULL, &r), -EINVAL);
+    CHECK(r == NULL);
+    CHECK_CONTAINS(kvshare_resident_last_error(NULL), "--serve relative.sock");
+
+    CHECK_RC(kvshare_provider_open("/nonexistent/layout.json", "3", NULL, NULL), -EINVAL);
+    CHECK_CONTAINS(kvshare_provider_last_error(NULL), "kvshare_provider_open: out is NULL");
+
+    /* Thread-local: an open failing on another thread leaves this thread's message alone. */
+    pthread_t other;
+    CHECK(pthread_create(&other, NULL, fail_a_provider_open, NULL) == 0);
+    CHECK(pthread_join(other, NULL) == 0);
+    CHECK_CONTAINS(other_thread_message, "--fds");
+    CHECK_CONTAINS(kvshare_provider_last_error(NULL), "kvshare_provider_open: out is NULL");
+}
+
 /* KVSHARE_1.5: the library reports the version its header names, and its file carries it
  * too (capi/CMakeLists.txt's VERSION): one version in three places. */
 static void version_query_matches_the_header_and_the_library_file(void) {
@@ -1545,6 +1593,7 @@ static const struct test tests[] = {
     {"SharesOfDisjointCellsAreEachAdoptable", shares_of_disjoint_cells_are_each_adoptable},
     {"ResidentPrefillSetsTheCellsOfTheRegion", resident_prefill_sets_the_cells_of_the_region},
     {"VersionQueryMatchesTheHeaderAndTheLibraryFile", version_query_matches_the_header_and_the_library_file},
+    {"AFailedOpenLeavesNoHandleAndSaysWhy", a_failed_open_leaves_no_handle_and_says_why},
 };
 
 static void remove_work_dir(void) {
