@@ -21,6 +21,22 @@
  * addition is a new line in a new node. Link with `pkg-config --libs kvshare-c` or the
  * CMake target kvshare::kvshare_c.
  *
+ * Versioned structs (kvshare_kv_params, kvshare_tensor_info, kvshare_resident_request)
+ * start with uint32_t struct_size, set by the caller to sizeof the struct its header
+ * declares; a struct only ever grows at its end, and a field added later reads its zero as
+ * the behaviour before it. Since KVSHARE_1.5 every call that takes one applies the Linux
+ * kernel's rule (copy_struct_from_user), so a caller built against an older or a newer
+ * header keeps working:
+ *   - struct_size below the struct's first version (KVSHARE_*_SIZE_VER0): -EINVAL;
+ *   - smaller than this library's struct (an older header): accepted; the fields past
+ *     struct_size read as zero, and a struct the library fills is filled only that far;
+ *   - larger (a newer header): accepted when every byte past this library's struct is
+ *     zero, else -E2BIG naming the struct, its struct_size and the offset of the first
+ *     non-zero byte (a field this library does not know was set: kvshare_check_version
+ *     says which library knows it). Initialize with `= {.struct_size = sizeof x}`.
+ * A struct the library fills has its struct_size set to the bytes filled,
+ * min(struct_size, this library's struct). None has grown since its first version yet.
+ *
  * The protocol these calls speak is described in kvshare's docs/protocol.md (the
  * handshake), docs/layout.md (the layout header, share_layout) and docs/decoder.md
  * (?action=share and ?action=adopt).
@@ -66,7 +82,8 @@ int kvshare_version_patch(void);
  * library is older). A call of a later node needs no check: the dynamic linker refuses a
  * library without that node. What does is a behaviour without a call of its own, such as
  * a struct field added later: an engine built against a newer header sets that field only
- * when kvshare_check_version says the library knows it.
+ * when kvshare_check_version says the library knows it (else the call fails with -E2BIG,
+ * see "Versioned structs" above).
  */
 int kvshare_check_version(int major, int minor);
 
@@ -82,7 +99,7 @@ int kvshare_check_version(int major, int minor);
  * n_stream (llama_n_ctx()), never one stream's kv_size, which would be split again.
  */
 struct kvshare_kv_params {
-    uint32_t struct_size;
+    uint32_t struct_size; /* versioned ("Versioned structs" above) */
     uint32_t n_ctx;      /* -c: cells of every stream before padding; 0 = the model's context length */
     uint32_t n_seq_max;  /* -np */
     uint32_t n_ubatch;   /* -ub: sizes an SWA cache */
@@ -93,14 +110,19 @@ struct kvshare_kv_params {
     uint8_t swa_full;    /* --swa-full */
     uint8_t reserved;
 };
+/* KVSHARE_1.0's struct, through `reserved`: the smallest struct_size accepted. */
+#define KVSHARE_KV_PARAMS_SIZE_VER0 (offsetof(struct kvshare_kv_params, reserved) + sizeof(uint8_t))
 
 /* Sets *params to llama-server's defaults (n_ctx 4096, one unified sequence, f16 K and V,
- * flash attention on, n_ubatch 512) and its struct_size. */
+ * flash attention on, n_ubatch 512). It cannot know the caller's struct_size, so it fills
+ * the first version's fields (KVSHARE_KV_PARAMS_SIZE_VER0 bytes) and sets struct_size to
+ * that; a caller that sets a field added later sets struct_size to sizeof itself. */
 void kvshare_kv_params_init(struct kvshare_kv_params *params);
 
 /*
  * Where one cache tensor (cache_k_l3, cache_v_l3) lives inside the shared region.
- * Versioned by struct_size: set it to sizeof(struct kvshare_tensor_info) before a call.
+ * Versioned by struct_size ("Versioned structs" above): set it to
+ * sizeof(struct kvshare_tensor_info) before a call; the call fills that much of it.
  */
 struct kvshare_tensor_info {
     uint32_t struct_size;
@@ -113,6 +135,8 @@ struct kvshare_tensor_info {
     uint32_t layer;      /* il */
     void *data;          /* first byte of the tensor in this process's mapping */
 };
+/* KVSHARE_1.0's struct, through `data`: the smallest struct_size accepted. */
+#define KVSHARE_TENSOR_INFO_SIZE_VER0 (offsetof(struct kvshare_tensor_info, data) + sizeof(void *))
 
 /* 1 when ONEBIT_KV_SHARE is set and non-empty (ONEBIT_KV_SHARE=0 is on too; the opt-out
  * is an unset variable), else 0. */
@@ -138,9 +162,11 @@ struct kvshare_decoder;
  * Returns 0 when the regions are exported. Otherwise the handle is a decoder that cannot
  * share: every share fails with -ENOTSUP and kvshare_decoder_refusal() names both causes;
  * the return value says why: -ENOTSUP for a memory kind the route cannot adopt (a
- * hybrid with SWA layers) or no export backend, -EINVAL for bad params or a model kvshare
- * cannot shape, -ENOENT/-EACCES for the model file. kvshare_decoder_last_error() has
- * the message either way. Close the handle with kvshare_decoder_close().
+ * hybrid with SWA layers) or no export backend, -EINVAL for bad params (a struct_size
+ * below KVSHARE_KV_PARAMS_SIZE_VER0 among them) or a model kvshare cannot shape, -E2BIG
+ * for a larger *params with a non-zero byte past this library's struct, -ENOENT/-EACCES
+ * for the model file. kvshare_decoder_last_error() has the message either way. Close the
+ * handle with kvshare_decoder_close().
  */
 int kvshare_decoder_open(const char *model_path, const struct kvshare_kv_params *params,
                          struct kvshare_decoder **out);
@@ -183,8 +209,9 @@ int kvshare_decoder_chunk(const struct kvshare_decoder *decoder, uint32_t index,
 uint32_t kvshare_decoder_n_tensors(const struct kvshare_decoder *decoder);
 
 /* The placement of the tensor called `name` (*out->struct_size must be set). -ENOENT when
- * the layout has no such tensor, -ENOTSUP when the decoder cannot share, -EINVAL for a
- * struct_size smaller than this library's first version of the struct. */
+ * the layout has no such tensor, -ENOTSUP when the decoder cannot share, -EINVAL for out
+ * NULL or a struct_size below KVSHARE_TENSOR_INFO_SIZE_VER0, -E2BIG for a larger struct
+ * with a non-zero byte past this library's ("Versioned structs" above). */
 int kvshare_decoder_tensor(const struct kvshare_decoder *decoder, const char *name,
                            struct kvshare_tensor_info *out);
 
@@ -303,7 +330,8 @@ void kvshare_provider_close(struct kvshare_provider *provider);
  * calling thread's latest failed open. */
 const char *kvshare_provider_last_error(const struct kvshare_provider *provider);
 
-/* The KV params in the header (the decoder's): what the provider must run with. */
+/* The KV params in the header (the decoder's): what the provider must run with. Fills *out
+ * as kvshare_kv_params_init does: the first version's fields, struct_size set to them. */
 int kvshare_provider_kv_params(const struct kvshare_provider *provider, struct kvshare_kv_params *out);
 
 /* Cells of the shared KV cache (kv_size of its first KV cache: the plain one, an iSWA pair's base, a
@@ -491,9 +519,10 @@ enum kvshare_request_kind {
 };
 
 /*
- * One request. Versioned by struct_size: set it to sizeof(struct kvshare_resident_request)
- * before kvshare_resident_next. Pointers stay valid until the next kvshare_resident_next
- * or kvshare_resident_close on the handle (region: see below).
+ * One request. Versioned by struct_size ("Versioned structs" above): set it to
+ * sizeof(struct kvshare_resident_request) before kvshare_resident_next. Pointers stay
+ * valid until the next kvshare_resident_next or kvshare_resident_close on the handle
+ * (region: see below).
  */
 struct kvshare_resident_request {
     uint32_t struct_size;
@@ -520,6 +549,9 @@ struct kvshare_resident_request {
      * defaults (kvshare_kv_params_init). */
     struct kvshare_kv_params kv;
 };
+/* KVSHARE_1.3's struct, through `kv` (its KVSHARE_1.0 size): the smallest struct_size accepted. */
+#define KVSHARE_RESIDENT_REQUEST_SIZE_VER0 \
+    (offsetof(struct kvshare_resident_request, kv) + KVSHARE_KV_PARAMS_SIZE_VER0)
 
 struct kvshare_resident;
 
@@ -587,10 +619,12 @@ int kvshare_resident_hello(struct kvshare_resident *resident, int routes_mask, i
  * engine's cue to exit); a listener's next kvshare_resident_next waits for the next
  * serve to connect and says the hello again.
  *
- * Errors: -EBUSY (the previous request is not answered yet), -EINVAL (no hello yet, a
- * struct_size smaller than this library's struct), -ETIMEDOUT, and for a channel that
- * broke (the handle then reports END): -EPROTO (a frame that breaks the protocol), -EINVAL
- * (a message that does not parse), -EPIPE / -ECONNRESET, each naming serve's pid.
+ * Errors: -EBUSY (the previous request is not answered yet), -EINVAL (no hello yet, out
+ * NULL, a struct_size below KVSHARE_RESIDENT_REQUEST_SIZE_VER0), -E2BIG (a larger struct
+ * with a non-zero byte past this library's; both refused before any request is taken),
+ * -ETIMEDOUT, and for a channel that broke (the handle then reports END): -EPROTO (a frame
+ * that breaks the protocol), -EINVAL (a message that does not parse), -EPIPE /
+ * -ECONNRESET, each naming serve's pid.
  */
 int kvshare_resident_next(struct kvshare_resident *resident, int timeout_ms, struct kvshare_resident_request *out);
 

@@ -50,20 +50,96 @@ namespace layout = kvshare::layout;
 int errno_of(const Error& error) { return error.errno_value() != 0 ? error.errno_value() : EINVAL; }
 int negative_errno(const Error& error) { return -errno_of(error); }
 
-Result<layout::KvParams> to_kv_params(const kvshare_kv_params* in) {
-  if (in == nullptr) return kvshare::fail(EINVAL, "KV params: NULL");
-  if (in->struct_size < sizeof(kvshare_kv_params))
-    return kvshare::fail(EINVAL, "KV params: struct_size {} is smaller than this library's struct ({} bytes)",
-                         in->struct_size, sizeof(kvshare_kv_params));
+// Keeps `error`'s message as the handle's (or the thread's) last error; the negative errno.
+int fail_with(const Error& error, std::string& last_error) {
+  last_error = error.what();
+  return negative_errno(error);
+}
+
+// The struct_size rule of every versioned struct (kvshare.h, "Versioned structs"): the
+// kernel's copy_struct_from_user (include/linux/uaccess.h), so a struct can grow at its end
+// without breaking a caller built against either an older or a newer header. Each struct
+// names itself and its first version's size here; struct_bytes decides for all of them.
+template <class T>
+struct VersionedStruct;
+template <>
+struct VersionedStruct<kvshare_kv_params> {
+  static constexpr const char* name = "kvshare_kv_params";
+  static constexpr const char* ver0 = "KVSHARE_KV_PARAMS_SIZE_VER0";
+  static constexpr size_t size_ver0 = KVSHARE_KV_PARAMS_SIZE_VER0;
+};
+template <>
+struct VersionedStruct<kvshare_tensor_info> {
+  static constexpr const char* name = "kvshare_tensor_info";
+  static constexpr const char* ver0 = "KVSHARE_TENSOR_INFO_SIZE_VER0";
+  static constexpr size_t size_ver0 = KVSHARE_TENSOR_INFO_SIZE_VER0;
+};
+template <>
+struct VersionedStruct<kvshare_resident_request> {
+  static constexpr const char* name = "kvshare_resident_request";
+  static constexpr const char* ver0 = "KVSHARE_RESIDENT_REQUEST_SIZE_VER0";
+  static constexpr size_t size_ver0 = KVSHARE_RESIDENT_REQUEST_SIZE_VER0;
+};
+
+// How many bytes of the caller's struct (its struct_size) this library reads or fills:
+// min(struct_size, sizeof(T)). EINVAL below the first version (no header ever declared such
+// a struct); E2BIG when a byte past sizeof(T) is not zero: the caller, built against a newer
+// header, set a field this library does not know, and ignoring it would do something else
+// than was asked. Nothing of the caller's is written.
+template <class T>
+Result<size_t> struct_bytes(const T* caller) {
+  using Versioned = VersionedStruct<T>;
+  if (caller == nullptr) return kvshare::fail(EINVAL, "struct {}: NULL", Versioned::name);
+  // Through bytes: a caller's struct may be shorter than T, so no member of T is read.
+  const auto* bytes = reinterpret_cast<const unsigned char*>(caller);
+  uint32_t struct_size = 0;
+  std::memcpy(&struct_size, bytes, sizeof struct_size);
+  if (struct_size < Versioned::size_ver0)
+    return kvshare::fail(EINVAL, "struct {}: struct_size {} is smaller than its first version ({} bytes, {}): set "
+                         "it to sizeof(struct {})", Versioned::name, struct_size, Versioned::size_ver0, Versioned::ver0,
+                         Versioned::name);
+  for (size_t offset = sizeof(T); offset < struct_size; ++offset) {
+    if (bytes[offset] != 0)
+      return kvshare::fail(E2BIG, "struct {}: struct_size {} is larger than this library's {} bytes (libkvshare_c "
+                           "{}.{}.{}) and byte {} is not zero: a field this library does not know is set; zero it, "
+                           "or run with the libkvshare_c whose header the caller was built with "
+                           "(kvshare_check_version)", Versioned::name, struct_size, sizeof(T),
+                           KVSHARE_C_API_VERSION_MAJOR, KVSHARE_C_API_VERSION_MINOR, KVSHARE_C_API_VERSION_PATCH,
+                           offset);
+  }
+  return std::min<size_t>(struct_size, sizeof(T));
+}
+
+// The caller's struct as this library's: its first n_bytes (struct_bytes), and every field
+// past them, which the caller's header did not have, zero.
+template <class T>
+T read_struct(const T* caller, size_t n_bytes) {
+  T value{};
+  std::memcpy(&value, caller, n_bytes);
+  return value;
+}
+
+// Fills the caller's struct with `value`: its first n_bytes only (struct_bytes), struct_size
+// set to n_bytes, so a caller built against a newer header sees how much this library filled.
+template <class T>
+void fill_struct(T* caller, T value, size_t n_bytes) {
+  value.struct_size = static_cast<uint32_t>(n_bytes);
+  std::memcpy(caller, &value, n_bytes);
+}
+
+Result<layout::KvParams> to_kv_params(const kvshare_kv_params* caller) {
+  auto n_bytes = struct_bytes(caller);
+  if (!n_bytes) return kvshare::fail(n_bytes.error());
+  const kvshare_kv_params in = read_struct(caller, *n_bytes);
   layout::KvParams params;
-  params.n_ctx = in->n_ctx;
-  params.n_seq_max = in->n_seq_max;
-  params.n_ubatch = in->n_ubatch;
-  params.kv_unified = in->kv_unified != 0;
-  params.flash_attn = in->flash_attn != 0;
-  params.swa_full = in->swa_full != 0;
-  for (auto [id, field, out] : {std::tuple{in->type_k, "type_k", &params.type_k},
-                                std::tuple{in->type_v, "type_v", &params.type_v}}) {
+  params.n_ctx = in.n_ctx;
+  params.n_seq_max = in.n_seq_max;
+  params.n_ubatch = in.n_ubatch;
+  params.kv_unified = in.kv_unified != 0;
+  params.flash_attn = in.flash_attn != 0;
+  params.swa_full = in.swa_full != 0;
+  for (auto [id, field, out] : {std::tuple{in.type_k, "type_k", &params.type_k},
+                                std::tuple{in.type_v, "type_v", &params.type_v}}) {
     if (!layout::ggml_type_traits(id)) return kvshare::fail(EINVAL, "KV params: {} {} is not a ggml type id", field, id);
     *out = static_cast<layout::GgmlType>(id);
   }
@@ -72,17 +148,25 @@ Result<layout::KvParams> to_kv_params(const kvshare_kv_params* in) {
 }
 
 // The one place a KvParams becomes the C struct (kvshare_kv_params_init is it for the defaults).
-void from_kv_params(const layout::KvParams& in, kvshare_kv_params* out) {
-  std::memset(out, 0, sizeof(*out));
-  out->struct_size = sizeof(*out);
-  out->n_ctx = in.n_ctx;
-  out->n_seq_max = in.n_seq_max;
-  out->n_ubatch = in.n_ubatch;
-  out->type_k = static_cast<int32_t>(in.type_k);
-  out->type_v = static_cast<int32_t>(in.type_v);
-  out->kv_unified = in.kv_unified;
-  out->flash_attn = in.flash_attn;
-  out->swa_full = in.swa_full;
+kvshare_kv_params c_kv_params(const layout::KvParams& in) {
+  kvshare_kv_params out{};
+  out.struct_size = sizeof out;
+  out.n_ctx = in.n_ctx;
+  out.n_seq_max = in.n_seq_max;
+  out.n_ubatch = in.n_ubatch;
+  out.type_k = static_cast<int32_t>(in.type_k);
+  out.type_v = static_cast<int32_t>(in.type_v);
+  out.kv_unified = in.kv_unified;
+  out.flash_attn = in.flash_attn;
+  out.swa_full = in.swa_full;
+  return out;
+}
+
+// kvshare_kv_params_init and kvshare_provider_kv_params fill a struct whose struct_size the
+// caller never set (KVSHARE_1.0 asked for none), so they cannot know its size: they fill the
+// first version, which every caller's struct has, and say so in struct_size.
+void fill_first_version(kvshare_kv_params* caller, const layout::KvParams& params) {
+  fill_struct(caller, c_kv_params(params), KVSHARE_KV_PARAMS_SIZE_VER0);
 }
 
 // What a GGUF says about itself: the fingerprint a header carries and the shape the
@@ -104,24 +188,20 @@ Result<ModelFacts> read_model(const char* model_path) {
 }
 
 int fill_tensor_info(const Result<kvshare::TensorView>& view, kvshare_tensor_info* out, std::string& last_error) {
-  if (!view) {
-    last_error = view.error().what();
-    return negative_errno(view.error());
-  }
-  if (out == nullptr || out->struct_size < sizeof(kvshare_tensor_info)) {
-    last_error = fmt::format("tensor {}: the kvshare_tensor_info is NULL or its struct_size is smaller than {} bytes",
-                             view->name(), sizeof(kvshare_tensor_info));
-    return -EINVAL;
-  }
+  if (!view) return fail_with(view.error(), last_error);
+  auto n_bytes = struct_bytes(out);
+  if (!n_bytes) return fail_with(n_bytes.error().with_context(fmt::format("tensor {}", view->name())), last_error);
   const layout::SharedTensor& placement = *view->placement;
-  out->chunk = placement.chunk;
-  out->offset = placement.offset;
-  out->nbytes = placement.tensor.nbytes;
-  out->row_bytes = placement.tensor.row_bytes;
-  for (size_t i = 0; i < 4; ++i) out->ne[i] = placement.tensor.ne[i];
-  out->type = static_cast<int32_t>(placement.tensor.type);
-  out->layer = placement.tensor.layer;
-  out->data = view->base;
+  kvshare_tensor_info info{};
+  info.chunk = placement.chunk;
+  info.offset = placement.offset;
+  info.nbytes = placement.tensor.nbytes;
+  info.row_bytes = placement.tensor.row_bytes;
+  for (size_t i = 0; i < 4; ++i) info.ne[i] = placement.tensor.ne[i];
+  info.type = static_cast<int32_t>(placement.tensor.type);
+  info.layer = placement.tensor.layer;
+  info.data = view->base;
+  fill_struct(out, info, *n_bytes);
   return 0;
 }
 
@@ -218,11 +298,6 @@ Result<layout::TensorKind> to_state_kind(int kind, uint32_t il) {
                        static_cast<int>(KVSHARE_STATE_R), static_cast<int>(KVSHARE_STATE_S));
 }
 
-int fail_with(const Error& error, std::string& last_error) {
-  last_error = error.what();
-  return negative_errno(error);
-}
-
 // kvshare_provider_open's check and import, whichever way the share arrived (a header
 // file and inherited fds, or a resident provider's region request): `import` gets our
 // header, this model under the decoder's params `theirs` (so the comparison sees every
@@ -259,7 +334,7 @@ extern "C" {
 
 void kvshare_kv_params_init(kvshare_kv_params* params) {
   if (params == nullptr) return;
-  from_kv_params(layout::KvParams{}, params);
+  fill_first_version(params, layout::KvParams{});
 }
 
 int kvshare_share_requested(void) { return kvshare::kv_share_enabled() ? 1 : 0; }
@@ -466,7 +541,7 @@ const char* kvshare_provider_last_error(const kvshare_provider* provider) {
 int kvshare_provider_kv_params(const kvshare_provider* provider, kvshare_kv_params* out) {
   if (provider == nullptr || out == nullptr) return -EINVAL;
   const kvshare_provider& p = *provider;
-  from_kv_params(p.share.header().params, out);
+  fill_first_version(out, p.share.header().params);
   return 0;
 }
 
@@ -784,7 +859,7 @@ int take_region_request(kvshare_resident& r, kvshare::ProviderCall& call, kvshar
   out->kind = KVSHARE_REQUEST_REGION;
   out->region_id = region_id;
   out->region = r.region;
-  kvshare_provider_kv_params(r.region, &out->kv);
+  out->kv = c_kv_params(r.region->share.header().params);
   return 1;
 }
 
@@ -798,7 +873,7 @@ int take_prefill_request(kvshare_resident& r, kvshare::ProviderCall& call, kvsha
   };
   if (auto admitted = kvshare::check_prefill_admitted(*r.hello, r.held_region_id, q); !admitted)
     return refuse(admitted.error());
-  kvshare_kv_params_init(&out->kv);
+  out->kv = c_kv_params(layout::KvParams{});  // llama-server's defaults; a file prefill's own fields below
   if (!shared) {
     auto type_k = layout::parse_cache_type(q.kv.type_k);
     if (!type_k) return refuse(Error(EINVAL, fmt::format("\"kv\" \"type_k\": {}", type_k.error().what())));
@@ -854,6 +929,47 @@ int no_pending_request(kvshare_resident& r, const char* what) {
   return fail_with(Error(EINVAL, fmt::format("{}: no request is waiting for an answer (call kvshare_resident_next)",
                                              what)),
                    r.last_error);
+}
+
+// Waits for serve's next request and fills `request` (zeroed by the caller) with the one to
+// hand out, answering the others itself: 0 (END included), or the failure.
+int next_request(kvshare_resident& r, int timeout_ms, kvshare_resident_request& request) {
+  for (;;) {
+    if (r.end_due || (!r.channel && !r.listener)) {
+      r.end_due = false;
+      request.kind = KVSHARE_REQUEST_END;
+      return 0;
+    }
+    if (!r.channel) {
+      auto accepted = r.listener->accept(timeout_ms);
+      if (!accepted) return fail_with(accepted.error(), r.last_error);
+      r.channel.emplace(std::move(*accepted));
+      if (auto said = r.channel->say_hello(*r.hello); !said) {
+        // This serve left before the hello: wait for the next one, as if it never came.
+        r.end_session();
+        continue;
+      }
+    }
+    auto call = r.channel->next(timeout_ms);
+    if (!call) {
+      if (call.error().errno_value() == ETIMEDOUT) return fail_with(call.error(), r.last_error);
+      if (call.error().errno_value() == ENODATA) {
+        r.end_session();
+        request.kind = KVSHARE_REQUEST_END;
+        return 0;
+      }
+      return channel_broke(r, call.error());
+    }
+    // A request answered here may have filled some fields: the next one starts from zero.
+    request = kvshare_resident_request{};
+    const int taken = call->request.op == kvshare::ProviderOp::region ? take_region_request(r, *call, &request)
+                                                                      : take_prefill_request(r, *call, &request);
+    if (taken < 0) return taken;
+    if (taken == 0) continue;  // answered here; serve asks again or sends what it must
+    r.pending = true;
+    r.pending_op = call->request.op;
+    return 0;
+  }
 }
 
 }  // namespace
@@ -923,58 +1039,23 @@ int kvshare_resident_next(kvshare_resident* resident, int timeout_ms, kvshare_re
   if (resident == nullptr) return -EINVAL;
   kvshare_resident& r = *resident;
   return guarded(r.last_error, "kvshare_resident_next", [&]() -> int {
-    if (out == nullptr || out->struct_size < sizeof(kvshare_resident_request))
-      return fail_with(Error(EINVAL, fmt::format("next: the kvshare_resident_request is NULL or its struct_size is "
-                                                 "smaller than {} bytes",
-                                                 sizeof(kvshare_resident_request))),
-                       r.last_error);
+    // Before anything is taken from the channel: a struct refused loses no request.
+    auto n_bytes = struct_bytes(out);
+    if (!n_bytes) return fail_with(n_bytes.error().with_context("next"), r.last_error);
     if (!r.hello) return fail_with(Error(EINVAL, "next: call kvshare_resident_hello first"), r.last_error);
     if (r.pending)
       return fail_with(Error(EBUSY, fmt::format("next: the {} request handed out last is not answered yet "
                                                 "(kvshare_resident_reply_ok or _error)",
                                                 kvshare::provider_op_name(r.pending_op))),
                        r.last_error);
-    const uint32_t struct_size = out->struct_size;
-    std::memset(out, 0, sizeof(kvshare_resident_request));
-    out->struct_size = struct_size;
     r.tokens.clear();
     r.first_cell = 0;
     r.n_cells = 0;
     r.state_file.clear();
-    for (;;) {
-      if (r.end_due || (!r.channel && !r.listener)) {
-        r.end_due = false;
-        out->kind = KVSHARE_REQUEST_END;
-        return 0;
-      }
-      if (!r.channel) {
-        auto accepted = r.listener->accept(timeout_ms);
-        if (!accepted) return fail_with(accepted.error(), r.last_error);
-        r.channel.emplace(std::move(*accepted));
-        if (auto said = r.channel->say_hello(*r.hello); !said) {
-          // This serve left before the hello: wait for the next one, as if it never came.
-          r.end_session();
-          continue;
-        }
-      }
-      auto call = r.channel->next(timeout_ms);
-      if (!call) {
-        if (call.error().errno_value() == ETIMEDOUT) return fail_with(call.error(), r.last_error);
-        if (call.error().errno_value() == ENODATA) {
-          r.end_session();
-          out->kind = KVSHARE_REQUEST_END;
-          return 0;
-        }
-        return channel_broke(r, call.error());
-      }
-      const int taken = call->request.op == kvshare::ProviderOp::region ? take_region_request(r, *call, out)
-                                                                        : take_prefill_request(r, *call, out);
-      if (taken < 0) return taken;
-      if (taken == 0) continue;  // answered here; serve asks again or sends what it must
-      r.pending = true;
-      r.pending_op = call->request.op;
-      return 0;
-    }
+    kvshare_resident_request request{};
+    const int rc = next_request(r, timeout_ms, request);
+    fill_struct(out, request, *n_bytes);
+    return rc;
   });
 }
 
