@@ -8,9 +8,34 @@
  * which object, and why (the same text kvshare's C++ Error carries). No exception crosses
  * this boundary. A handle is not thread-safe: callers serialize calls on one handle.
  *
+ * An open that fails (kvshare_provider_open, kvshare_resident_from_fd,
+ * kvshare_resident_listen) hands back no handle: *out is NULL, and
+ * kvshare_*_last_error(NULL) gives the message of the calling thread's latest failed open
+ * (valid until the next one on that thread). Before KVSHARE_1.5 such an open handed back a
+ * handle holding only the message; every call takes NULL, and closing NULL is a no-op, so
+ * a caller written for that still reports the reason and frees nothing twice.
+ * kvshare_decoder_open differs on purpose: a decoder that cannot share is still a handle,
+ * which answers every share with its refusal.
+ *
  * Exported symbols are listed in kvshare.map (version nodes KVSHARE_1.0, ...): an ABI
  * addition is a new line in a new node. Link with `pkg-config --libs kvshare-c` or the
  * CMake target kvshare::kvshare_c.
+ *
+ * Versioned structs (kvshare_kv_params, kvshare_tensor_info, kvshare_resident_request)
+ * start with uint32_t struct_size, set by the caller to sizeof the struct its header
+ * declares; a struct only ever grows at its end, and a field added later reads its zero as
+ * the behaviour before it. Since KVSHARE_1.5 every call that takes one applies the Linux
+ * kernel's rule (copy_struct_from_user), so a caller built against an older or a newer
+ * header keeps working:
+ *   - struct_size below the struct's first version (KVSHARE_*_SIZE_VER0): -EINVAL;
+ *   - smaller than this library's struct (an older header): accepted; the fields past
+ *     struct_size read as zero, and a struct the library fills is filled only that far;
+ *   - larger (a newer header): accepted when every byte past this library's struct is
+ *     zero, else -E2BIG naming the struct, its struct_size and the offset of the first
+ *     non-zero byte (a field this library does not know was set: kvshare_check_version
+ *     says which library knows it). Initialize with `= {.struct_size = sizeof x}`.
+ * A struct the library fills has its struct_size set to the bytes filled,
+ * min(struct_size, this library's struct). None has grown since its first version yet.
  *
  * The protocol these calls speak is described in kvshare's docs/protocol.md (the
  * handshake), docs/layout.md (the layout header, share_layout) and docs/decoder.md
@@ -26,10 +51,41 @@
 extern "C" {
 #endif
 
-#define KVSHARE_C_API_VERSION 1
-/* The newest version node this header declares (KVSHARE_1.4): an engine built against an
- * older header lacks the calls of the nodes after it. */
-#define KVSHARE_C_API_MINOR 4
+/*
+ * The version of the C API this header declares, libkvshare_c's own (libkvshare_c.so.1.5.0;
+ * the build refuses a library whose VERSION differs). MINOR is the newest version node of
+ * kvshare.map declared here (KVSHARE_1.5): an engine built against an older header lacks
+ * the calls of the nodes after it. The library an engine runs with may be newer than the
+ * header it was built with: kvshare_version_major() and kvshare_check_version() ask it.
+ */
+#define KVSHARE_C_API_VERSION_MAJOR 1
+#define KVSHARE_C_API_VERSION_MINOR 5
+#define KVSHARE_C_API_VERSION_PATCH 0
+/* One number for #if: 10500 for 1.5.0. (Before KVSHARE_1.5 it was 1, the major alone.) */
+#define KVSHARE_C_API_VERSION \
+    (KVSHARE_C_API_VERSION_MAJOR * 10000 + KVSHARE_C_API_VERSION_MINOR * 100 + KVSHARE_C_API_VERSION_PATCH)
+/* KVSHARE_1.4's name for KVSHARE_C_API_VERSION_MINOR, kept for the engines that test it. */
+#define KVSHARE_C_API_MINOR KVSHARE_C_API_VERSION_MINOR
+
+/*
+ * Since KVSHARE_1.5. The version of the libkvshare_c this process runs with (liburing's
+ * io_uring_major_version / io_uring_minor_version), which may be newer than the header
+ * the caller was built with.
+ */
+int kvshare_version_major(void);
+int kvshare_version_minor(void);
+int kvshare_version_patch(void);
+
+/*
+ * Since KVSHARE_1.5. 1 when the library this process runs with is version major.minor or
+ * later, else 0 (the opposite sense of liburing's io_uring_check_version, true when the
+ * library is older). A call of a later node needs no check: the dynamic linker refuses a
+ * library without that node. What does is a behaviour without a call of its own, such as
+ * a struct field added later: an engine built against a newer header sets that field only
+ * when kvshare_check_version says the library knows it (else the call fails with -E2BIG,
+ * see "Versioned structs" above).
+ */
+int kvshare_check_version(int major, int minor);
 
 /*
  * The KV parameters llama-server takes (-c, -np, -kvu, -ctk, -ctv, -fa, --swa-full, -ub).
@@ -43,7 +99,7 @@ extern "C" {
  * n_stream (llama_n_ctx()), never one stream's kv_size, which would be split again.
  */
 struct kvshare_kv_params {
-    uint32_t struct_size;
+    uint32_t struct_size; /* versioned ("Versioned structs" above) */
     uint32_t n_ctx;      /* -c: cells of every stream before padding; 0 = the model's context length */
     uint32_t n_seq_max;  /* -np */
     uint32_t n_ubatch;   /* -ub: sizes an SWA cache */
@@ -54,14 +110,19 @@ struct kvshare_kv_params {
     uint8_t swa_full;    /* --swa-full */
     uint8_t reserved;
 };
+/* KVSHARE_1.0's struct, through `reserved`: the smallest struct_size accepted. */
+#define KVSHARE_KV_PARAMS_SIZE_VER0 (offsetof(struct kvshare_kv_params, reserved) + sizeof(uint8_t))
 
 /* Sets *params to llama-server's defaults (n_ctx 4096, one unified sequence, f16 K and V,
- * flash attention on, n_ubatch 512) and its struct_size. */
+ * flash attention on, n_ubatch 512). It cannot know the caller's struct_size, so it fills
+ * the first version's fields (KVSHARE_KV_PARAMS_SIZE_VER0 bytes) and sets struct_size to
+ * that; a caller that sets a field added later sets struct_size to sizeof itself. */
 void kvshare_kv_params_init(struct kvshare_kv_params *params);
 
 /*
  * Where one cache tensor (cache_k_l3, cache_v_l3) lives inside the shared region.
- * Versioned by struct_size: set it to sizeof(struct kvshare_tensor_info) before a call.
+ * Versioned by struct_size ("Versioned structs" above): set it to
+ * sizeof(struct kvshare_tensor_info) before a call; the call fills that much of it.
  */
 struct kvshare_tensor_info {
     uint32_t struct_size;
@@ -74,6 +135,8 @@ struct kvshare_tensor_info {
     uint32_t layer;      /* il */
     void *data;          /* first byte of the tensor in this process's mapping */
 };
+/* KVSHARE_1.0's struct, through `data`: the smallest struct_size accepted. */
+#define KVSHARE_TENSOR_INFO_SIZE_VER0 (offsetof(struct kvshare_tensor_info, data) + sizeof(void *))
 
 /* 1 when ONEBIT_KV_SHARE is set and non-empty (ONEBIT_KV_SHARE=0 is on too; the opt-out
  * is an unset variable), else 0. */
@@ -94,13 +157,16 @@ struct kvshare_decoder;
  * with *params, and exports one region per chunk of that layout (dma-heap, udmabuf or
  * memfd; KVSHARE_EXPORT forces one).
  *
- * Always stores a handle in *out (NULL only when memory for it ran out, -ENOMEM).
+ * Always stores a handle in *out (NULL only when memory for it ran out, -ENOMEM, or for
+ * out NULL, -EINVAL: kvshare_decoder_last_error(NULL) then says which).
  * Returns 0 when the regions are exported. Otherwise the handle is a decoder that cannot
  * share: every share fails with -ENOTSUP and kvshare_decoder_refusal() names both causes;
- * the return value says why: -ENOTSUP for a memory kind the route cannot adopt (iSWA,
- * recurrent, hybrid) or no export backend, -EINVAL for bad params or a model kvshare
- * cannot shape, -ENOENT/-EACCES for the model file. kvshare_decoder_last_error() has
- * the message either way. Close the handle with kvshare_decoder_close().
+ * the return value says why: -ENOTSUP for a memory kind the route cannot adopt (a
+ * hybrid with SWA layers) or no export backend, -EINVAL for bad params (a struct_size
+ * below KVSHARE_KV_PARAMS_SIZE_VER0 among them) or a model kvshare cannot shape, -E2BIG
+ * for a larger *params with a non-zero byte past this library's struct, -ENOENT/-EACCES
+ * for the model file. kvshare_decoder_last_error() has the message either way. Close the
+ * handle with kvshare_decoder_close().
  */
 int kvshare_decoder_open(const char *model_path, const struct kvshare_kv_params *params,
                          struct kvshare_decoder **out);
@@ -110,7 +176,7 @@ int kvshare_decoder_open(const char *model_path, const struct kvshare_kv_params 
 void kvshare_decoder_close(struct kvshare_decoder *decoder);
 
 /* The message of the last failed call on this handle, "" when none failed. Valid until
- * the next call on the handle. */
+ * the next call on the handle. NULL: the calling thread's latest failed open. */
 const char *kvshare_decoder_last_error(const struct kvshare_decoder *decoder);
 
 /* 1 when share can work (regions exported, not declined), else 0. */
@@ -143,8 +209,9 @@ int kvshare_decoder_chunk(const struct kvshare_decoder *decoder, uint32_t index,
 uint32_t kvshare_decoder_n_tensors(const struct kvshare_decoder *decoder);
 
 /* The placement of the tensor called `name` (*out->struct_size must be set). -ENOENT when
- * the layout has no such tensor, -ENOTSUP when the decoder cannot share, -EINVAL for a
- * struct_size smaller than this library's first version of the struct. */
+ * the layout has no such tensor, -ENOTSUP when the decoder cannot share, -EINVAL for out
+ * NULL or a struct_size below KVSHARE_TENSOR_INFO_SIZE_VER0, -E2BIG for a larger struct
+ * with a non-zero byte past this library's ("Versioned structs" above). */
 int kvshare_decoder_tensor(const struct kvshare_decoder *decoder, const char *name,
                            struct kvshare_tensor_info *out);
 
@@ -247,10 +314,10 @@ struct kvshare_provider;
  * from that GGUF's in anything that changes the bytes (-EINVAL naming the field and both
  * values); NULL skips the check (tools that only inspect a share).
  *
- * Always stores a handle in *out (NULL only on -ENOMEM); on failure it holds only the
- * message (kvshare_provider_last_error) and must still be closed. Errors: -EINVAL (a bad
- * fd list, header or mismatch), -EBADF (a number that is not an open descriptor),
- * -ENOENT (the header file).
+ * Stores the handle in *out on success. On failure *out is NULL (since KVSHARE_1.5) and
+ * kvshare_provider_last_error(NULL) says why. Errors: -EINVAL (a bad fd list, header or
+ * mismatch, out NULL), -EBADF (a number that is not an open descriptor), -ENOENT (the
+ * header file), -ENOMEM.
  */
 int kvshare_provider_open(const char *layout_path, const char *fd_list, const char *model_path,
                           struct kvshare_provider **out);
@@ -259,14 +326,16 @@ int kvshare_provider_open(const char *layout_path, const char *fd_list, const ch
  * no-op. */
 void kvshare_provider_close(struct kvshare_provider *provider);
 
-/* The message of the last failed call on this handle, "" when none failed. */
+/* The message of the last failed call on this handle, "" when none failed. NULL: the
+ * calling thread's latest failed open. */
 const char *kvshare_provider_last_error(const struct kvshare_provider *provider);
 
-/* The KV params in the header (the decoder's): what the provider must run with. */
+/* The KV params in the header (the decoder's): what the provider must run with. Fills *out
+ * as kvshare_kv_params_init does: the first version's fields, struct_size set to them. */
 int kvshare_provider_kv_params(const struct kvshare_provider *provider, struct kvshare_kv_params *out);
 
 /* Cells of the shared KV cache (kv_size of its first KV cache: the plain one, an iSWA pair's base, a
- * hybrid's attention cache), 0 when not open or when the memory has none (recurrent only). */
+ * hybrid's attention cache), 0 when the memory has none (recurrent only). */
 uint32_t kvshare_provider_kv_size(const struct kvshare_provider *provider);
 
 /* As the decoder's: chunk count, chunk base/size in this process's mapping, placements. */
@@ -306,8 +375,7 @@ int kvshare_provider_scatter(struct kvshare_provider *provider, uint32_t il, uin
  * the region it hands out from serve's message (kvshare_resident_request.stream), so an
  * engine that scatters through the region needs no change.
  * kvshare_provider_set_stream: -EINVAL (nothing changes) for stream >= n_stream.
- * kvshare_provider_n_stream: the streams of the first KV cache, 1 when there is none
- * (or the handle is not open).
+ * kvshare_provider_n_stream: the streams of the first KV cache, 1 when there is none.
  */
 int kvshare_provider_set_stream(struct kvshare_provider *provider, uint32_t stream);
 uint32_t kvshare_provider_stream(const struct kvshare_provider *provider);
@@ -375,8 +443,8 @@ enum kvshare_state_kind {
     KVSHARE_STATE_S = 2  /* cache_s_l<il>: the SSM / delta state, n_embd_s values per cell */
 };
 
-/* Since KVSHARE_1.2. Cells of the recurrent state (rs_size, max(1, n_seq_max)), 0 when not
- * open or when the memory has no recurrent state (a plain or iSWA KV cache). */
+/* Since KVSHARE_1.2. Cells of the recurrent state (rs_size, max(1, n_seq_max)), 0 when the
+ * memory has no recurrent state (a plain or iSWA KV cache). */
 uint32_t kvshare_provider_rs_size(const struct kvshare_provider *provider);
 
 /*
@@ -386,7 +454,7 @@ uint32_t kvshare_provider_rs_size(const struct kvshare_provider *provider);
  * takes; lets an engine size its buffers without reading the layout header.
  * Errors: -ENOENT (layer il has no recurrent state: an attention layer, a layer past the
  * model, a memory without recurrent state; the message names the layer), -EINVAL (NULL
- * arguments, a kind that is not a kvshare_state_kind), -EBADFD (the handle is not open).
+ * arguments, a kind that is not a kvshare_state_kind).
  * *n_values is untouched on failure.
  */
 int kvshare_provider_state_width(const struct kvshare_provider *provider, uint32_t il, int kind,
@@ -401,8 +469,7 @@ int kvshare_provider_state_width(const struct kvshare_provider *provider, uint32
  *   -EINVAL  not inside a write bracket; a kind that is not a kvshare_state_kind; a layer
  *            without recurrent state; n_values differing from the row width
  *            (kvshare_provider_state_width); values NULL with n_values > 0;
- *   -ERANGE  cell >= rs_size (kvshare_provider_rs_size);
- *   -EBADFD  the handle is not open.
+ *   -ERANGE  cell >= rs_size (kvshare_provider_rs_size).
  * The message names the layer, the tensor (cache_r_l3), the cell and both widths. A
  * 0-wide row (LFM2's S) with n_values 0 is accepted and writes nothing. A failing write
  * to the region itself returns its errno (the row may then be partly written).
@@ -452,9 +519,10 @@ enum kvshare_request_kind {
 };
 
 /*
- * One request. Versioned by struct_size: set it to sizeof(struct kvshare_resident_request)
- * before kvshare_resident_next. Pointers stay valid until the next kvshare_resident_next
- * or kvshare_resident_close on the handle (region: see below).
+ * One request. Versioned by struct_size ("Versioned structs" above): set it to
+ * sizeof(struct kvshare_resident_request) before kvshare_resident_next. Pointers stay
+ * valid until the next kvshare_resident_next or kvshare_resident_close on the handle
+ * (region: see below).
  */
 struct kvshare_resident_request {
     uint32_t struct_size;
@@ -481,6 +549,9 @@ struct kvshare_resident_request {
      * defaults (kvshare_kv_params_init). */
     struct kvshare_kv_params kv;
 };
+/* KVSHARE_1.3's struct, through `kv` (its KVSHARE_1.0 size): the smallest struct_size accepted. */
+#define KVSHARE_RESIDENT_REQUEST_SIZE_VER0 \
+    (offsetof(struct kvshare_resident_request, kv) + KVSHARE_KV_PARAMS_SIZE_VER0)
 
 struct kvshare_resident;
 
@@ -489,10 +560,10 @@ struct kvshare_resident;
  * passed), checks that its peer runs as this uid or root and marks it close-on-exec.
  * With a model_path, reads that GGUF's metadata once: every REGION is refused unless its
  * header describes this model (kvshare_provider_open's check); NULL skips the check.
- * Always stores a handle in *out (NULL only on -ENOMEM); on failure it holds only the
- * message and must still be closed. fd is closed on failure too.
+ * Stores the handle in *out on success; on failure *out is NULL (since KVSHARE_1.5),
+ * kvshare_resident_last_error(NULL) says why, and fd is closed too.
  * Errors: -ENOTSOCK (not a stream socket), -EPERM (a peer of another uid), -ENOENT /
- * -EINVAL (the model: missing, or not a GGUF kvshare can shape).
+ * -EINVAL (the model: missing, or not a GGUF kvshare can shape), -EINVAL (out NULL).
  */
 int kvshare_resident_from_fd(int fd, const char *model_path, struct kvshare_resident **out);
 
@@ -512,7 +583,8 @@ int kvshare_resident_listen(const char *socket_path, const char *model_path, str
 void kvshare_resident_close(struct kvshare_resident *resident);
 
 /* Since KVSHARE_1.3. The message of the last failed call on this handle, "" when none
- * failed. Valid until the next call on the handle. */
+ * failed. Valid until the next call on the handle. NULL: the calling thread's latest
+ * failed open. */
 const char *kvshare_resident_last_error(const struct kvshare_resident *resident);
 
 /*
@@ -547,10 +619,12 @@ int kvshare_resident_hello(struct kvshare_resident *resident, int routes_mask, i
  * engine's cue to exit); a listener's next kvshare_resident_next waits for the next
  * serve to connect and says the hello again.
  *
- * Errors: -EBUSY (the previous request is not answered yet), -EINVAL (no hello yet, a
- * struct_size smaller than this library's struct), -ETIMEDOUT, and for a channel that
- * broke (the handle then reports END): -EPROTO (a frame that breaks the protocol), -EINVAL
- * (a message that does not parse), -EPIPE / -ECONNRESET, each naming serve's pid.
+ * Errors: -EBUSY (the previous request is not answered yet), -EINVAL (no hello yet, out
+ * NULL, a struct_size below KVSHARE_RESIDENT_REQUEST_SIZE_VER0), -E2BIG (a larger struct
+ * with a non-zero byte past this library's; both refused before any request is taken),
+ * -ETIMEDOUT, and for a channel that broke (the handle then reports END): -EPROTO (a frame
+ * that breaks the protocol), -EINVAL (a message that does not parse), -EPIPE /
+ * -ECONNRESET, each naming serve's pid.
  */
 int kvshare_resident_next(struct kvshare_resident *resident, int timeout_ms, struct kvshare_resident_request *out);
 

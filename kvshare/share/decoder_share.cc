@@ -29,6 +29,13 @@ bool adoptable_memory_kind(layout::MemoryKind kind) {
          kind == layout::MemoryKind::recurrent || kind == layout::MemoryKind::hybrid;
 }
 
+Result<void> check_adoptable_memory_kind(layout::MemoryKind kind) {
+  if (!adoptable_memory_kind(kind))
+    return fail(ENOTSUP, "memory kind {} cannot be adopted yet (plain, iSWA, recurrent and hybrid memories can)",
+                layout::memory_kind_name(kind));
+  return {};
+}
+
 uint32_t share_n_stream(const layout::MemoryShape& memory) {
   return memory.kv_caches.empty() ? 1 : memory.kv_caches.front().n_stream;
 }
@@ -42,7 +49,7 @@ ShareCells resolve_share_cells(const layout::MemoryShape& memory, ShareCells cel
   return cells;
 }
 
-Result<void> check_share_cells(const layout::ShareHeader& header, const ShareCells& cells) {
+Result<ShareCells> check_cells_in_memory(const layout::ShareHeader& header, ShareCells cells) {
   const uint32_t stream = cells.stream;
   for (const auto& cache : header.memory.kv_caches) {
     if (stream >= cache.n_stream)
@@ -50,8 +57,9 @@ Result<void> check_share_cells(const layout::ShareHeader& header, const ShareCel
                   cache.role, cache.n_stream, cache.n_stream - 1, header.params.n_seq_max,
                   header.params.kv_unified ? ", unified" : "");
   }
-  const bool range = cells.names_range();
-  if (range) {
+  if (stream >= share_n_stream(header.memory))
+    return fail(EINVAL, "share of stream {}: this memory has {} stream(s)", stream, share_n_stream(header.memory));
+  if (cells.names_range()) {
     if (header.memory.kv_caches.empty())
       return fail(EINVAL, "share of cells first_cell {} n_cells {}: this memory has no KV cache (kv_size 0)",
                   cells.first_cell, cells.n_cells);
@@ -62,6 +70,20 @@ Result<void> check_share_cells(const layout::ShareHeader& header, const ShareCel
                     cells.first_cell, cells.n_cells, cache.role, cache.kv_size);
     }
   }
+  return resolve_share_cells(header.memory, cells);
+}
+
+Result<void> check_tokens_fit_cells(const ShareCells& cells, uint64_t n_tokens) {
+  if (cells.n_cells > 0 && n_tokens > cells.n_cells)
+    return fail(ERANGE, "{} tokens do not fit the share's n_cells {} (cells {}..{} of stream {})", n_tokens,
+                cells.n_cells, cells.first_cell, uint64_t{cells.first_cell} + cells.n_cells - 1, cells.stream);
+  return {};
+}
+
+Result<void> check_share_cells(const layout::ShareHeader& header, const ShareCells& cells) {
+  if (auto in_memory = check_cells_in_memory(header, cells); !in_memory) return fail(in_memory.error());
+  const uint32_t stream = cells.stream;
+  const bool range = cells.names_range();
   if (header.memory.recurrent && header.memory.recurrent->rs_size > 1)
     return fail(ENOTSUP, "share of stream {}: the shared route hands over a recurrent state only with one sequence "
                 "(-np 1), this decoder has rs_size {} (-np {}): llama.cpp assigns recurrent cells at decode time; the "
@@ -77,8 +99,6 @@ Result<void> check_share_cells(const layout::ShareHeader& header, const ShareCel
     return fail(ENOTSUP, "share of cells first_cell {} n_cells {}: an iSWA memory's unified caches (-np {}) place "
                 "the SWA cache's cells independently of the base cache's, so one range cannot name both; the file "
                 "route serves this slot", cells.first_cell, cells.n_cells, header.params.n_seq_max);
-  if (stream >= share_n_stream(header.memory))
-    return fail(EINVAL, "share of stream {}: this memory has {} stream(s)", stream, share_n_stream(header.memory));
   return {};
 }
 
@@ -299,9 +319,8 @@ Result<AdoptPlan> DecoderShare::adopt(uint64_t n_tokens, uint64_t share_id, uint
       return fail(ERANGE, "adopt of share_id {}: {} tokens do not fit the \"{}\" KV cache of {} cells", share_id,
                   n_tokens, cache.role, cache.kv_size);
   }
-  if (share.n_cells > 0 && n_tokens > share.n_cells)
-    return fail(ERANGE, "adopt of share_id {}: {} tokens do not fit the share's n_cells {} (cells {}..{} of stream {})",
-                share_id, n_tokens, share.n_cells, share.first_cell, share.first_cell + share.n_cells - 1, stream);
+  if (auto fits = check_tokens_fit_cells(ShareCells{stream, share.first_cell, share.n_cells}, n_tokens); !fits)
+    return fail(fits.error().with_context(fmt::format("adopt of share_id {}", share_id)));
   share.state = ShareState::adopted;
   const AdoptPlan plan{share_id, static_cast<uint32_t>(n_tokens), stream, share.first_cell, share.n_cells};
   forget_old_shares();

@@ -60,9 +60,20 @@ struct ShareCells {
 // same), 1 for a memory without one (recurrent only).
 uint32_t share_n_stream(const layout::MemoryShape& memory);
 
-// Whether a share of `cells` can hand over a sequence's cells of this memory: EINVAL for a
+// The cells `cells` names in this memory, resolved (resolve_share_cells): EINVAL for a
 // stream past n_stream (naming both) and for a range past the kv_size of any KV cache
-// (naming first_cell, n_cells and kv_size); ENOTSUP for a recurrent part with rs_size > 1
+// (naming first_cell, n_cells and kv_size). The one rule of which cells a share may name,
+// for both ends: check_share_cells starts with it, and a provider checks the stream and
+// range it is told to write with it (the C API's kvshare_provider_set_cells, a resident
+// provider's prefill).
+Result<ShareCells> check_cells_in_memory(const layout::ShareHeader& header, ShareCells cells);
+// ERANGE naming both when `n_tokens` positions do not fit the n_cells of a share that named
+// a range (`cells` resolved; no range: the caller checks kv_size). Adopt and a provider's
+// prefill both refuse with it.
+Result<void> check_tokens_fit_cells(const ShareCells& cells, uint64_t n_tokens);
+
+// Whether a share of `cells` can hand over a sequence's cells of this memory:
+// check_cells_in_memory's EINVAL; ENOTSUP for a recurrent part with rs_size > 1
 // (llama.cpp assigns recurrent cells at decode time), for a unified cache with
 // n_seq_max > 1 that names no range (every slot's cells in one stream: the decoder must
 // name the cells it reserved for the sequence), and for such a cache with a range when the
@@ -87,6 +98,9 @@ std::string share_unavailable_reason(bool flag_set, std::string_view backend_rea
 // recurrent part pins the first position at n-1, so llama-server's reuse gate would
 // re-process every handoff; nor an embedding model (no memory to share).
 bool adoptable_memory_kind(layout::MemoryKind kind);
+// ENOTSUP naming `kind` and the kinds that can be adopted when !adoptable_memory_kind(kind):
+// a decoder refuses to open for sharing with it.
+Result<void> check_adoptable_memory_kind(layout::MemoryKind kind);
 
 // The HTTP status for a share/adopt refusal, by its errno: ENOTSUP 501 (cannot export),
 // EPERM 403 (the listener failed a trust check), ESTALE 409 (made stale by a later

@@ -333,4 +333,22 @@ Result<ProviderReply> parse_provider_reply(std::string_view text, std::string_vi
   return reply;
 }
 
+Result<void> check_prefill_admitted(const ProviderReply& hello, uint64_t held_region_id,
+                                    const ProviderRequest& request) {
+  const bool shared = request.route == PrefillRoute::shared;
+  if (shared ? !hello.takes_shared : !hello.takes_file)
+    return fail(ENOTSUP, "this provider does not take the {} route (its hello offered {})",
+                prefill_route_name(request.route), hello.takes_shared ? "shared" : "file");
+  if (!shared) return {};
+  if (held_region_id == 0 || request.region_id != held_region_id)
+    return fail(ESTALE, "{}", held_region_id == 0
+                                  ? fmt::format("region {}: this provider holds no region; send it", request.region_id)
+                                  : fmt::format("region {}: this provider holds region {}; send region {} again",
+                                                request.region_id, held_region_id, request.region_id));
+  if (request.n_cached > 0 && !hello.takes_cached)
+    return fail(ENOTSUP, "n_cached {}: this provider prefills whole prompts only (its hello said \"cached\": false)",
+                request.n_cached);
+  return {};
+}
+
 }  // namespace kvshare

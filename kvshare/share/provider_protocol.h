@@ -24,7 +24,8 @@
 //                                a prefill naming a region_id the provider does not hold is ESTALE:
 //                                serve sends the region again and asks once more.
 //
-// Pure: encoding and parsing only; kvshare/share/provider_channel.h moves the frames.
+// Pure: encoding, parsing and the rules a request must meet before a provider's engine sees
+// it; kvshare/share/provider_channel.h moves the frames.
 #pragma once
 
 #include <cstdint>
@@ -120,5 +121,15 @@ std::string encode_provider_reply(const ProviderReply& reply);
 // message (handshake::parse_message_object), not yet against its fds. Never throws.
 Result<ProviderRequest> parse_provider_request(std::string_view text, std::string_view source);
 Result<ProviderReply> parse_provider_reply(std::string_view text, std::string_view source);
+
+// Whether a provider that said `hello` and holds region `held_region_id` (0: none) hands a
+// prefill request to its engine or answers it itself: ENOTSUP for a route the hello did not
+// offer, and for n_cached > 0 after "cached": false; ESTALE for a shared-route prefill
+// naming any region but the one held (the last region the provider answered ok: none before
+// the first, after a refused region and after the channel ended), so serve sends the region
+// again. The message is the reply's "error". The stream and cells against the region held
+// are check_cells_in_memory's (kvshare/share/decoder_share.h).
+Result<void> check_prefill_admitted(const ProviderReply& hello, uint64_t held_region_id,
+                                    const ProviderRequest& request);
 
 }  // namespace kvshare

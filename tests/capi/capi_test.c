@@ -6,6 +6,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -438,9 +439,8 @@ static void provider_refuses_another_models_layout_and_bad_fds(void) {
 
     struct kvshare_provider *p = NULL;
     CHECK_RC(kvshare_provider_open(layout_path, fd_list, model_path("qwen2", 4), &p), -EINVAL);
+    CHECK(p == NULL);
     CHECK_CONTAINS(kvshare_provider_last_error(p), "model.");
-    void *base = NULL;
-    CHECK_RC(kvshare_provider_chunk(p, 0, &base, NULL), -EBADFD);
     kvshare_provider_close(p);
 
     CHECK_RC(kvshare_provider_open(layout_path, "1", model_path("llama", 3), &p), -EINVAL);
@@ -983,12 +983,14 @@ static void resident_listener_says_hello_to_each_serve(void) {
     CHECK(access(path, F_OK) != 0);
 }
 
-/* Misuse is refused by name, and a handle that could not be made still closes cleanly. */
+/* Misuse is refused by name, and code written for the handle a failed open used to hand
+ * back (before KVSHARE_1.5) still reports the reason and closes cleanly. */
 static void resident_refuses_misuse_by_name(void) {
     struct kvshare_resident *r = NULL;
     int not_a_socket = open("/dev/null", O_RDONLY | O_CLOEXEC);
     const int before = count_open_fds();
     CHECK_RC(kvshare_resident_from_fd(not_a_socket, NULL, &r), -ENOTSOCK);
+    CHECK(r == NULL);
     CHECK_CONTAINS(kvshare_resident_last_error(r), "--serve-fd");
     CHECK(count_open_fds() == before - 1); /* taken, and closed on failure */
     kvshare_resident_close(r);
@@ -1000,7 +1002,7 @@ static void resident_refuses_misuse_by_name(void) {
     CHECK_RC(kvshare_resident_from_fd(pair[1], missing, &r), -ENOENT);
     CHECK_CONTAINS(kvshare_resident_last_error(r), "no-such-model.gguf");
     kvshare_resident_close(r);
-    char *eof = serve_receive(pair[0]); /* the provider's end was closed with the handle */
+    char *eof = serve_receive(pair[0]); /* the provider's end was closed by the failed open */
     CHECK(eof[0] == '\0');
     free(eof);
     close(pair[0]);
@@ -1214,7 +1216,7 @@ static void resident_prefill_names_the_stream_of_the_region(void) {
     CHECK(q.kind == KVSHARE_REQUEST_PREFILL_SHARED && q.stream == 2);
     char *refused = serve_receive(serve);
     CHECK_CONTAINS(refused, "\"ok\":false");
-    CHECK_CONTAINS(refused, "\"stream\\\" 3");
+    CHECK_CONTAINS(refused, "region 1: share of stream 3");
     CHECK_CONTAINS(refused, "n_stream 3");
     free(refused);
     if (region != NULL) {
@@ -1479,6 +1481,274 @@ static void resident_prefill_sets_the_cells_of_the_region(void) {
     close_decoder_share(&s);
 }
 
+/* ---- KVSHARE_1.5: struct_size (kvshare.h, "Versioned structs") ---- */
+
+/* A struct with room past this library's: what a caller built against a newer header passes. */
+union larger_kv_params {
+    struct kvshare_kv_params params;
+    unsigned char bytes[sizeof(struct kvshare_kv_params) + 16];
+};
+union larger_tensor_info {
+    struct kvshare_tensor_info info;
+    unsigned char bytes[sizeof(struct kvshare_tensor_info) + 16];
+};
+union larger_request {
+    struct kvshare_resident_request request;
+    unsigned char bytes[sizeof(struct kvshare_resident_request) + 16];
+};
+
+/* A resident provider on a socket pair, its hello said for the file route, and one file
+ * prefill of ids 7, 8, 9 sent by the test playing serve (*serve). */
+static struct kvshare_resident *resident_with_a_file_prefill(int *serve) {
+    int pair[2];
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) == 0);
+    *serve = pair[0];
+    struct kvshare_resident *r = NULL;
+    CHECK_RC(kvshare_resident_from_fd(pair[1], NULL, &r), 0);
+    CHECK_RC(kvshare_resident_hello(r, KVSHARE_ROUTE_FILE, 0), 0);
+    free(serve_receive(*serve));
+    serve_send(*serve,
+               "{\"kvshare_provider\":1,\"op\":\"prefill\",\"route\":\"file\",\"state_file\":\"/tmp/v.bin\","
+               "\"state_version\":3,\"kv\":{\"n_ctx\":512,\"type_k\":\"q8_0\",\"type_v\":\"f16\",\"flash_attn\":true},"
+               "\"tokens\":[7,8,9]}",
+               NULL, 0);
+    return r;
+}
+
+/* Answers the prefill handed out, if one was, and closes both ends. */
+static void finish_resident(struct kvshare_resident *r, int serve) {
+    if (kvshare_resident_reply_ok(r, 1.0, 3) == 0) CHECK_REPLY(serve, "\"n_prefilled\":3");
+    close(serve);
+    kvshare_resident_close(r);
+}
+
+static int all_bytes_are(const unsigned char *bytes, size_t from, size_t to, unsigned char value) {
+    for (size_t i = from; i < to; ++i)
+        if (bytes[i] != value) return 0;
+    return 1;
+}
+
+/* An older caller: a struct_size smaller than this library's struct, down to the struct's
+ * first version, is accepted and the library writes no byte past it. No struct has grown
+ * since its first version yet, so the smaller struct here is kvshare_resident_request's
+ * first version without its tail padding; the first field a struct gains takes the same
+ * path. Below the first version every struct is refused by name. */
+static void a_smaller_struct_down_to_its_first_version_is_filled_only_that_far(void) {
+    int serve = -1;
+    struct kvshare_resident *r = resident_with_a_file_prefill(&serve);
+    union larger_request older;
+    memset(&older, 0xa5, sizeof older);
+    older.request.struct_size = (uint32_t)KVSHARE_RESIDENT_REQUEST_SIZE_VER0;
+    CHECK(KVSHARE_RESIDENT_REQUEST_SIZE_VER0 <= sizeof older.request);
+    const int rc = kvshare_resident_next(r, 5000, &older.request);
+    CHECK_RC(rc, 0);
+    if (rc == 0) {
+        CHECK(older.request.kind == KVSHARE_REQUEST_PREFILL_FILE && older.request.n_tokens == 3);
+        CHECK(older.request.tokens != NULL && older.request.tokens[2] == 9);
+        CHECK(older.request.kv.n_ctx == 512 && older.request.kv.type_k == 8 /* Q8_0 */);
+        CHECK(older.request.struct_size == KVSHARE_RESIDENT_REQUEST_SIZE_VER0);
+        CHECK(all_bytes_are(older.bytes, KVSHARE_RESIDENT_REQUEST_SIZE_VER0, sizeof older.bytes, 0xa5));
+    }
+    finish_resident(r, serve);
+
+    /* kvshare_kv_params_init cannot know the caller's size: it fills the first version. */
+    union larger_kv_params defaults;
+    memset(&defaults, 0xa5, sizeof defaults);
+    kvshare_kv_params_init(&defaults.params);
+    CHECK(defaults.params.struct_size == KVSHARE_KV_PARAMS_SIZE_VER0);
+    CHECK(defaults.params.n_ctx == 4096 && defaults.params.type_k == 1 && defaults.params.flash_attn == 1);
+    CHECK(all_bytes_are(defaults.bytes, KVSHARE_KV_PARAMS_SIZE_VER0, sizeof defaults.bytes, 0xa5));
+
+    char expected[256];
+    struct kvshare_kv_params params = small_params();
+    struct kvshare_decoder *d = NULL;
+    params.struct_size = (uint32_t)KVSHARE_KV_PARAMS_SIZE_VER0;
+    CHECK_RC(kvshare_decoder_open(model_path("llama", 3), &params, &d), 0);
+    struct kvshare_tensor_info k = {.struct_size = (uint32_t)KVSHARE_TENSOR_INFO_SIZE_VER0 - 1};
+    CHECK_RC(kvshare_decoder_tensor(d, "cache_k_l0", &k), -EINVAL);
+    snprintf(expected, sizeof expected,
+             "tensor cache_k_l0: struct kvshare_tensor_info: struct_size %u is smaller than its first version (%u bytes, "
+             "KVSHARE_TENSOR_INFO_SIZE_VER0)", (unsigned)KVSHARE_TENSOR_INFO_SIZE_VER0 - 1,
+             (unsigned)KVSHARE_TENSOR_INFO_SIZE_VER0);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), expected);
+    kvshare_decoder_close(d);
+
+    params.struct_size = (uint32_t)KVSHARE_KV_PARAMS_SIZE_VER0 - 1;
+    CHECK_RC(kvshare_decoder_open(model_path("llama", 3), &params, &d), -EINVAL);
+    snprintf(expected, sizeof expected, "struct kvshare_kv_params: struct_size %u is smaller than its first version",
+             (unsigned)KVSHARE_KV_PARAMS_SIZE_VER0 - 1);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), expected);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), "set it to sizeof(struct kvshare_kv_params)");
+    kvshare_decoder_close(d);
+}
+
+/* A newer caller whose fields past this library's struct are all zero (it set none this
+ * library does not know) is served, and told how much was filled. */
+static void a_larger_struct_with_a_zero_tail_is_accepted(void) {
+    union larger_kv_params newer;
+    memset(&newer, 0, sizeof newer);
+    newer.params = small_params();
+    newer.params.struct_size = sizeof newer;
+    struct kvshare_decoder *d = NULL;
+    CHECK_RC(kvshare_decoder_open(model_path("llama", 3), &newer.params, &d), 0);
+    CHECK(kvshare_decoder_can_share(d) == 1);
+
+    union larger_tensor_info info;
+    memset(&info, 0, sizeof info);
+    info.info.struct_size = sizeof info;
+    CHECK_RC(kvshare_decoder_tensor(d, "cache_k_l0", &info.info), 0);
+    CHECK(info.info.ne[1] == 256 && info.info.data != NULL);
+    CHECK(info.info.struct_size == sizeof info.info); /* what this library filled */
+    CHECK(all_bytes_are(info.bytes, sizeof info.info, sizeof info.bytes, 0));
+    kvshare_decoder_close(d);
+
+    int serve = -1;
+    struct kvshare_resident *r = resident_with_a_file_prefill(&serve);
+    union larger_request request;
+    memset(&request, 0, sizeof request);
+    request.request.struct_size = sizeof request;
+    CHECK_RC(kvshare_resident_next(r, 5000, &request.request), 0);
+    CHECK(request.request.kind == KVSHARE_REQUEST_PREFILL_FILE && request.request.n_tokens == 3);
+    CHECK(request.request.struct_size == sizeof request.request);
+    finish_resident(r, serve);
+}
+
+/* A newer caller that set a field this library does not know: -E2BIG naming the struct,
+ * its struct_size and the offset of the first non-zero byte, before anything is done. */
+static void a_larger_struct_with_a_non_zero_tail_is_refused_naming_the_offset(void) {
+    char expected[256];
+    union larger_kv_params newer;
+    memset(&newer, 0, sizeof newer);
+    newer.params = small_params();
+    newer.params.struct_size = sizeof newer;
+    newer.bytes[sizeof newer.params + 5] = 1;
+    struct kvshare_decoder *d = NULL;
+    CHECK_RC(kvshare_decoder_open(model_path("llama", 3), &newer.params, &d), -E2BIG);
+    snprintf(expected, sizeof expected,
+             "struct kvshare_kv_params: struct_size %zu is larger than this library's %zu bytes (libkvshare_c %d.%d.%d) "
+             "and byte %zu is not zero", sizeof newer, sizeof newer.params, KVSHARE_C_API_VERSION_MAJOR,
+             KVSHARE_C_API_VERSION_MINOR, KVSHARE_C_API_VERSION_PATCH, sizeof newer.params + 5);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), expected);
+    CHECK(kvshare_decoder_can_share(d) == 0);
+    kvshare_decoder_close(d);
+
+    struct kvshare_kv_params params = small_params();
+    CHECK_RC(kvshare_decoder_open(model_path("llama", 3), &params, &d), 0);
+    union larger_tensor_info info;
+    memset(&info, 0, sizeof info);
+    info.info.struct_size = sizeof info;
+    info.info.chunk = 77;
+    info.bytes[sizeof info.info + 3] = 0x10;
+    CHECK_RC(kvshare_decoder_tensor(d, "cache_k_l0", &info.info), -E2BIG);
+    snprintf(expected, sizeof expected, "tensor cache_k_l0: struct kvshare_tensor_info: struct_size %zu is larger than "
+             "this library's %zu bytes", sizeof info, sizeof info.info);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), expected);
+    snprintf(expected, sizeof expected, "byte %zu is not zero", sizeof info.info + 3);
+    CHECK_CONTAINS(kvshare_decoder_last_error(d), expected);
+    CHECK(info.info.chunk == 77 && info.info.struct_size == sizeof info); /* untouched */
+    kvshare_decoder_close(d);
+
+    /* Refused before a request is taken: the prefill waits for a struct that fits. */
+    int serve = -1;
+    struct kvshare_resident *r = resident_with_a_file_prefill(&serve);
+    union larger_request request;
+    memset(&request, 0, sizeof request);
+    request.request.struct_size = sizeof request;
+    request.bytes[sizeof request.bytes - 1] = 1;
+    CHECK_RC(kvshare_resident_next(r, 5000, &request.request), -E2BIG);
+    snprintf(expected, sizeof expected, "next: struct kvshare_resident_request: struct_size %zu", sizeof request);
+    CHECK_CONTAINS(kvshare_resident_last_error(r), expected);
+    snprintf(expected, sizeof expected, "byte %zu is not zero", sizeof request.bytes - 1);
+    CHECK_CONTAINS(kvshare_resident_last_error(r), expected);
+    struct kvshare_resident_request q = {.struct_size = sizeof q};
+    CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
+    CHECK(q.kind == KVSHARE_REQUEST_PREFILL_FILE && q.n_tokens == 3);
+    finish_resident(r, serve);
+}
+
+static char other_thread_message[4096];
+
+/* An open that fails on another thread, keeping the message that thread sees. */
+static void *fail_a_provider_open(void *unused) {
+    (void)unused;
+    struct kvshare_provider *p = NULL;
+    CHECK_RC(kvshare_provider_open("/nonexistent/layout.json", "1", NULL, &p), -EINVAL);
+    snprintf(other_thread_message, sizeof other_thread_message, "%s", kvshare_provider_last_error(NULL));
+    return NULL;
+}
+
+/* Since KVSHARE_1.5 a failed open hands back no handle: *out is NULL whatever it held, and
+ * *_last_error(NULL) says why, per thread. (Before, a handle that held only the message.) */
+static void a_failed_open_leaves_no_handle_and_says_why(void) {
+    static char not_a_handle;
+    struct kvshare_provider *p = (struct kvshare_provider *)(void *)&not_a_handle;
+    CHECK_RC(kvshare_provider_open("/nonexistent/layout.json", "1", NULL, &p), -EINVAL);
+    CHECK(p == NULL);
+    CHECK_CONTAINS(kvshare_provider_last_error(NULL), "--fds");
+    /* One message whatever the kind of handle: the thread's latest failed open. */
+    CHECK_CONTAINS(kvshare_decoder_last_error(NULL), "--fds");
+
+    struct kvshare_resident *r = (struct kvshare_resident *)(void *)&not_a_handle;
+    int not_a_socket = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    const int before = count_open_fds();
+    CHECK_RC(kvshare_resident_from_fd(not_a_socket, NULL, &r), -ENOTSOCK);
+    CHECK(r == NULL);
+    CHECK(count_open_fds() == before - 1); /* taken, and closed on failure */
+    CHECK_CONTAINS(kvshare_resident_last_error(NULL), "--serve-fd");
+
+    r = (struct kvshare_resident *)(void *)&not_a_handle;
+    CHECK_RC(kvshare_resident_listen("relative.sock", NULL, &r), -EINVAL);
+    CHECK(r == NULL);
+    CHECK_CONTAINS(kvshare_resident_last_error(NULL), "--serve relative.sock");
+
+    CHECK_RC(kvshare_provider_open("/nonexistent/layout.json", "3", NULL, NULL), -EINVAL);
+    CHECK_CONTAINS(kvshare_provider_last_error(NULL), "kvshare_provider_open: out is NULL");
+
+    /* Thread-local: an open failing on another thread leaves this thread's message alone. */
+    pthread_t other;
+    CHECK(pthread_create(&other, NULL, fail_a_provider_open, NULL) == 0);
+    CHECK(pthread_join(other, NULL) == 0);
+    CHECK_CONTAINS(other_thread_message, "--fds");
+    CHECK_CONTAINS(kvshare_provider_last_error(NULL), "kvshare_provider_open: out is NULL");
+}
+
+/* KVSHARE_1.5: the library reports the version its header names, and its file carries it
+ * too (capi/CMakeLists.txt's VERSION): one version in three places. */
+static void version_query_matches_the_header_and_the_library_file(void) {
+    CHECK(kvshare_version_major() == KVSHARE_C_API_VERSION_MAJOR);
+    CHECK(kvshare_version_minor() == KVSHARE_C_API_VERSION_MINOR);
+    CHECK(kvshare_version_patch() == KVSHARE_C_API_VERSION_PATCH);
+    CHECK(KVSHARE_C_API_VERSION ==
+          KVSHARE_C_API_VERSION_MAJOR * 10000 + KVSHARE_C_API_VERSION_MINOR * 100 + KVSHARE_C_API_VERSION_PATCH);
+    CHECK(KVSHARE_C_API_VERSION >= 10500); /* no longer the 1 of KVSHARE_1.0 to 1.4 */
+    CHECK(KVSHARE_C_API_MINOR == KVSHARE_C_API_VERSION_MINOR);
+
+    /* "At least": true for this version and every earlier one, false for any later one. */
+    CHECK(kvshare_check_version(KVSHARE_C_API_VERSION_MAJOR, KVSHARE_C_API_VERSION_MINOR) == 1);
+    CHECK(kvshare_check_version(1, 0) == 1);
+    CHECK(kvshare_check_version(0, 99) == 1);
+    CHECK(kvshare_check_version(KVSHARE_C_API_VERSION_MAJOR, KVSHARE_C_API_VERSION_MINOR + 1) == 0);
+    CHECK(kvshare_check_version(KVSHARE_C_API_VERSION_MAJOR + 1, 0) == 0);
+
+    /* The mapped file is the real one behind the libkvshare_c.so.1 symlink. */
+    char expected[64], line[4096], mapped[4096] = "";
+    snprintf(expected, sizeof expected, "libkvshare_c.so.%d.%d.%d", KVSHARE_C_API_VERSION_MAJOR,
+             KVSHARE_C_API_VERSION_MINOR, KVSHARE_C_API_VERSION_PATCH);
+    FILE *maps = fopen("/proc/self/maps", "r");
+    CHECK(maps != NULL);
+    while (maps != NULL && fgets(line, sizeof line, maps) != NULL) {
+        const char *name = strstr(line, "libkvshare_c.so");
+        if (name == NULL) continue;
+        snprintf(mapped, sizeof mapped, "%s", name);
+        mapped[strcspn(mapped, "\n")] = '\0';
+        break;
+    }
+    if (maps != NULL) fclose(maps);
+    if (strcmp(mapped, expected) != 0)
+        fprintf(stderr, "the library mapped is \"%s\", the header names %s\n", mapped, expected);
+    CHECK(strcmp(mapped, expected) == 0);
+}
+
 struct test {
     const char *name;
     void (*run)(void);
@@ -1507,6 +1777,13 @@ static const struct test tests[] = {
     {"ShareCellsToAUnifiedCacheNamesTheRange", share_cells_to_a_unified_cache_names_the_range},
     {"SharesOfDisjointCellsAreEachAdoptable", shares_of_disjoint_cells_are_each_adoptable},
     {"ResidentPrefillSetsTheCellsOfTheRegion", resident_prefill_sets_the_cells_of_the_region},
+    {"VersionQueryMatchesTheHeaderAndTheLibraryFile", version_query_matches_the_header_and_the_library_file},
+    {"AFailedOpenLeavesNoHandleAndSaysWhy", a_failed_open_leaves_no_handle_and_says_why},
+    {"ASmallerStructDownToItsFirstVersionIsFilledOnlyThatFar",
+     a_smaller_struct_down_to_its_first_version_is_filled_only_that_far},
+    {"ALargerStructWithAZeroTailIsAccepted", a_larger_struct_with_a_zero_tail_is_accepted},
+    {"ALargerStructWithANonZeroTailIsRefusedNamingTheOffset",
+     a_larger_struct_with_a_non_zero_tail_is_refused_naming_the_offset},
 };
 
 static void remove_work_dir(void) {

@@ -563,5 +563,40 @@ TEST(ProviderProtocol, RefusesDeepNestingBeforeParsing) {
   EXPECT_NE(parsed.error().message().find("nests deeper"), std::string::npos) << parsed.error().what();
 }
 
+// What a provider answers itself, before its engine sees a prefill: the region held and the
+// routes its hello offered (the C API's kvshare_resident_next answers with it).
+TEST(ProviderProtocol, AdmitsAPrefillOnlyForTheRegionHeldAndTheRoutesOffered) {
+  ProviderReply hello;
+  hello.op = ProviderOp::hello;
+  hello.takes_file = false;
+  hello.takes_cached = false;
+  ProviderRequest prefill;
+  prefill.route = PrefillRoute::shared;
+  prefill.region_id = 2;
+  EXPECT_TRUE(check_prefill_admitted(hello, 2, prefill));
+
+  auto none_held = check_prefill_admitted(hello, 0, prefill);
+  ASSERT_FALSE(none_held);
+  EXPECT_EQ(none_held.error().errno_value(), ESTALE);
+  EXPECT_EQ(none_held.error().message(), "region 2: this provider holds no region; send it");
+  auto other = check_prefill_admitted(hello, 3, prefill);
+  ASSERT_FALSE(other);
+  EXPECT_EQ(other.error().errno_value(), ESTALE);
+  EXPECT_EQ(other.error().message(), "region 2: this provider holds region 3; send region 2 again");
+
+  prefill.n_cached = 1;
+  auto cached = check_prefill_admitted(hello, 2, prefill);
+  ASSERT_FALSE(cached);
+  EXPECT_EQ(cached.error().errno_value(), ENOTSUP);
+  EXPECT_NE(cached.error().message().find("n_cached 1: this provider prefills whole prompts only"), std::string::npos);
+
+  ProviderRequest file;
+  file.route = PrefillRoute::file;
+  auto route = check_prefill_admitted(hello, 2, file);
+  ASSERT_FALSE(route);
+  EXPECT_EQ(route.error().errno_value(), ENOTSUP);
+  EXPECT_EQ(route.error().message(), "this provider does not take the file route (its hello offered shared)");
+}
+
 }  // namespace
 }  // namespace kvshare

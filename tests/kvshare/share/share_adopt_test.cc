@@ -621,5 +621,46 @@ TEST_F(ShareAdopt, BrokerTimesOutWhenTheDecoderNeverConnects) {
   EXPECT_EQ(share.error().errno_value(), ETIMEDOUT);
 }
 
+// One rule for the cells of a share, at both ends: what the decoder may share and what a
+// provider may be told to write (the C API's kvshare_provider_set_cells and a resident
+// provider's prefill call it too).
+TEST(CheckCellsInMemory, ResolvesARangeToTheEndAndRefusesAStreamOrCellsPastTheCache) {
+  const auto unified = unified_three_slot_header();
+  auto to_end = check_cells_in_memory(unified, ShareCells{0, 500, 0});
+  ASSERT_TRUE(to_end) << to_end.error().what();
+  EXPECT_EQ(to_end->n_cells, 12u);  // cells 500..511
+  auto whole = check_cells_in_memory(unified, ShareCells{0, 0, 0});
+  ASSERT_TRUE(whole);
+  EXPECT_FALSE(whole->names_range());
+  auto past = check_cells_in_memory(unified, ShareCells{0, 500, 40});
+  ASSERT_FALSE(past);
+  EXPECT_EQ(past.error().errno_value(), EINVAL);
+  EXPECT_NE(past.error().message().find("first_cell 500 n_cells 40: past the \"kv\" KV cache's kv_size 512"),
+            std::string::npos) << past.error().what();
+  auto stream = check_cells_in_memory(testing::three_stream_share_header(), ShareCells{3, 0, 0});
+  ASSERT_FALSE(stream);
+  EXPECT_EQ(stream.error().errno_value(), EINVAL);
+  EXPECT_NE(stream.error().message().find("share of stream 3: the \"kv\" KV cache has n_stream 3"), std::string::npos)
+      << stream.error().what();
+}
+
+TEST(CheckTokensFitCells, RefusesMoreTokensThanTheRangesCellsNamingBoth) {
+  EXPECT_TRUE(check_tokens_fit_cells(ShareCells{0, 100, 40}, 40));
+  EXPECT_TRUE(check_tokens_fit_cells(ShareCells{0, 0, 0}, 4096));  // no range: kv_size is the caller's
+  auto over = check_tokens_fit_cells(ShareCells{1, 100, 40}, 41);
+  ASSERT_FALSE(over);
+  EXPECT_EQ(over.error().errno_value(), ERANGE);
+  EXPECT_EQ(over.error().message(), "41 tokens do not fit the share's n_cells 40 (cells 100..139 of stream 1)");
+}
+
+TEST(CheckAdoptableMemoryKind, NamesTheKindAndTheKindsThatCanBeAdopted) {
+  EXPECT_TRUE(check_adoptable_memory_kind(layout::MemoryKind::hybrid));
+  auto refused = check_adoptable_memory_kind(layout::MemoryKind::hybrid_iswa);
+  ASSERT_FALSE(refused);
+  EXPECT_EQ(refused.error().errno_value(), ENOTSUP);
+  EXPECT_NE(refused.error().message().find("hybrid_iswa cannot be adopted yet (plain, iSWA, recurrent and hybrid"),
+            std::string::npos) << refused.error().what();
+}
+
 }  // namespace
 }  // namespace kvshare
