@@ -16,9 +16,9 @@ namespace {
 using kvshare::testing::FdLeakCheck;
 using kvshare::testing::TempDir;
 
-class NpuLock_ : public FdLeakCheck {};
+class NpuLockTest : public FdLeakCheck {};
 
-TEST_F(NpuLock_, WritesTheHoldersPidIntoTheLockFile) {
+TEST_F(NpuLockTest, WritesTheHoldersPidIntoTheLockFile) {
   TempDir dir;
   const std::string path = (dir / "npu.lock").string();
   auto lock = acquire_npu_lock(path, 0);
@@ -29,7 +29,7 @@ TEST_F(NpuLock_, WritesTheHoldersPidIntoTheLockFile) {
 
 // Regression: the file was created with open(..., 0666), which the umask cut to 0644, so
 // only its creator could ever take the lock again.
-TEST_F(NpuLock_, CreatesTheLockFileSoEveryUserCanOpenItWhateverTheUmask) {
+TEST_F(NpuLockTest, CreatesTheLockFileSoEveryUserCanOpenItWhateverTheUmask) {
   TempDir dir;
   const std::string path = (dir / "npu.lock").string();
   const mode_t previous = ::umask(022);
@@ -41,7 +41,7 @@ TEST_F(NpuLock_, CreatesTheLockFileSoEveryUserCanOpenItWhateverTheUmask) {
   EXPECT_EQ(st.st_mode & 0777, 0666u);
 }
 
-TEST_F(NpuLock_, MakesASecondTakerTimeOutNamingTheHolder) {
+TEST_F(NpuLockTest, MakesASecondTakerTimeOutNamingTheHolder) {
   TempDir dir;
   const std::string path = (dir / "npu.lock").string();
   auto first = acquire_npu_lock(path, 0);
@@ -55,7 +55,7 @@ TEST_F(NpuLock_, MakesASecondTakerTimeOutNamingTheHolder) {
   EXPECT_NE(second.error().message().find("60 ms"), std::string::npos);
 }
 
-TEST_F(NpuLock_, LetsAWaiterInOnceTheHolderReleases) {
+TEST_F(NpuLockTest, LetsAWaiterInOnceTheHolderReleases) {
   TempDir dir;
   const std::string path = (dir / "npu.lock").string();
   auto first = acquire_npu_lock(path, 0);
@@ -70,14 +70,14 @@ TEST_F(NpuLock_, LetsAWaiterInOnceTheHolderReleases) {
   EXPECT_TRUE(second->held());
 }
 
-TEST_F(NpuLock_, ClearsThePidWhenReleased) {
+TEST_F(NpuLockTest, ClearsThePidWhenReleased) {
   TempDir dir;
   const std::string path = (dir / "npu.lock").string();
   { auto lock = acquire_npu_lock(path, 0); ASSERT_TRUE(lock); }
   EXPECT_EQ(npu_lock_holder(path), 0);
 }
 
-TEST_F(NpuLock_, NamesThePathWhenTheFileCannotBeOpened) {
+TEST_F(NpuLockTest, NamesThePathWhenTheFileCannotBeOpened) {
   TempDir dir;
   const std::string path = (dir / "missing-dir" / "npu.lock").string();
   auto lock = acquire_npu_lock(path, 0);
