@@ -3,11 +3,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <fstream>
 #include <thread>
 
+#include "kvshare/sys.h"
 #include "support/test_support.h"
 
 namespace kvshare::xdna {
@@ -55,17 +57,35 @@ TEST_F(NpuLockTest, MakesASecondTakerTimeOutNamingTheHolder) {
   EXPECT_NE(second.error().message().find("60 ms"), std::string::npos);
 }
 
+// How often a flock found the lock taken (EWOULDBLOCK): a waiter is waiting once it is > 0.
+std::atomic<int> g_refused_flocks{0};
+
+int counting_flock(int fd, int operation) {
+  const int rc = sys::real_ops().flock(fd, operation);
+  if (rc != 0 && errno == EWOULDBLOCK) ++g_refused_flocks;
+  return rc;
+}
+
 TEST_F(NpuLockTest, LetsAWaiterInOnceTheHolderReleases) {
   TempDir dir;
   const std::string path = (dir / "npu.lock").string();
   auto first = acquire_npu_lock(path, 0);
   ASSERT_TRUE(first);
+  sys::Ops ops = sys::real_ops();
+  ops.flock = counting_flock;
+  g_refused_flocks = 0;
+  sys::ScopedOverride seam(ops);
+  // Released once the waiter has found the lock taken, not after a time: a waiter that
+  // came late would find it free and show nothing about waiting.
+  std::atomic<bool> saw_waiter{false};
   std::thread releaser([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    saw_waiter = kvshare::testing::wait_until([] { return g_refused_flocks > 0; });
     first->release();
   });
-  auto second = acquire_npu_lock(path, 5000);
+  const int wait_ms = static_cast<int>(std::chrono::milliseconds(kvshare::testing::kLoadedDeadline).count());
+  auto second = acquire_npu_lock(path, wait_ms);
   releaser.join();
+  EXPECT_TRUE(saw_waiter) << "the waiter never found the lock taken";
   ASSERT_TRUE(second) << second.error().what();
   EXPECT_TRUE(second->held());
 }
