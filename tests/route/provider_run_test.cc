@@ -20,7 +20,8 @@ TEST_F(ProviderRunTest, TimeoutKillsTheProviderAndItsWholeProcessGroup) {
   TempDir dir;
   const auto pid_file = dir / "grandchild.pid";
   const ProviderRun run = run_provider(
-      {"/bin/sh", "-c", "sleep 30 & echo $! > " + pid_file.string() + "; wait"}, {}, std::chrono::milliseconds(500));
+      {"/bin/sh", "-c", kvshare::testing::sleep_past_deadline() + " & echo $! > " + pid_file.string() + "; wait"}, {},
+      std::chrono::milliseconds(500));
   EXPECT_TRUE(run.started);
   EXPECT_TRUE(run.timed_out);
   EXPECT_FALSE(run.ok());

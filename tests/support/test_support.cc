@@ -123,4 +123,6 @@ bool wait_until(const std::function<bool()>& condition, std::chrono::millisecond
   }
 }
 
+std::string sleep_past_deadline() { return "sleep " + std::to_string(2 * kLoadedDeadline.count()); }
+
 }  // namespace kvshare::testing

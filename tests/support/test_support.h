@@ -73,4 +73,9 @@ inline constexpr std::chrono::seconds kLoadedDeadline{60};
 // on: a test waits for what it means, not for a time.
 bool wait_until(const std::function<bool()>& condition, std::chrono::milliseconds deadline = kLoadedDeadline);
 
+// A shell command that outlives a wait of kLoadedDeadline ("sleep 120"): a leftover process
+// a test waits to see killed must not end by itself within that wait, or a kill that never
+// came would pass.
+std::string sleep_past_deadline();
+
 }  // namespace kvshare::testing
