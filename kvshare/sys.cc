@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -22,7 +23,7 @@ const Ops kRealOps{
     real_open, ::close,     ::read,    ::write,   ::pread,  ::pwrite, ::fsync,  ::ftruncate,
     real_fcntl_int, real_ioctl_ptr, real_memfd_create, ::mmap, ::munmap, ::socket, ::connect,
     ::bind,    ::listen,    ::setsockopt, ::accept4, ::sendmsg, ::recvmsg, ::poll,  ::rename, ::unlink,
-    ::kill,    ::waitpid,   ::madvise,
+    ::kill,    ::waitpid,   ::madvise,  ::flock,
 };
 
 std::atomic<const Ops*> current{&kRealOps};

@@ -43,6 +43,8 @@ struct Ops {
   int (*kill)(pid_t pid, int sig);
   pid_t (*waitpid)(pid_t pid, int* status, int options);
   int (*madvise)(void* addr, size_t length, int advice);
+  // The NPU lock's non-blocking tries (xdna/npu_lock.cc), so a test can see a waiter wait.
+  int (*flock)(int fd, int operation);
 };
 
 // The table in force. Reads are cheap (one pointer load).

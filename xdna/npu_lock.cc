@@ -59,7 +59,7 @@ Result<NpuLock> acquire_npu_lock(const std::string& path, int timeout_ms) {
     return fail(errno, "NPU lock {}: fchmod 0666 (it is {:o}; other users could not take the lock)", path,
                 st.st_mode & 0777);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max(0, timeout_ms));
-  while (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+  while (sys::ops().flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
     if (errno == EINTR) continue;
     if (errno != EWOULDBLOCK) return fail(errno, "NPU lock {}: flock", path);
     if (std::chrono::steady_clock::now() >= deadline)

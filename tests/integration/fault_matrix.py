@@ -459,7 +459,12 @@ def test_21_file_route_provider_inherits_no_client_socket():
         idle = [socket.create_connection(("127.0.0.1", row.serve.port), timeout=30) for _ in range(3)]
         for sock in idle:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
-        time.sleep(0.2)
+        # Only sockets serve holds can leak into the provider: wait for serve to have accepted
+        # all three (three sockets more than at idle), not for a time.
+        def sockets(snapshot):
+            return sum(1 for target in snapshot["fds"].values() if target.startswith("socket:"))
+        wait_until(lambda: sockets(row.snapshot()) >= sockets(row.baseline) + 3, 60,
+                   "serve never accepted the three idle connections")
         row.assert_reply_is_cpus(row.chat("a provider must see only 0, 1 and 2"))
         for sock in idle:
             sock.close()

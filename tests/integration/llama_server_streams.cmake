@@ -2,9 +2,6 @@
 # scripts/build-llama-server.sh --with-kvshare) exports, shares and adopts its KV cache at
 # several -c / -np / -kvu splits into streams, with llama-kvshare-prefill as the provider
 # (issue #27). Exit 77 = skipped (no such server).
-find_package(Python3 COMPONENTS Interpreter)
-if(Python3_Interpreter_FOUND)
-  add_test(NAME llama_server_streams
-           COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/llama_server_streams.py ${CMAKE_BINARY_DIR}/bin)
-  set_tests_properties(llama_server_streams PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE 77 LABELS llama_server)
-endif()
+add_test(NAME llama_server_streams
+         COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/llama_server_streams.py ${CMAKE_BINARY_DIR}/bin)
+set_tests_properties(llama_server_streams PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE 77 LABELS llama_server)

@@ -4,9 +4,6 @@
 # --first-cell C --cells N, adopt) while slot 0 streams; the provider writes no other byte;
 # adopt after erase, a share with no free run (503) and one without ids (501) are refused
 # (issue #27). Exit 77 = skipped.
-find_package(Python3 COMPONENTS Interpreter)
-if(Python3_Interpreter_FOUND)
-  add_test(NAME llama_server_unified_share
-           COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/llama_server_unified_share.py ${CMAKE_BINARY_DIR}/bin)
-  set_tests_properties(llama_server_unified_share PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE 77 LABELS llama_server)
-endif()
+add_test(NAME llama_server_unified_share
+         COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/llama_server_unified_share.py ${CMAKE_BINARY_DIR}/bin)
+set_tests_properties(llama_server_unified_share PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE 77 LABELS llama_server)

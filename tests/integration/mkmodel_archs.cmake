@@ -2,9 +2,6 @@
 # qwen35 hybrid, gemma3 iSWA) loaded and served by a real llama-server (LLAMA_SERVER=path),
 # which must build that memory and answer a greedy completion. Exit 77 = skipped (no
 # LLAMA_SERVER; with CI=true that fails instead).
-find_package(Python3 COMPONENTS Interpreter)
-if(Python3_Interpreter_FOUND)
-  add_test(NAME mkmodel_archs
-           COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/mkmodel_archs.py ${CMAKE_BINARY_DIR}/bin)
-  set_tests_properties(mkmodel_archs PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE 77 LABELS llama_server)
-endif()
+add_test(NAME mkmodel_archs
+         COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/mkmodel_archs.py ${CMAKE_BINARY_DIR}/bin)
+set_tests_properties(mkmodel_archs PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE 77 LABELS llama_server)

@@ -1,8 +1,5 @@
 # serve_slots: kvshare-serve --device hybrid -np 4 with 16 concurrent clients on both
 # routes, the patched llama-server as the decoder (LLAMA_SERVER_KVSHARE=path). Exit 77 = skipped.
-find_package(Python3 COMPONENTS Interpreter)
-if(Python3_Interpreter_FOUND)
-  add_test(NAME llama_server_serve_slots
-           COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/serve_slots.py ${CMAKE_BINARY_DIR}/bin)
-  set_tests_properties(llama_server_serve_slots PROPERTIES TIMEOUT 1200 SKIP_RETURN_CODE 77 LABELS llama_server)
-endif()
+add_test(NAME llama_server_serve_slots
+         COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/serve_slots.py ${CMAKE_BINARY_DIR}/bin)
+set_tests_properties(llama_server_serve_slots PROPERTIES TIMEOUT 1200 SKIP_RETURN_CODE 77 LABELS llama_server)

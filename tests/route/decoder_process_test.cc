@@ -78,6 +78,11 @@ class PortSquatter {
   std::thread thread_;
 };
 
+// A decoder process, its pipes, a squatter's sockets: all closed by the end of each test.
+// (Not "DecoderProcess": that is the class under test.)
+class DecoderProcessTest : public kvshare::testing::FdLeakCheck {};
+class LoopbackListenerInode : public kvshare::testing::FdLeakCheck {};
+
 ServeConfig config_in(const TempDir& dir) {
   ServeConfig config;
   config.model = dir / "model.gguf";
@@ -86,7 +91,7 @@ ServeConfig config_in(const TempDir& dir) {
 
 // Regression: serve picked a free port, closed it and passed the number on; whoever took
 // the port in between answered /health and was taken for the decoder.
-TEST(DecoderProcess, NeverTakesAnotherProcessOnItsPortForTheDecoder) {
+TEST_F(DecoderProcessTest, NeverTakesAnotherProcessOnItsPortForTheDecoder) {
   TempDir dir;
   const auto port_file = dir / "port";
   // A decoder that is slow to bind: it only says which port it was given.
@@ -103,7 +108,7 @@ TEST(DecoderProcess, NeverTakesAnotherProcessOnItsPortForTheDecoder) {
   EXPECT_EQ(squatter.ports_taken(), 3);
 }
 
-TEST(DecoderProcess, AcceptsTheDecoderListeningOnItsOwnPort) {
+TEST_F(DecoderProcessTest, AcceptsTheDecoderListeningOnItsOwnPort) {
   TempDir dir;
   Backend backend;
   backend.program = fs::path(KVSHARE_SOURCE_DIR) / "tests" / "integration" / "fake_decoder.py";
@@ -117,7 +122,7 @@ TEST(DecoderProcess, AcceptsTheDecoderListeningOnItsOwnPort) {
   EXPECT_FALSE(fs::exists(slot_dir));
 }
 
-TEST(LoopbackListenerInode, IsZeroWhenNothingListens) {
+TEST_F(LoopbackListenerInode, IsZeroWhenNothingListens) {
   auto port = pick_free_loopback_port();
   ASSERT_TRUE(port) << port.error().what();
   auto inode = loopback_listener_inode(*port);

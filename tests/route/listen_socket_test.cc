@@ -8,14 +8,17 @@
 
 #include "kvshare/fd.h"
 #include "kvshare/sys.h"
+#include "support/test_support.h"
 
 namespace kvshare::route {
 namespace {
 
+class ListenSocket : public kvshare::testing::FdLeakCheck {};
+
 // Regression: serve ignored what setsockopt(SO_REUSEADDR) and its second listen() returned,
 // so a serve left with httplib's backlog of 5, or a port another server could share,
 // started as if all was well.
-TEST(ListenSocket, NamesTheFdAndErrnoWhenTheDeeperBacklogIsRefused) {
+TEST_F(ListenSocket, NamesTheFdAndErrnoWhenTheDeeperBacklogIsRefused) {
   sys::Ops ops = sys::real_ops();
   ops.listen = [](int, int) {
     errno = EADDRINUSE;
@@ -28,7 +31,7 @@ TEST(ListenSocket, NamesTheFdAndErrnoWhenTheDeeperBacklogIsRefused) {
   EXPECT_NE(deep.error().message().find("listen(fd 42, SOMAXCONN)"), std::string::npos) << deep.error().message();
 }
 
-TEST(ListenSocket, NamesTheFdAndErrnoWhenSoReuseaddrCannotBeSet) {
+TEST_F(ListenSocket, NamesTheFdAndErrnoWhenSoReuseaddrCannotBeSet) {
   sys::Ops ops = sys::real_ops();
   ops.setsockopt = [](int, int, int, const void*, socklen_t) {
     errno = ENOPROTOOPT;
@@ -41,7 +44,7 @@ TEST(ListenSocket, NamesTheFdAndErrnoWhenSoReuseaddrCannotBeSet) {
   EXPECT_NE(set.error().message().find("SO_REUSEADDR) on socket fd 42"), std::string::npos) << set.error().message();
 }
 
-TEST(ListenSocket, SetsReuseaddrAndDeepensTheBacklogOfAListeningSocket) {
+TEST_F(ListenSocket, SetsReuseaddrAndDeepensTheBacklogOfAListeningSocket) {
   Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   ASSERT_TRUE(fd);
   ASSERT_TRUE(reuse_address(fd.get()));

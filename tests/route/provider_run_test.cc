@@ -20,7 +20,8 @@ TEST_F(ProviderRunTest, TimeoutKillsTheProviderAndItsWholeProcessGroup) {
   TempDir dir;
   const auto pid_file = dir / "grandchild.pid";
   const ProviderRun run = run_provider(
-      {"/bin/sh", "-c", "sleep 30 & echo $! > " + pid_file.string() + "; wait"}, {}, std::chrono::milliseconds(500));
+      {"/bin/sh", "-c", kvshare::testing::sleep_past_deadline() + " & echo $! > " + pid_file.string() + "; wait"}, {},
+      std::chrono::milliseconds(500));
   EXPECT_TRUE(run.started);
   EXPECT_TRUE(run.timed_out);
   EXPECT_FALSE(run.ok());
@@ -29,13 +30,11 @@ TEST_F(ProviderRunTest, TimeoutKillsTheProviderAndItsWholeProcessGroup) {
   std::ifstream(pid_file) >> grandchild;
   ASSERT_GT(grandchild, 0);
   // Killed with the group; it may linger a moment as our zombie's sibling being reaped by init.
-  bool gone = false;
-  for (int i = 0; i < 200 && !gone; ++i) {
+  const bool gone = kvshare::testing::wait_until([&] {
     std::ifstream stat("/proc/" + std::to_string(grandchild) + "/stat");
     std::string line;
-    gone = !std::getline(stat, line) || line.find(") Z") != std::string::npos;
-    if (!gone) usleep(10000);
-  }
+    return !std::getline(stat, line) || line.find(") Z") != std::string::npos;
+  });
   EXPECT_TRUE(gone) << "grandchild " << grandchild << " survived the timeout";
 }
 

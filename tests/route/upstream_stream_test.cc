@@ -63,6 +63,10 @@ class BulkServer {
   std::thread thread_;
 };
 
+// The stream's connection and the server's listener are the test's own: closed by its end.
+// (Not "UpstreamStream": that is the class under test.)
+class UpstreamStreamTest : public testing::FdLeakCheck {};
+
 std::shared_ptr<UpstreamStream> get_bulk(const BulkServer& server) {
   UpstreamStream::Request request;
   request.host = "127.0.0.1";
@@ -74,7 +78,7 @@ std::shared_ptr<UpstreamStream> get_bulk(const BulkServer& server) {
 
 // Regression: every piece the decoder sent was queued however slowly the client read, so a
 // long reply to a stalled client grew serve's memory without limit.
-TEST(UpstreamStream, StopsReadingTheDecoderWhileTheClientIsBehind) {
+TEST_F(UpstreamStreamTest, StopsReadingTheDecoderWhileTheClientIsBehind) {
   constexpr size_t kBody = 64u << 20;
   BulkServer server(kBody);
   auto stream = get_bulk(server);
@@ -90,7 +94,7 @@ TEST(UpstreamStream, StopsReadingTheDecoderWhileTheClientIsBehind) {
   EXPECT_FALSE(stream->transport_error());
 }
 
-TEST(UpstreamStream, CancelWakesAReaderThatWaitsForRoom) {
+TEST_F(UpstreamStreamTest, CancelWakesAReaderThatWaitsForRoom) {
   BulkServer server(16u << 20);
   auto stream = get_bulk(server);
   ASSERT_TRUE(stream->wait_head());

@@ -38,11 +38,10 @@ class KeyedDecoder {
     EXPECT_TRUE(server_->bind());
     server_->attach(engine_);
     thread_ = std::thread([this] { (void)server_->listen(); });
-    for (int i = 0; i < 200; ++i) {
+    EXPECT_TRUE(::kvshare::testing::wait_until([&] {
       auto r = client().get("/health");
-      if (r && r->status == 200) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+      return r && r->status == 200;
+    })) << "the in-process decoder never answered /health";
   }
   ~KeyedDecoder() {
     server_->stop();

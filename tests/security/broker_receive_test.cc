@@ -165,10 +165,14 @@ TEST_F(BrokerReceive, RefusesFdsThatArriveAfterTheFirstByte) {
   ASSERT_EQ(::send(connection.get(), frame->data(), 1, MSG_NOSIGNAL), 1);
   // Wait until the broker has read byte 0 alone (nothing left unread in our send queue):
   // a reader that came later would take both sends in one recvmsg, fds and all.
-  for (int unread = 1, i = 0; unread != 0 && i < 2000; ++i) {
-    ASSERT_EQ(::ioctl(connection.get(), SIOCOUTQ, &unread), 0);
-    if (unread != 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+  int ioctl_rc = 0;
+  int unread = -1;
+  const bool read_alone = kvshare::testing::wait_until([&] {
+    ioctl_rc = ::ioctl(connection.get(), SIOCOUTQ, &unread);
+    return ioctl_rc != 0 || unread == 0;
+  });
+  ASSERT_EQ(ioctl_rc, 0);
+  ASSERT_TRUE(read_alone) << "the broker never read byte 0: " << unread << " bytes unread on fd " << connection.get();
   const std::vector<int> fds = decoder.fds();
   ASSERT_GT(send_raw(connection.get(), frame->data() + 1, frame->size() - 1, fds.data(), fds.size()), 0);
   expect_refused(broker->receive(2000), EPROTO, "not with the first bytes; all closed");

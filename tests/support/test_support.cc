@@ -2,9 +2,12 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <linux/io_uring.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -12,6 +15,8 @@
 #include <fstream>
 #include <iterator>
 #include <thread>
+
+#include "kvshare/statefile/io_queue.h"
 
 namespace kvshare::testing {
 
@@ -45,6 +50,21 @@ void FdLeakCheck::TearDown() {
   for (int fd : open_fds()) {
     if (!before_.count(fd)) ADD_FAILURE() << "fd " << fd << " (" << fd_target(fd) << ") leaked by this test";
   }
+}
+
+std::string io_uring_unavailable_reason() {
+  if (statefile::io_uring_disabled_by_env()) return std::string(statefile::kNoIoUringEnv) + " is set";
+  // The raw syscall, not liburing: the question is what the kernel lets this process do.
+  io_uring_params params{};
+  const long ring_fd = ::syscall(__NR_io_uring_setup, 2, &params);
+  if (ring_fd >= 0) {
+    ::close(static_cast<int>(ring_fd));
+    return "";
+  }
+  const int error = errno;
+  if (error == ENOSYS) return "io_uring_setup fails with ENOSYS: this kernel has no io_uring";
+  if (error == EPERM) return "io_uring_setup fails with EPERM: seccomp or kernel.io_uring_disabled refuses it";
+  return "";
 }
 
 TempDir::TempDir() {
@@ -102,5 +122,7 @@ bool wait_until(const std::function<bool()>& condition, std::chrono::millisecond
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
 }
+
+std::string sleep_past_deadline() { return "sleep " + std::to_string(2 * kLoadedDeadline.count()); }
 
 }  // namespace kvshare::testing

@@ -27,6 +27,12 @@ class FdLeakCheck : public ::testing::Test {
   std::set<int> before_;
 };
 
+// Why this process gets no io_uring ring, or "" when io_uring_setup(2) works here: the
+// kernel lacks it (ENOSYS), seccomp or kernel.io_uring_disabled refuses it (EPERM), or
+// KVSHARE_NO_IO_URING turns it off. A test of the ring skips with this reason; any other
+// failure to set one up is no missing capability, so the test runs and fails.
+std::string io_uring_unavailable_reason();
+
 // A fresh private directory under $TMPDIR, removed with everything in it on destruction.
 class TempDir {
  public:
@@ -66,5 +72,10 @@ inline constexpr std::chrono::seconds kLoadedDeadline{60};
 // whether it held. For a state another thread or process reaches with no event to wait
 // on: a test waits for what it means, not for a time.
 bool wait_until(const std::function<bool()>& condition, std::chrono::milliseconds deadline = kLoadedDeadline);
+
+// A shell command that outlives a wait of kLoadedDeadline ("sleep 120"): a leftover process
+// a test waits to see killed must not end by itself within that wait, or a kill that never
+// came would pass.
+std::string sleep_past_deadline();
 
 }  // namespace kvshare::testing

@@ -25,9 +25,9 @@ using kvshare::xdna::testing::fake_device;
 using kvshare::xdna::testing::FakeDriver;
 using kvshare::xdna::testing::ScopedFakeDriver;
 
-class XdnaDevice_ : public FdLeakCheck {};
+class XdnaDeviceTest : public FdLeakCheck {};
 
-TEST_F(XdnaDevice_, NamesTheDirectoryWhenThereIsNoAccelDirectory) {
+TEST_F(XdnaDeviceTest, NamesTheDirectoryWhenThereIsNoAccelDirectory) {
   TempDir dir;
   auto device = find_device((dir / "accel").string());
   ASSERT_FALSE(device);
@@ -36,7 +36,7 @@ TEST_F(XdnaDevice_, NamesTheDirectoryWhenThereIsNoAccelDirectory) {
       << device.error().message();
 }
 
-TEST_F(XdnaDevice_, SaysNoNodeExistsWhenTheDirectoryIsEmpty) {
+TEST_F(XdnaDeviceTest, SaysNoNodeExistsWhenTheDirectoryIsEmpty) {
   TempDir dir;
   std::ofstream(dir / "card0") << "";  // not an accel node: ignored
   auto device = find_device(dir.path().string());
@@ -45,7 +45,7 @@ TEST_F(XdnaDevice_, SaysNoNodeExistsWhenTheDirectoryIsEmpty) {
   EXPECT_NE(device.error().message().find("no accel<N> node in"), std::string::npos) << device.error().message();
 }
 
-TEST_F(XdnaDevice_, ListsEveryNodeItLookedAtAndWhatItWas) {
+TEST_F(XdnaDeviceTest, ListsEveryNodeItLookedAtAndWhatItWas) {
   TempDir dir;
   std::ofstream(dir / "accel0") << "";  // a regular file: DRM_IOCTL_VERSION fails on it
   std::ofstream(dir / "accel3") << "";
@@ -58,14 +58,14 @@ TEST_F(XdnaDevice_, ListsEveryNodeItLookedAtAndWhatItWas) {
   EXPECT_NE(message.find("\"amdxdna\""), std::string::npos) << message;
 }
 
-TEST_F(XdnaDevice_, FindsTheRealNpuWhenThisMachineHasOne) {
+TEST_F(XdnaDeviceTest, FindsTheRealNpuWhenThisMachineHasOne) {
   if (!std::filesystem::exists(kAccelDir)) GTEST_SKIP() << "no " << kAccelDir << " on this machine: no NPU to find";
   auto device = find_device();
   if (!device) GTEST_SKIP() << "no amdxdna device: " << device.error().what();
   EXPECT_EQ(device->driver, "amdxdna");
 }
 
-TEST_F(XdnaDevice_, ImportsADmaBufAndClosesItsHandleOnce) {
+TEST_F(XdnaDeviceTest, ImportsADmaBufAndClosesItsHandleOnce) {
   ScopedFakeDriver fake_driver;
   XdnaDevice device = fake_device();
   Fd buffer(memfd_create("chunk", MFD_CLOEXEC));
@@ -82,7 +82,7 @@ TEST_F(XdnaDevice_, ImportsADmaBufAndClosesItsHandleOnce) {
   EXPECT_EQ(FakeDriver::closed_handle, 7u);
 }
 
-TEST_F(XdnaDevice_, ClosesTheHandleAndNamesTheChunkWhenTheDriverRefusesBoInfo) {
+TEST_F(XdnaDeviceTest, ClosesTheHandleAndNamesTheChunkWhenTheDriverRefusesBoInfo) {
   ScopedFakeDriver fake_driver(/*fail_bo_info=*/true);
   XdnaDevice device = fake_device();
   Fd buffer(memfd_create("chunk", MFD_CLOEXEC));
@@ -100,7 +100,7 @@ TEST_F(XdnaDevice_, ClosesTheHandleAndNamesTheChunkWhenTheDriverRefusesBoInfo) {
 // Regression: two chunks of one dma-buf got one GEM handle (PRIME returns the same handle
 // for the same buffer) that was closed twice, and both got the buffer's start as their
 // device address although the second starts at its offset.
-TEST_F(XdnaDevice_, SharesOneHandleBetweenTwoChunksOfOneDmaBufAndAddressesEachAtItsOffset) {
+TEST_F(XdnaDeviceTest, SharesOneHandleBetweenTwoChunksOfOneDmaBufAndAddressesEachAtItsOffset) {
   ScopedFakeDriver fake_driver;
   XdnaDevice device = fake_device();
   Fd buffer(memfd_create("two-chunks", MFD_CLOEXEC));
@@ -118,7 +118,7 @@ TEST_F(XdnaDevice_, SharesOneHandleBetweenTwoChunksOfOneDmaBufAndAddressesEachAt
   EXPECT_EQ(FakeDriver::gem_closes, 1);
 }
 
-TEST_F(XdnaDevice_, RefusesARangePastTheEndOfTheDmaBuf) {
+TEST_F(XdnaDeviceTest, RefusesARangePastTheEndOfTheDmaBuf) {
   XdnaDevice device = fake_device();
   Fd buffer(memfd_create("small", MFD_CLOEXEC));
   ASSERT_EQ(::ftruncate(buffer.get(), 4096), 0);
@@ -129,7 +129,7 @@ TEST_F(XdnaDevice_, RefusesARangePastTheEndOfTheDmaBuf) {
       << bo.error().message();
 }
 
-TEST_F(XdnaDevice_, RefusesARegionWhoseFdsAndSizesDisagree) {
+TEST_F(XdnaDeviceTest, RefusesARegionWhoseFdsAndSizesDisagree) {
   XdnaDevice device = fake_device();
   const int fds[2] = {3, 4};
   const uint64_t sizes[1] = {4096};

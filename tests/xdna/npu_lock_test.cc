@@ -3,11 +3,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <fstream>
 #include <thread>
 
+#include "kvshare/sys.h"
 #include "support/test_support.h"
 
 namespace kvshare::xdna {
@@ -16,9 +18,9 @@ namespace {
 using kvshare::testing::FdLeakCheck;
 using kvshare::testing::TempDir;
 
-class NpuLock_ : public FdLeakCheck {};
+class NpuLockTest : public FdLeakCheck {};
 
-TEST_F(NpuLock_, WritesTheHoldersPidIntoTheLockFile) {
+TEST_F(NpuLockTest, WritesTheHoldersPidIntoTheLockFile) {
   TempDir dir;
   const std::string path = (dir / "npu.lock").string();
   auto lock = acquire_npu_lock(path, 0);
@@ -29,7 +31,7 @@ TEST_F(NpuLock_, WritesTheHoldersPidIntoTheLockFile) {
 
 // Regression: the file was created with open(..., 0666), which the umask cut to 0644, so
 // only its creator could ever take the lock again.
-TEST_F(NpuLock_, CreatesTheLockFileSoEveryUserCanOpenItWhateverTheUmask) {
+TEST_F(NpuLockTest, CreatesTheLockFileSoEveryUserCanOpenItWhateverTheUmask) {
   TempDir dir;
   const std::string path = (dir / "npu.lock").string();
   const mode_t previous = ::umask(022);
@@ -41,7 +43,7 @@ TEST_F(NpuLock_, CreatesTheLockFileSoEveryUserCanOpenItWhateverTheUmask) {
   EXPECT_EQ(st.st_mode & 0777, 0666u);
 }
 
-TEST_F(NpuLock_, MakesASecondTakerTimeOutNamingTheHolder) {
+TEST_F(NpuLockTest, MakesASecondTakerTimeOutNamingTheHolder) {
   TempDir dir;
   const std::string path = (dir / "npu.lock").string();
   auto first = acquire_npu_lock(path, 0);
@@ -55,29 +57,47 @@ TEST_F(NpuLock_, MakesASecondTakerTimeOutNamingTheHolder) {
   EXPECT_NE(second.error().message().find("60 ms"), std::string::npos);
 }
 
-TEST_F(NpuLock_, LetsAWaiterInOnceTheHolderReleases) {
+// How often a flock found the lock taken (EWOULDBLOCK): a waiter is waiting once it is > 0.
+std::atomic<int> g_refused_flocks{0};
+
+int counting_flock(int fd, int operation) {
+  const int rc = sys::real_ops().flock(fd, operation);
+  if (rc != 0 && errno == EWOULDBLOCK) ++g_refused_flocks;
+  return rc;
+}
+
+TEST_F(NpuLockTest, LetsAWaiterInOnceTheHolderReleases) {
   TempDir dir;
   const std::string path = (dir / "npu.lock").string();
   auto first = acquire_npu_lock(path, 0);
   ASSERT_TRUE(first);
+  sys::Ops ops = sys::real_ops();
+  ops.flock = counting_flock;
+  g_refused_flocks = 0;
+  sys::ScopedOverride seam(ops);
+  // Released once the waiter has found the lock taken, not after a time: a waiter that
+  // came late would find it free and show nothing about waiting.
+  std::atomic<bool> saw_waiter{false};
   std::thread releaser([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    saw_waiter = kvshare::testing::wait_until([] { return g_refused_flocks > 0; });
     first->release();
   });
-  auto second = acquire_npu_lock(path, 5000);
+  const int wait_ms = static_cast<int>(std::chrono::milliseconds(kvshare::testing::kLoadedDeadline).count());
+  auto second = acquire_npu_lock(path, wait_ms);
   releaser.join();
+  EXPECT_TRUE(saw_waiter) << "the waiter never found the lock taken";
   ASSERT_TRUE(second) << second.error().what();
   EXPECT_TRUE(second->held());
 }
 
-TEST_F(NpuLock_, ClearsThePidWhenReleased) {
+TEST_F(NpuLockTest, ClearsThePidWhenReleased) {
   TempDir dir;
   const std::string path = (dir / "npu.lock").string();
   { auto lock = acquire_npu_lock(path, 0); ASSERT_TRUE(lock); }
   EXPECT_EQ(npu_lock_holder(path), 0);
 }
 
-TEST_F(NpuLock_, NamesThePathWhenTheFileCannotBeOpened) {
+TEST_F(NpuLockTest, NamesThePathWhenTheFileCannotBeOpened) {
   TempDir dir;
   const std::string path = (dir / "missing-dir" / "npu.lock").string();
   auto lock = acquire_npu_lock(path, 0);

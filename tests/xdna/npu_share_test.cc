@@ -21,7 +21,7 @@ using kvshare::xdna::testing::FakeDriver;
 using kvshare::xdna::testing::ScopedFakeDriver;
 using kvshare::testing::make_memory;
 
-class NpuShare_ : public FdLeakCheck {
+class NpuShareTest : public FdLeakCheck {
  protected:
   // A two-layer KV cache unless a test shares another memory.
   void SetUp() override {
@@ -55,7 +55,7 @@ class NpuShare_ : public FdLeakCheck {
   std::optional<ImportedShare> share_;
 };
 
-TEST_F(NpuShare_, AddressesEachTensorAtItsChunksBufferAddressPlusItsOffset) {
+TEST_F(NpuShareTest, AddressesEachTensorAtItsChunksBufferAddressPlusItsOffset) {
   ScopedFakeDriver fake_driver;
   {
     auto npu = NpuShare::import(fake_device(), *share_);
@@ -77,7 +77,7 @@ TEST_F(NpuShare_, AddressesEachTensorAtItsChunksBufferAddressPlusItsOffset) {
   EXPECT_EQ(FakeDriver::gem_closes, 1);  // the buffer objects went with the NpuShare
 }
 
-TEST_F(NpuShare_, AddressesARecurrentModelsStateTensorsByName) {
+TEST_F(NpuShareTest, AddressesARecurrentModelsStateTensorsByName) {
   share_memory(kvshare::testing::mamba2_memory());
   ScopedFakeDriver fake_driver;
   auto npu = NpuShare::import(fake_device(), *share_);
@@ -92,7 +92,7 @@ TEST_F(NpuShare_, AddressesARecurrentModelsStateTensorsByName) {
   EXPECT_NE(*npu->device_address(*share_, "cache_r_l0"), *npu->device_address(*share_, "cache_s_l1"));
 }
 
-TEST_F(NpuShare_, NamesTheDeviceAndChunkWhenTheDriverRefusesTheImport) {
+TEST_F(NpuShareTest, NamesTheDeviceAndChunkWhenTheDriverRefusesTheImport) {
   ScopedFakeDriver fake_driver(/*fail_bo_info=*/true);
   auto npu = NpuShare::import(fake_device(), *share_);
   ASSERT_FALSE(npu);

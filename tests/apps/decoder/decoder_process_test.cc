@@ -117,9 +117,21 @@ class Backend {
   std::unique_ptr<HttpClient> external_;
 };
 
-class DecoderProcess : public ::testing::TestWithParam<std::string> {
+// A fixture with one decoder under test, run under the fd-leak check: the backend and its
+// client's connection go first, so whatever the check still finds open, the test leaked.
+class WithBackend : public ::kvshare::testing::FdLeakCheck, public ::testing::WithParamInterface<std::string> {
+ protected:
+  void TearDown() override {
+    backend_.reset();
+    FdLeakCheck::TearDown();
+  }
+  std::unique_ptr<Backend> backend_;
+};
+
+class DecoderProcess : public WithBackend {
  protected:
   void SetUp() override {
+    WithBackend::SetUp();
     if (is_llama_server(GetParam()) && env_or_empty(binary_variable(GetParam())).empty()) {
       GTEST_SKIP() << binary_variable(GetParam()) << " is not set: no " << GetParam()
                    << " to run the same client tests against";
@@ -127,7 +139,6 @@ class DecoderProcess : public ::testing::TestWithParam<std::string> {
     backend_ = std::make_unique<Backend>(GetParam());
     if (!backend_->ready()) GTEST_FAIL() << GetParam() << " did not start";
   }
-  std::unique_ptr<Backend> backend_;
 };
 
 void expect_error(const HttpReply& reply, int status, const std::string& type) {
@@ -386,9 +397,10 @@ namespace {
 // plays the broker (listen, ask for the share, receive the fds, run the provider with
 // them, adopt), as kvshare-serve does. The decoder is kvshare-decoder, and the patched
 // llama-server when LLAMA_SERVER_KVSHARE names one.
-class SharedRoute : public ::testing::TestWithParam<std::string> {
+class SharedRoute : public WithBackend {
  protected:
   void SetUp() override {
+    WithBackend::SetUp();
     if (!std::filesystem::exists(tool_path("kvshare-prefill"))) GTEST_SKIP() << "kvshare-prefill is not built";
     if (is_llama_server(GetParam()) && env_or_empty(binary_variable(GetParam())).empty())
       GTEST_SKIP() << binary_variable(GetParam()) << " is not set: no patched llama-server to share with";
@@ -430,8 +442,6 @@ class SharedRoute : public ::testing::TestWithParam<std::string> {
     EXPECT_TRUE(run) << run.error().what();
     return share->share_id;
   }
-
-  std::unique_ptr<Backend> backend_;
 };
 
 TEST_P(SharedRoute, DecodesCellsAKvsharePrefillProcessWroteLikeItsOwnPrefillWithOneEvaluatedToken) {
@@ -579,10 +589,11 @@ INSTANTIATE_TEST_SUITE_P(Decoders, SharedRoute, ::testing::Values("kvshare-decod
 // LLAMA_API_KEY in the environment. Pins issue #14: share hands out the KV memory, so a
 // request without the key must be refused before any fd leaves, on the patched
 // llama-server (its own middleware) as on kvshare-decoder.
-class KeyedSlotActions : public ::testing::TestWithParam<std::string> {
+class KeyedSlotActions : public WithBackend {
  protected:
   static constexpr const char* kKey = "k3y-for-the-slots";
   void SetUp() override {
+    WithBackend::SetUp();
     if (is_llama_server(GetParam()) && env_or_empty(binary_variable(GetParam())).empty())
       GTEST_SKIP() << binary_variable(GetParam()) << " is not set: no " << GetParam() << " to run with --api-key";
     if (!env_or_empty("KVSHARE_DECODER_URL").empty() && !is_llama_server(GetParam()))
@@ -599,7 +610,6 @@ class KeyedSlotActions : public ::testing::TestWithParam<std::string> {
     return reply ? *reply : HttpReply{};
   }
   bool can_share() const { return GetParam() != "llama-server"; }
-  std::unique_ptr<Backend> backend_;
 };
 
 TEST_P(KeyedSlotActions, RefusesEverySlotActionWithoutTheKeyAndSendsTheBrokerNothing) {

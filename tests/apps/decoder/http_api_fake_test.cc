@@ -32,11 +32,10 @@ class FakeServer {
     server_->attach(engine_);
     thread_ = std::thread([this] { (void)server_->listen(); });
     client_ = std::make_unique<HttpClient>("http://127.0.0.1:" + std::to_string(server_->bound_port()));
-    for (int i = 0; i < 200; ++i) {
+    EXPECT_TRUE(::kvshare::testing::wait_until([&] {
       auto r = client_->get("/health");
-      if (r && r->status == 200) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+      return r && r->status == 200;
+    })) << "the in-process decoder never answered /health";
   }
   ~FakeServer() {
     server_->stop();

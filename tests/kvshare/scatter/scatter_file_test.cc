@@ -13,6 +13,7 @@
 #include "support/cache_fixture.h"
 #include "kvshare/fd.h"
 #include "kvshare/scatter/scatter.h"
+#include "support/test_support.h"
 
 namespace kvshare {
 namespace {
@@ -60,6 +61,9 @@ struct MemfdRegion {
   std::vector<std::span<std::byte>> private_maps;
 };
 
+// Memfds, mappings and /proc/self/fd reopenings: each test must give back all it took.
+class ScatterThroughFile : public testing::FdLeakCheck {};
+
 bool all_fill(std::span<const std::byte> bytes) {
   for (std::byte b : bytes)
     if (b != kFill) return false;
@@ -78,7 +82,7 @@ ScatterBatch batch_of(const testing::ProviderRows& rows, std::vector<uint32_t> l
   return batch;
 }
 
-TEST(ScatterThroughFile, WritesTheSameBytesAsTheMappingAndNothingThroughTheMapping) {
+TEST_F(ScatterThroughFile, WritesTheSameBytesAsTheMappingAndNothingThroughTheMapping) {
   // 300 tokens cross the 256-token work item, so two items (two pwrites per tensor) meet.
   CacheSpec spec{{64, 64}, {64, 64}, 512};
   Region reference(spec);
@@ -94,7 +98,7 @@ TEST(ScatterThroughFile, WritesTheSameBytesAsTheMappingAndNothingThroughTheMappi
   }
 }
 
-TEST(ScatterThroughFile, KeepsTheMappingForATransposedV) {
+TEST_F(ScatterThroughFile, KeepsTheMappingForATransposedV) {
   CacheSpec spec{{32, 32}, {32, 32}, 64, 1, GgmlType::F16, GgmlType::F16, true};
   Region reference(spec);
   MemfdRegion region(reference);
@@ -112,7 +116,7 @@ TEST(ScatterThroughFile, KeepsTheMappingForATransposedV) {
                         v->tensor.nbytes), 0);
 }
 
-TEST(ScatterThroughFile, UsesTheMappingForAChunkWithoutADescriptor) {
+TEST_F(ScatterThroughFile, UsesTheMappingForAChunkWithoutADescriptor) {
   CacheSpec spec{{32}, {32}, 64};
   Region reference(spec);
   MemfdRegion region(reference);
@@ -126,7 +130,7 @@ TEST(ScatterThroughFile, UsesTheMappingForAChunkWithoutADescriptor) {
   EXPECT_TRUE(all_fill(region.file_bytes(0)));
 }
 
-TEST(ScatterThroughFile, RefusesADescriptorListOfAnotherLength) {
+TEST_F(ScatterThroughFile, RefusesADescriptorListOfAnotherLength) {
   CacheSpec spec{{32}, {32}, 64};
   Region reference(spec);
   MemfdRegion region(reference);
@@ -140,7 +144,7 @@ TEST(ScatterThroughFile, RefusesADescriptorListOfAnotherLength) {
   EXPECT_TRUE(all_fill(region.file_bytes(0)));
 }
 
-TEST(ScatterThroughFile, NamesTheLayerAndChunkWhenAWriteFails) {
+TEST_F(ScatterThroughFile, NamesTheLayerAndChunkWhenAWriteFails) {
   CacheSpec spec{{32}, {32}, 64};
   Region reference(spec);
   MemfdRegion region(reference);

@@ -17,6 +17,10 @@
 namespace kvshare {
 namespace {
 
+// The decoder's region, the broker's listener and every connection: closed by the end.
+// (Not "DecoderShare": that is the class under test.)
+class DecoderShareTest : public testing::FdLeakCheck {};
+
 Fd listen_unix(const std::string& path, int backlog) {
   Fd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   sockaddr_un addr{};
@@ -38,7 +42,7 @@ Fd connect_plain(const std::string& path) {
 
 // Regression: share() held DecoderShare's mutex across connect and send (up to their
 // timeouts), so a broker that never accepted stalled every adopt and latest_share_id().
-TEST(DecoderShare, AnswersWhileAShareWaitsForABrokerThatDoesNotAccept) {
+TEST_F(DecoderShareTest, AnswersWhileAShareWaitsForABrokerThatDoesNotAccept) {
   ExportOptions options;
   options.forced = RegionBackend::memfd;
   auto decoder = DecoderShare::start(testing::small_share_header(), true, options);

@@ -146,7 +146,8 @@ TEST_F(Spawn, ReportsAnExitCodeAbove128AsAnExitCodeAndASignalAsASignal) {
 // when the group id may already be someone else's. Now what the child left in its group
 // is killed while the leader's zombie still holds the id, before the reap.
 TEST_F(Spawn, KillsWhatTheChildLeftInItsGroupBeforeReapingIt) {
-  auto child = ChildProcess::spawn({"/bin/sh", "-c", "sleep 30 & echo $!"}, SpawnOptions{.capture_stdout = true});
+  auto child = ChildProcess::spawn({"/bin/sh", "-c", testing::sleep_past_deadline() + " & echo $!"},
+                                   SpawnOptions{.capture_stdout = true});
   ASSERT_TRUE(child) << child.error().what();
   auto finished = child->wait_for(std::chrono::seconds(20));
   ASSERT_TRUE(finished) << finished.error().what();
@@ -227,7 +228,8 @@ TEST_F(Spawn, SignalsAGroupOnlyWhileItsLeaderIsUnreaped) {
 TEST_F(Spawn, KillsTheProcessGroupAtTheDeadline) {
   testing::TempDir dir;
   const auto pid_file = dir / "grandchild.pid";
-  auto child = ChildProcess::spawn({"/bin/sh", "-c", "sleep 30 & echo $! > \"$0\"; sleep 30", pid_file.string()}, {});
+  const std::string outliving = testing::sleep_past_deadline();
+  auto child = ChildProcess::spawn({"/bin/sh", "-c", outliving + " & echo $! > \"$0\"; " + outliving, pid_file.string()}, {});
   ASSERT_TRUE(child) << child.error().what();
   // The deadline starts once the group has its leftover: a busy machine may take longer
   // than the deadline itself to get the shell that far.

@@ -115,7 +115,7 @@ struct RestoreCase {
   bool flash_attn;
 };
 
-class LlamaServerRestore : public ::testing::TestWithParam<RestoreCase> {};
+class LlamaServerRestore : public kvshare::testing::FdLeakCheck, public ::testing::WithParamInterface<RestoreCase> {};
 
 TEST_P(LlamaServerRestore, RestoresOurFileAndEvaluatesOneToken) {
   const char* binary = std::getenv("LLAMA_SERVER");
