@@ -6,6 +6,7 @@ packages=(
   build-essential cmake ninja-build pkg-config git python3 curl
   ccache                              # the real llama-server's build (scripts/build-llama-server.sh)
   clang libclang-rt-14-dev            # libFuzzer targets and the ASan+UBSan build
+  clang-format                        # scripts/check-format.sh, the format_check test
   libfmt-dev nlohmann-json3-dev libcli11-dev libexpected-dev libcpp-httplib-dev libucx-dev
   liburing-dev libdrm-dev libopenblas-dev
   iproute2                            # ip netns: the remote route's two-namespace test

@@ -43,7 +43,9 @@ class RemoteReceiverProcessTest : public kvshare::testing::FdLeakCheck {
     while (Clock::now() < deadline) {
       auto up = receiver.ensure_running();
       if (up && receiver.pid() > 0 && receiver.pid() != old_pid) return;
-      if (!up) ASSERT_EQ(up.error().errno_value(), EAGAIN) << up.error().what();
+      if (!up) {
+        ASSERT_EQ(up.error().errno_value(), EAGAIN) << up.error().what();
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(10));  // polling a condition, not a delay
     }
     FAIL() << "no new receiver within 60 s";

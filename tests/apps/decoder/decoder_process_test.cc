@@ -362,7 +362,9 @@ TEST_P(DecoderProcess, SavesAnEmptySlotWhoseHeaderNamesItsStateVersion) {
   ASSERT_TRUE(filled) << filled.error().what();
   EXPECT_EQ(*version, *filled);
   // The patched server is always built from the pinned tree (scripts/build-llama-server.sh).
-  if (GetParam() == "llama-server-kvshare") EXPECT_EQ(*version, 3u);
+  if (GetParam() == "llama-server-kvshare") {
+    EXPECT_EQ(*version, 3u);
+  }
 }
 
 TEST_P(DecoderProcess, ExitsCleanlyOnSigterm) {

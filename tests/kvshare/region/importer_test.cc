@@ -23,7 +23,9 @@ Fd sealed_memfd(uint64_t size_bytes, int seals = F_SEAL_SHRINK) {
   Fd fd(::memfd_create("importer-test", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   EXPECT_TRUE(fd);
   EXPECT_EQ(::ftruncate(fd.get(), static_cast<off_t>(size_bytes)), 0);
-  if (seals != 0) EXPECT_EQ(::fcntl(fd.get(), F_ADD_SEALS, seals), 0);
+  if (seals != 0) {
+    EXPECT_EQ(::fcntl(fd.get(), F_ADD_SEALS, seals), 0);
+  }
   return fd;
 }
 
