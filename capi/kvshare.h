@@ -100,14 +100,14 @@ int kvshare_check_version(int major, int minor);
  */
 struct kvshare_kv_params {
     uint32_t struct_size; /* versioned ("Versioned structs" above) */
-    uint32_t n_ctx;      /* -c: cells of every stream before padding; 0 = the model's context length */
-    uint32_t n_seq_max;  /* -np */
-    uint32_t n_ubatch;   /* -ub: sizes an SWA cache */
-    int32_t type_k;      /* -ctk, a ggml_type id */
-    int32_t type_v;      /* -ctv, a ggml_type id */
-    uint8_t kv_unified;  /* -kvu */
-    uint8_t flash_attn;  /* -fa on|auto: V not transposed; 0 = -fa off (v_trans) */
-    uint8_t swa_full;    /* --swa-full */
+    uint32_t n_ctx;       /* -c: cells of every stream before padding; 0 = the model's context length */
+    uint32_t n_seq_max;   /* -np */
+    uint32_t n_ubatch;    /* -ub: sizes an SWA cache */
+    int32_t type_k;       /* -ctk, a ggml_type id */
+    int32_t type_v;       /* -ctv, a ggml_type id */
+    uint8_t kv_unified;   /* -kvu */
+    uint8_t flash_attn;   /* -fa on|auto: V not transposed; 0 = -fa off (v_trans) */
+    uint8_t swa_full;     /* --swa-full */
     uint8_t reserved;
 };
 /* KVSHARE_1.0's struct, through `reserved`: the smallest struct_size accepted. */
@@ -126,14 +126,14 @@ void kvshare_kv_params_init(struct kvshare_kv_params *params);
  */
 struct kvshare_tensor_info {
     uint32_t struct_size;
-    uint32_t chunk;      /* index of the chunk (= fd) holding the tensor */
-    uint64_t offset;     /* byte offset inside the chunk, a multiple of 4096 */
-    uint64_t nbytes;     /* ggml_nbytes of the tensor */
-    uint64_t row_bytes;  /* nb[1]: bytes of one row (a token's cell for K and non-transposed V) */
-    int64_t ne[4];       /* ggml's extents: [n_embd_gqa, kv_size, n_stream, 1] */
-    int32_t type;        /* ggml_type id */
-    uint32_t layer;      /* il */
-    void *data;          /* first byte of the tensor in this process's mapping */
+    uint32_t chunk;     /* index of the chunk (= fd) holding the tensor */
+    uint64_t offset;    /* byte offset inside the chunk, a multiple of 4096 */
+    uint64_t nbytes;    /* ggml_nbytes of the tensor */
+    uint64_t row_bytes; /* nb[1]: bytes of one row (a token's cell for K and non-transposed V) */
+    int64_t ne[4];      /* ggml's extents: [n_embd_gqa, kv_size, n_stream, 1] */
+    int32_t type;       /* ggml_type id */
+    uint32_t layer;     /* il */
+    void *data;         /* first byte of the tensor in this process's mapping */
 };
 /* KVSHARE_1.0's struct, through `data`: the smallest struct_size accepted. */
 #define KVSHARE_TENSOR_INFO_SIZE_VER0 (offsetof(struct kvshare_tensor_info, data) + sizeof(void *))
@@ -168,8 +168,7 @@ struct kvshare_decoder;
  * for the model file. kvshare_decoder_last_error() has the message either way. Close the
  * handle with kvshare_decoder_close().
  */
-int kvshare_decoder_open(const char *model_path, const struct kvshare_kv_params *params,
-                         struct kvshare_decoder **out);
+int kvshare_decoder_open(const char *model_path, const struct kvshare_kv_params *params, struct kvshare_decoder **out);
 
 /* Releases the regions and the handle. NULL is a no-op. The pages live on in any peer
  * that still holds one of the fds. */
@@ -202,8 +201,7 @@ uint32_t kvshare_decoder_n_chunks(const struct kvshare_decoder *decoder);
 
 /* Chunk `index`: its first byte in this process's writable mapping and its size (a
  * multiple of 4096). -ENOTSUP when the decoder cannot share, -ERANGE past the last chunk. */
-int kvshare_decoder_chunk(const struct kvshare_decoder *decoder, uint32_t index, void **base,
-                          uint64_t *size_bytes);
+int kvshare_decoder_chunk(const struct kvshare_decoder *decoder, uint32_t index, void **base, uint64_t *size_bytes);
 
 /* Number of cache tensors the layout places (cache_k_l*, cache_v_l*, ...). */
 uint32_t kvshare_decoder_n_tensors(const struct kvshare_decoder *decoder);
@@ -212,8 +210,7 @@ uint32_t kvshare_decoder_n_tensors(const struct kvshare_decoder *decoder);
  * the layout has no such tensor, -ENOTSUP when the decoder cannot share, -EINVAL for out
  * NULL or a struct_size below KVSHARE_TENSOR_INFO_SIZE_VER0, -E2BIG for a larger struct
  * with a non-zero byte past this library's ("Versioned structs" above). */
-int kvshare_decoder_tensor(const struct kvshare_decoder *decoder, const char *name,
-                           struct kvshare_tensor_info *out);
+int kvshare_decoder_tensor(const struct kvshare_decoder *decoder, const char *name, struct kvshare_tensor_info *out);
 
 /* The export backend of the regions ("memfd", "udmabuf", "dmaheap"), "" when the decoder
  * cannot share. */
@@ -235,8 +232,7 @@ uint64_t kvshare_decoder_region_bytes(const struct kvshare_decoder *decoder);
  * (-ENOENT, -ECONNREFUSED, -EPIPE, -ETIMEDOUT) naming the socket path; a failed share's
  * id is spent and cannot be adopted.
  */
-int kvshare_decoder_share(struct kvshare_decoder *decoder, const char *socket_path, int timeout_ms,
-                          uint64_t *share_id);
+int kvshare_decoder_share(struct kvshare_decoder *decoder, const char *socket_path, int timeout_ms, uint64_t *share_id);
 
 /*
  * Accepts the provider's cells 0..n_tokens-1 for share `share_id`: it must have reached a
@@ -255,16 +251,16 @@ int kvshare_decoder_adopt(struct kvshare_decoder *decoder, uint64_t n_tokens, ui
  *
  * kvshare_decoder_share_stream: as kvshare_decoder_share, for the cells of `stream`. Share
  * ids increase across streams; a share of stream s makes only stream s's earlier ids
- * stale (a whole stream overlaps every share of it). Refused before connecting, spending no id: -EINVAL for stream >= n_stream
- * (naming both), -ENOTSUP for a memory whose slots have no stream each (a unified cache
- * with n_seq_max > 1: kvshare_decoder_share_cells names the sequence's cells instead; a
- * recurrent state with rs_size > 1): the file route serves those.
+ * stale (a whole stream overlaps every share of it). Refused before connecting, spending no id: -EINVAL for stream >=
+ * n_stream (naming both), -ENOTSUP for a memory whose slots have no stream each (a unified cache with n_seq_max > 1:
+ * kvshare_decoder_share_cells names the sequence's cells instead; a recurrent state with rs_size > 1): the file route
+ * serves those.
  *
  * kvshare_decoder_adopt_stream: as kvshare_decoder_adopt, for stream `stream`: -ESTALE
  * when share_id never reached a broker, was made stale by a later share of that stream
  * whose cells overlap its own (naming it and both ranges), or was adopted; -EINVAL when it
- * is a share made for another stream (naming both) or stream >= n_stream. On 0 the caller marks cells 0..n_tokens-1 of that stream as its slot's
- * sequence positions 0..n_tokens-1.
+ * is a share made for another stream (naming both) or stream >= n_stream. On 0 the caller marks cells 0..n_tokens-1 of
+ * that stream as its slot's sequence positions 0..n_tokens-1.
  */
 int kvshare_decoder_share_stream(struct kvshare_decoder *decoder, const char *socket_path, uint32_t stream,
                                  int timeout_ms, uint64_t *share_id);
@@ -340,11 +336,9 @@ uint32_t kvshare_provider_kv_size(const struct kvshare_provider *provider);
 
 /* As the decoder's: chunk count, chunk base/size in this process's mapping, placements. */
 uint32_t kvshare_provider_n_chunks(const struct kvshare_provider *provider);
-int kvshare_provider_chunk(const struct kvshare_provider *provider, uint32_t index, void **base,
-                           uint64_t *size_bytes);
+int kvshare_provider_chunk(const struct kvshare_provider *provider, uint32_t index, void **base, uint64_t *size_bytes);
 uint32_t kvshare_provider_n_tensors(const struct kvshare_provider *provider);
-int kvshare_provider_tensor(const struct kvshare_provider *provider, const char *name,
-                            struct kvshare_tensor_info *out);
+int kvshare_provider_tensor(const struct kvshare_provider *provider, const char *name, struct kvshare_tensor_info *out);
 
 /*
  * Brackets CPU writes into dma-buf regions (DMA_BUF_IOCTL_SYNC; memfd regions need none):
@@ -457,8 +451,7 @@ uint32_t kvshare_provider_rs_size(const struct kvshare_provider *provider);
  * arguments, a kind that is not a kvshare_state_kind).
  * *n_values is untouched on failure.
  */
-int kvshare_provider_state_width(const struct kvshare_provider *provider, uint32_t il, int kind,
-                                 uint64_t *n_values);
+int kvshare_provider_state_width(const struct kvshare_provider *provider, uint32_t il, int kind, uint64_t *n_values);
 
 /*
  * Since KVSHARE_1.2. Writes one recurrent state row: the n_values f32 `values` (the
@@ -526,20 +519,20 @@ enum kvshare_request_kind {
  */
 struct kvshare_resident_request {
     uint32_t struct_size;
-    int32_t kind;                    /* enum kvshare_request_kind */
-    uint64_t region_id;              /* REGION, PREFILL_SHARED: serve's number for the region, from 1 */
+    int32_t kind;       /* enum kvshare_request_kind */
+    uint64_t region_id; /* REGION, PREFILL_SHARED: serve's number for the region, from 1 */
     /* REGION: the decoder's share, imported writable and checked against the model as
      * kvshare_provider_open checks (a share that fails the check never reaches the engine:
      * kvshare_resident_next answers it with the error itself). Owned by the handle, which
      * closes it at the next REGION, at END and at kvshare_resident_close, unless the engine
      * takes it over with kvshare_resident_take_region. NULL for the other kinds. */
     struct kvshare_provider *region;
-    uint64_t share_id;               /* PREFILL_SHARED: the decoder's share the cells are for */
-    uint32_t n_cached;               /* PREFILL_SHARED: cells 0..n_cached-1 already hold tokens 0..n_cached-1 */
-    uint32_t n_tokens;               /* PREFILL_*: ids in `tokens`, at least 1, more than n_cached */
-    const int32_t *tokens;           /* PREFILL_*: the handoff's ids (the prompt less its last token) */
-    const char *state_file;          /* PREFILL_FILE: the absolute path to write; else NULL */
-    uint32_t state_version;          /* PREFILL_FILE: the decoder's LLAMA_STATE_SEQ_VERSION, 0 = the provider's latest */
+    uint64_t share_id;      /* PREFILL_SHARED: the decoder's share the cells are for */
+    uint32_t n_cached;      /* PREFILL_SHARED: cells 0..n_cached-1 already hold tokens 0..n_cached-1 */
+    uint32_t n_tokens;      /* PREFILL_*: ids in `tokens`, at least 1, more than n_cached */
+    const int32_t *tokens;  /* PREFILL_*: the handoff's ids (the prompt less its last token) */
+    const char *state_file; /* PREFILL_FILE: the absolute path to write; else NULL */
+    uint32_t state_version; /* PREFILL_FILE: the decoder's LLAMA_STATE_SEQ_VERSION, 0 = the provider's latest */
     /* Since KVSHARE_1.4 (before: reserved, 0). PREFILL_SHARED: the KV stream (the
      * decoder's slot) to write; the region's kvshare_provider_stream is set to it, and its
      * cells to the message's range (kvshare_resident_cells). */
@@ -550,8 +543,7 @@ struct kvshare_resident_request {
     struct kvshare_kv_params kv;
 };
 /* KVSHARE_1.3's struct, through `kv` (its KVSHARE_1.0 size): the smallest struct_size accepted. */
-#define KVSHARE_RESIDENT_REQUEST_SIZE_VER0 \
-    (offsetof(struct kvshare_resident_request, kv) + KVSHARE_KV_PARAMS_SIZE_VER0)
+#define KVSHARE_RESIDENT_REQUEST_SIZE_VER0 (offsetof(struct kvshare_resident_request, kv) + KVSHARE_KV_PARAMS_SIZE_VER0)
 
 struct kvshare_resident;
 

@@ -20,10 +20,10 @@ int real_ioctl_ptr(int fd, unsigned long request, void* arg) { return ::ioctl(fd
 int real_memfd_create(const char* name, unsigned int flags) { return ::memfd_create(name, flags); }
 
 const Ops kRealOps{
-    real_open, ::close,     ::read,    ::write,   ::pread,  ::pwrite, ::fsync,  ::ftruncate,
-    real_fcntl_int, real_ioctl_ptr, real_memfd_create, ::mmap, ::munmap, ::socket, ::connect,
-    ::bind,    ::listen,    ::setsockopt, ::accept4, ::sendmsg, ::recvmsg, ::poll,  ::rename, ::unlink,
-    ::kill,    ::waitpid,   ::madvise,  ::flock,
+    real_open,      ::close,           ::read,    ::write,  ::pread,  ::pwrite,  ::fsync, ::ftruncate, real_fcntl_int,
+    real_ioctl_ptr, real_memfd_create, ::mmap,    ::munmap, ::socket, ::connect, ::bind,  ::listen,    ::setsockopt,
+    ::accept4,      ::sendmsg,         ::recvmsg, ::poll,   ::rename, ::unlink,  ::kill,  ::waitpid,   ::madvise,
+    ::flock,
 };
 
 std::atomic<const Ops*> current{&kRealOps};

@@ -53,15 +53,15 @@ inline tl::unexpected<Error> fail(Error error) { return tl::unexpected<Error>(st
 // as the lone body of an unbraced if or loop.
 #define KVSHARE_TRY_CONCAT_(a, b) a##b
 #define KVSHARE_TRY_NAME_(n) KVSHARE_TRY_CONCAT_(kvshare_try_, n)
-#define KVSHARE_TRY(expr)                                                          \
-  do {                                                                             \
-    auto&& kvshare_try_result_ = (expr);                                           \
+#define KVSHARE_TRY(expr)                                                                \
+  do {                                                                                   \
+    auto&& kvshare_try_result_ = (expr);                                                 \
     if (!kvshare_try_result_) return ::tl::make_unexpected(kvshare_try_result_.error()); \
   } while (0)
 // __COUNTER__ becomes a number once, as the argument n, so the three uses name one temporary.
 #define KVSHARE_TRY_ASSIGN(dst, expr) KVSHARE_TRY_ASSIGN_N_(__COUNTER__, dst, expr)
 #define KVSHARE_TRY_ASSIGN_N_(n, dst, expr) KVSHARE_TRY_ASSIGN_(KVSHARE_TRY_NAME_(n), dst, expr)
 #define KVSHARE_TRY_ASSIGN_(tmp, dst, expr)            \
-  auto&& tmp = (expr);                                  \
+  auto&& tmp = (expr);                                 \
   if (!tmp) return ::tl::make_unexpected(tmp.error()); \
   dst = std::move(*tmp)

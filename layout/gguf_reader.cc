@@ -23,8 +23,10 @@ struct Where {
 
   std::string describe() const {
     switch (part) {
-      case Part::kHeader: return "header";
-      case Part::kKey: return name.empty() ? fmt::format("key #{}", index) : fmt::format("key \"{}\"", name);
+      case Part::kHeader:
+        return "header";
+      case Part::kKey:
+        return name.empty() ? fmt::format("key #{}", index) : fmt::format("key \"{}\"", name);
       case Part::kTensor:
         return name.empty() ? fmt::format("tensor #{}", index) : fmt::format("tensor \"{}\"", name);
     }
@@ -36,12 +38,25 @@ struct Where {
 // 4 + 8 for an array's element type and count. Bounds counts before anything is reserved.
 uint64_t min_value_bytes(GgufValueType type) {
   switch (type) {
-    case GgufValueType::UINT8: case GgufValueType::INT8: case GgufValueType::BOOL: return 1;
-    case GgufValueType::UINT16: case GgufValueType::INT16: return 2;
-    case GgufValueType::UINT32: case GgufValueType::INT32: case GgufValueType::FLOAT32: return 4;
-    case GgufValueType::UINT64: case GgufValueType::INT64: case GgufValueType::FLOAT64: return 8;
-    case GgufValueType::STRING: return 8;
-    case GgufValueType::ARRAY: return 12;
+    case GgufValueType::UINT8:
+    case GgufValueType::INT8:
+    case GgufValueType::BOOL:
+      return 1;
+    case GgufValueType::UINT16:
+    case GgufValueType::INT16:
+      return 2;
+    case GgufValueType::UINT32:
+    case GgufValueType::INT32:
+    case GgufValueType::FLOAT32:
+      return 4;
+    case GgufValueType::UINT64:
+    case GgufValueType::INT64:
+    case GgufValueType::FLOAT64:
+      return 8;
+    case GgufValueType::STRING:
+      return 8;
+    case GgufValueType::ARRAY:
+      return 12;
   }
   return 1;
 }
@@ -124,16 +139,26 @@ Result<GgufValue> read_scalar(Cursor& in, GgufValueType type, const Where& where
     return GgufValue{GgufValue::Storage(*result)};
   };
   switch (type) {
-    case GgufValueType::UINT8: return wrap(in.read<uint8_t>(where, "a u8 value"));
-    case GgufValueType::INT8: return wrap(in.read<int8_t>(where, "an i8 value"));
-    case GgufValueType::UINT16: return wrap(in.read<uint16_t>(where, "a u16 value"));
-    case GgufValueType::INT16: return wrap(in.read<int16_t>(where, "an i16 value"));
-    case GgufValueType::UINT32: return wrap(in.read<uint32_t>(where, "a u32 value"));
-    case GgufValueType::INT32: return wrap(in.read<int32_t>(where, "an i32 value"));
-    case GgufValueType::FLOAT32: return wrap(in.read<float>(where, "an f32 value"));
-    case GgufValueType::UINT64: return wrap(in.read<uint64_t>(where, "a u64 value"));
-    case GgufValueType::INT64: return wrap(in.read<int64_t>(where, "an i64 value"));
-    case GgufValueType::FLOAT64: return wrap(in.read<double>(where, "an f64 value"));
+    case GgufValueType::UINT8:
+      return wrap(in.read<uint8_t>(where, "a u8 value"));
+    case GgufValueType::INT8:
+      return wrap(in.read<int8_t>(where, "an i8 value"));
+    case GgufValueType::UINT16:
+      return wrap(in.read<uint16_t>(where, "a u16 value"));
+    case GgufValueType::INT16:
+      return wrap(in.read<int16_t>(where, "an i16 value"));
+    case GgufValueType::UINT32:
+      return wrap(in.read<uint32_t>(where, "a u32 value"));
+    case GgufValueType::INT32:
+      return wrap(in.read<int32_t>(where, "an i32 value"));
+    case GgufValueType::FLOAT32:
+      return wrap(in.read<float>(where, "an f32 value"));
+    case GgufValueType::UINT64:
+      return wrap(in.read<uint64_t>(where, "a u64 value"));
+    case GgufValueType::INT64:
+      return wrap(in.read<int64_t>(where, "an i64 value"));
+    case GgufValueType::FLOAT64:
+      return wrap(in.read<double>(where, "an f64 value"));
     case GgufValueType::BOOL: {
       // ggml reads an int8 and takes any non-zero byte as true.
       auto byte = in.read<int8_t>(where, "a bool value");
@@ -145,7 +170,8 @@ Result<GgufValue> read_scalar(Cursor& in, GgufValueType type, const Where& where
       if (!text) return fail(text.error());
       return GgufValue{GgufValue::Storage(std::string(*text))};
     }
-    case GgufValueType::ARRAY: break;
+    case GgufValueType::ARRAY:
+      break;
   }
   return in.error_at(in.offset(), where, "an array cannot be read as a scalar");
 }
@@ -294,7 +320,8 @@ Result<uint64_t> gguf_tensor_nbytes(GgmlType type, const std::array<int64_t, 4>&
                 traits->block_size);
   uint64_t nbytes = static_cast<uint64_t>(ne[0] / traits->block_size);
   bool overflow = __builtin_mul_overflow(nbytes, static_cast<uint64_t>(traits->type_size), &nbytes);
-  for (size_t j = 1; j < ne.size(); ++j) overflow |= __builtin_mul_overflow(nbytes, static_cast<uint64_t>(ne[j]), &nbytes);
+  for (size_t j = 1; j < ne.size(); ++j)
+    overflow |= __builtin_mul_overflow(nbytes, static_cast<uint64_t>(ne[j]), &nbytes);
   if (overflow)
     return fail(EINVAL, "shape ({}, {}, {}, {}) of type {} is more than 2^64 bytes", ne[0], ne[1], ne[2], ne[3],
                 traits->name);

@@ -33,8 +33,8 @@ struct GgufFile {
   GgufMetadata metadata;
   std::vector<GgufTensorInfo> tensors;  // in file order
   uint64_t alignment = kGgufDefaultAlignment;
-  uint64_t data_offset = 0;  // byte offset of the data section in the file (aligned when there are tensors)
-  uint64_t data_size = 0;    // bytes the data section holds when complete: every tensor padded to `alignment`
+  uint64_t data_offset = 0;         // byte offset of the data section in the file (aligned when there are tensors)
+  uint64_t data_size = 0;           // bytes the data section holds when complete: every tensor padded to `alignment`
   std::span<const std::byte> data;  // the whole file image, not only the data section
 
   // True when the image holds every tensor's bytes; false for a shape-only file

@@ -8,19 +8,32 @@ namespace kvshare::layout {
 std::string_view gguf_value_type_name(GgufValueType type) {
   // ggml's GGUF_TYPE_NAME (gguf.cpp), so our messages read like llama.cpp's.
   switch (type) {
-    case GgufValueType::UINT8: return "u8";
-    case GgufValueType::INT8: return "i8";
-    case GgufValueType::UINT16: return "u16";
-    case GgufValueType::INT16: return "i16";
-    case GgufValueType::UINT32: return "u32";
-    case GgufValueType::INT32: return "i32";
-    case GgufValueType::FLOAT32: return "f32";
-    case GgufValueType::BOOL: return "bool";
-    case GgufValueType::STRING: return "str";
-    case GgufValueType::ARRAY: return "arr";
-    case GgufValueType::UINT64: return "u64";
-    case GgufValueType::INT64: return "i64";
-    case GgufValueType::FLOAT64: return "f64";
+    case GgufValueType::UINT8:
+      return "u8";
+    case GgufValueType::INT8:
+      return "i8";
+    case GgufValueType::UINT16:
+      return "u16";
+    case GgufValueType::INT16:
+      return "i16";
+    case GgufValueType::UINT32:
+      return "u32";
+    case GgufValueType::INT32:
+      return "i32";
+    case GgufValueType::FLOAT32:
+      return "f32";
+    case GgufValueType::BOOL:
+      return "bool";
+    case GgufValueType::STRING:
+      return "str";
+    case GgufValueType::ARRAY:
+      return "arr";
+    case GgufValueType::UINT64:
+      return "u64";
+    case GgufValueType::INT64:
+      return "i64";
+    case GgufValueType::FLOAT64:
+      return "f64";
   }
   return "unknown";
 }

@@ -18,8 +18,19 @@ namespace kvshare::layout {
 
 // gguf_type ids (ggml/include/gguf.h); written to files: never renumber.
 enum class GgufValueType : uint32_t {
-  UINT8 = 0, INT8 = 1, UINT16 = 2, INT16 = 3, UINT32 = 4, INT32 = 5, FLOAT32 = 6, BOOL = 7,
-  STRING = 8, ARRAY = 9, UINT64 = 10, INT64 = 11, FLOAT64 = 12,
+  UINT8 = 0,
+  INT8 = 1,
+  UINT16 = 2,
+  INT16 = 3,
+  UINT32 = 4,
+  INT32 = 5,
+  FLOAT32 = 6,
+  BOOL = 7,
+  STRING = 8,
+  ARRAY = 9,
+  UINT64 = 10,
+  INT64 = 11,
+  FLOAT64 = 12,
 };
 std::string_view gguf_value_type_name(GgufValueType type);
 
@@ -34,13 +45,15 @@ struct GgufArray {
 // One metadata value. The variant's alternatives are in gguf_type order, so
 // `type()` is the alternative index.
 struct GgufValue {
-  using Storage = std::variant<uint8_t, int8_t, uint16_t, int16_t, uint32_t, int32_t, float, bool,
-                               std::string, GgufArray, uint64_t, int64_t, double>;
+  using Storage = std::variant<uint8_t, int8_t, uint16_t, int16_t, uint32_t, int32_t, float, bool, std::string,
+                               GgufArray, uint64_t, int64_t, double>;
   Storage value;
 
   GgufValueType type() const { return static_cast<GgufValueType>(value.index()); }
   template <class T>
-  const T* get_if() const { return std::get_if<T>(&value); }
+  const T* get_if() const {
+    return std::get_if<T>(&value);
+  }
 };
 
 // The key/value section of a GGUF file, in file order. Lookups are by exact key.

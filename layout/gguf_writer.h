@@ -103,9 +103,9 @@ class GgufWriter {
 
  private:
   struct Tensor {
-    GgufTensorInfo info;              // offset filled in by tensor_infos()
-    std::vector<std::byte> bytes;     // owned data, or empty
-    GgufTensorFill fill;              // generated data, or empty
+    GgufTensorInfo info;           // offset filled in by tensor_infos()
+    std::vector<std::byte> bytes;  // owned data, or empty
+    GgufTensorFill fill;           // generated data, or empty
     bool has_data = false;
   };
   Result<Tensor> make_tensor(std::string name, GgmlType type, const std::vector<int64_t>& ne) const;

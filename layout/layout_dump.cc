@@ -81,8 +81,8 @@ std::string render_layout_report(const ShareHeader& header) {
   for (size_t i = 0; i < header.memory.kv_caches.size(); ++i) {
     const KvCacheShape& c = header.memory.kv_caches[i];
     out += fmt::format("cache {} ({}): kv_size {}, n_stream {}, K {}, V {}, v_trans {}, n_swa {}, {}\n", i, c.role,
-                       c.kv_size, c.n_stream, ggml_type_name(c.type_k), ggml_type_name(c.type_v), c.v_trans ? "yes" : "no",
-                       c.n_swa, layers_text(c.layers));
+                       c.kv_size, c.n_stream, ggml_type_name(c.type_k), ggml_type_name(c.type_v),
+                       c.v_trans ? "yes" : "no", c.n_swa, layers_text(c.layers));
   }
   if (header.memory.recurrent) {
     const RecurrentShape& r = *header.memory.recurrent;
@@ -101,13 +101,13 @@ std::string render_layout_report(const ShareHeader& header) {
   for (size_t c = 0; c < header.layout.chunks.size(); ++c) {
     const ShareChunk& chunk = header.layout.chunks[c];
     out += fmt::format("{:<5} {:<10} {:>12} {:>10.2f} {:#018x}\n", c,
-                       fmt::format("{} {}", chunk.cache_index, cache_label(header, chunk.cache_index)), chunk.size_bytes,
-                       static_cast<double>(chunk.size_bytes) / kMiB, chunk.layout_hash);
+                       fmt::format("{} {}", chunk.cache_index, cache_label(header, chunk.cache_index)),
+                       chunk.size_bytes, static_cast<double>(chunk.size_bytes) / kMiB, chunk.layout_hash);
   }
 
   const uint64_t total = header.layout.total_bytes();
-  out += fmt::format("\ntotal: {} bytes ({:.2f} MiB) in {} chunks, {} tensors\n", total, static_cast<double>(total) / kMiB,
-                     header.layout.chunks.size(), header.layout.tensors.size());
+  out += fmt::format("\ntotal: {} bytes ({:.2f} MiB) in {} chunks, {} tensors\n", total,
+                     static_cast<double>(total) / kMiB, header.layout.chunks.size(), header.layout.tensors.size());
   out += fmt::format("kv bytes per token: {}\n", kv_bytes_per_token(header.memory));
   if (header.memory.recurrent)
     out += fmt::format("recurrent bytes per sequence: {}\n", recurrent_bytes_per_cell(*header.memory.recurrent));

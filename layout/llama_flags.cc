@@ -8,9 +8,8 @@ namespace kvshare::layout {
 namespace {
 
 constexpr std::pair<std::string_view, std::string_view> kLongForms[] = {
-    {"-np", "--parallel"},      {"-kvu", "--kv-unified"},  {"-ctk", "--cache-type-k"},
-    {"-ctv", "--cache-type-v"}, {"-fa", "--flash-attn"},   {"-ub", "--ubatch-size"},
-    {"-ngl", "--n-gpu-layers"}, {"-dev", "--device"},
+    {"-np", "--parallel"},   {"-kvu", "--kv-unified"}, {"-ctk", "--cache-type-k"}, {"-ctv", "--cache-type-v"},
+    {"-fa", "--flash-attn"}, {"-ub", "--ubatch-size"}, {"-ngl", "--n-gpu-layers"}, {"-dev", "--device"},
 };
 
 }  // namespace

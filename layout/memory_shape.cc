@@ -41,8 +41,8 @@ uint32_t n_embd_v_gqa_max(const ModelShape& model) {
 }
 
 // llama_kv_cache's constructor: K then V per owned layer, ascending il.
-Result<KvCacheShape> make_kv_cache(const ModelShape& model, const KvParams& params, std::string role,
-                                   uint32_t kv_size, uint32_t n_stream, uint32_t n_swa, SwaType swa_type,
+Result<KvCacheShape> make_kv_cache(const ModelShape& model, const KvParams& params, std::string role, uint32_t kv_size,
+                                   uint32_t n_stream, uint32_t n_swa, SwaType swa_type,
                                    bool (*owns)(const LayerShape&)) {
   KvCacheShape cache;
   cache.role = std::move(role);
@@ -65,8 +65,8 @@ Result<KvCacheShape> make_kv_cache(const ModelShape& model, const KvParams& para
     cache.tensors.push_back(std::move(*k));
     if (!has_v) continue;
     const uint32_t width = cache.v_trans ? cache.v_width : layer.n_embd_v_gqa;
-    auto v = make_tensor(fmt::format("cache_v_l{}", il), il, TensorKind::v, params.type_v, {width, kv_size, n_stream, 1},
-                         "-ctv");
+    auto v = make_tensor(fmt::format("cache_v_l{}", il), il, TensorKind::v, params.type_v,
+                         {width, kv_size, n_stream, 1}, "-ctv");
     if (!v) return fail(v.error());
     cache.tensors.push_back(std::move(*v));
   }
@@ -81,12 +81,12 @@ Result<RecurrentShape> make_recurrent(const ModelShape& model, const KvParams& p
   for (uint32_t il = 0; il < model.n_layer; ++il) {
     if (!model.layers[il].is_recurrent) continue;
     rs.layers.push_back({il, model.n_embd_r, model.n_embd_s});
-    auto r = make_tensor(fmt::format("cache_r_l{}", il), il, TensorKind::r, GgmlType::F32, {model.n_embd_r, rs.rs_size, 1, 1},
-                         "recurrent state");
+    auto r = make_tensor(fmt::format("cache_r_l{}", il), il, TensorKind::r, GgmlType::F32,
+                         {model.n_embd_r, rs.rs_size, 1, 1}, "recurrent state");
     if (!r) return fail(r.error());
     rs.tensors.push_back(std::move(*r));
-    auto s = make_tensor(fmt::format("cache_s_l{}", il), il, TensorKind::s, GgmlType::F32, {model.n_embd_s, rs.rs_size, 1, 1},
-                         "recurrent state");
+    auto s = make_tensor(fmt::format("cache_s_l{}", il), il, TensorKind::s, GgmlType::F32,
+                         {model.n_embd_s, rs.rs_size, 1, 1}, "recurrent state");
     if (!s) return fail(s.error());
     rs.tensors.push_back(std::move(*s));
   }
@@ -102,11 +102,11 @@ Result<void> check_params_against_model(const ModelShape& model, const KvParams&
   for (uint32_t il = 0; il < model.n_layer; ++il) {
     const LayerShape& layer = model.layers[il];
     if (is_quantized(params.type_k) && !is_row_aligned(params.type_k, layer.n_embd_head_k))
-      return fail(EINVAL, "-ctk {}: block size {} does not divide layer {}'s K head size {}", ggml_type_name(params.type_k),
-                  ggml_traits(params.type_k).block_size, il, layer.n_embd_head_k);
+      return fail(EINVAL, "-ctk {}: block size {} does not divide layer {}'s K head size {}",
+                  ggml_type_name(params.type_k), ggml_traits(params.type_k).block_size, il, layer.n_embd_head_k);
     if (is_quantized(params.type_v) && !is_row_aligned(params.type_v, layer.n_embd_head_v))
-      return fail(EINVAL, "-ctv {}: block size {} does not divide layer {}'s V head size {}", ggml_type_name(params.type_v),
-                  ggml_traits(params.type_v).block_size, il, layer.n_embd_head_v);
+      return fail(EINVAL, "-ctv {}: block size {} does not divide layer {}'s V head size {}",
+                  ggml_type_name(params.type_v), ggml_traits(params.type_v).block_size, il, layer.n_embd_head_v);
   }
   return {};
 }
@@ -115,10 +115,14 @@ Result<void> check_params_against_model(const ModelShape& model, const KvParams&
 
 std::string_view tensor_kind_name(TensorKind kind) {
   switch (kind) {
-    case TensorKind::k: return "k";
-    case TensorKind::v: return "v";
-    case TensorKind::r: return "r";
-    case TensorKind::s: return "s";
+    case TensorKind::k:
+      return "k";
+    case TensorKind::v:
+      return "v";
+    case TensorKind::r:
+      return "r";
+    case TensorKind::s:
+      return "s";
   }
   return "unknown";
 }
@@ -140,8 +144,7 @@ Result<MemoryShape> derive_memory_shape(const ModelShape& model, const KvParams&
   if (n_ctx > std::numeric_limits<uint32_t>::max())
     return fail(EOVERFLOW, "-c {} -np {}: the padded context {} does not fit llama.cpp's 32-bit n_ctx", params.n_ctx,
                 params.n_seq_max, n_ctx);
-  const uint32_t n_ubatch =
-      static_cast<uint32_t>(std::min<uint64_t>({params.n_ubatch, kDefaultBatch, n_ctx_asked}));
+  const uint32_t n_ubatch = static_cast<uint32_t>(std::min<uint64_t>({params.n_ubatch, kDefaultBatch, n_ctx_asked}));
 
   MemoryShape memory;
   memory.kind = model.memory_kind;
@@ -164,20 +167,24 @@ Result<MemoryShape> derive_memory_shape(const ModelShape& model, const KvParams&
       break;
     case MemoryKind::kv:
     case MemoryKind::hybrid:
-      if (auto r = add_cache(make_kv_cache(model, params, "kv", kv_size, n_stream, model.n_swa, model.swa_type, every_layer)); !r)
+      if (auto r = add_cache(
+              make_kv_cache(model, params, "kv", kv_size, n_stream, model.n_swa, model.swa_type, every_layer));
+          !r)
         return fail(r.error());
       break;
     case MemoryKind::kv_iswa:
     case MemoryKind::hybrid_iswa: {
       // llama_kv_cache_iswa: the SWA cache holds the window of every sequence plus one
       // micro-batch, padded to 256, unless --swa-full.
-      const uint64_t swa_cells =
-          uint64_t{model.n_swa} * (params.kv_unified ? params.n_seq_max : 1) + n_ubatch;
+      const uint64_t swa_cells = uint64_t{model.n_swa} * (params.kv_unified ? params.n_seq_max : 1) + n_ubatch;
       const uint32_t size_swa =
           params.swa_full ? kv_size : static_cast<uint32_t>(pad256(std::min<uint64_t>(kv_size, swa_cells)));
-      if (auto r = add_cache(make_kv_cache(model, params, "base", kv_size, n_stream, 0, SwaType::none, full_layers)); !r)
+      if (auto r = add_cache(make_kv_cache(model, params, "base", kv_size, n_stream, 0, SwaType::none, full_layers));
+          !r)
         return fail(r.error());
-      if (auto r = add_cache(make_kv_cache(model, params, "swa", size_swa, n_stream, model.n_swa, model.swa_type, swa_layers)); !r)
+      if (auto r = add_cache(
+              make_kv_cache(model, params, "swa", size_swa, n_stream, model.n_swa, model.swa_type, swa_layers));
+          !r)
         return fail(r.error());
       break;
     }

@@ -161,7 +161,8 @@ Result<void> qwen3next(const ArchKeys& keys, HparamsDraft& hparams) {
   } else {
     uint32_t interval = 4;
     KVSHARE_TRY(keys.read_optional("full_attention_interval", interval));
-    if (interval == 0) return fail(EINVAL, "key {} is 0: every layer would be recurrent", keys.key("full_attention_interval"));
+    if (interval == 0)
+      return fail(EINVAL, "key {} is 0: every layer would be recurrent", keys.key("full_attention_interval"));
     for (uint32_t il = 0; il < hparams.n_layer_all; ++il)
       hparams.is_recr[il] = il < hparams.n_layer() && (il + 1) % interval != 0;
   }
@@ -183,23 +184,35 @@ Result<void> deepseek2(const ArchKeys& keys, HparamsDraft& hparams) {
   KVSHARE_TRY(keys.read_optional("attention.key_length_mla", hparams.n_embd_head_k_mla));
   KVSHARE_TRY(keys.read_optional("attention.value_length_mla", hparams.n_embd_head_v_mla));
   if ((hparams.n_embd_head_k_mla == 0) != (hparams.n_embd_head_v_mla == 0))
-    return fail(EINVAL, "keys {} ({}) and {} ({}) must both be set or both be absent", keys.key("attention.key_length_mla"),
-                hparams.n_embd_head_k_mla, keys.key("attention.value_length_mla"), hparams.n_embd_head_v_mla);
+    return fail(EINVAL, "keys {} ({}) and {} ({}) must both be set or both be absent",
+                keys.key("attention.key_length_mla"), hparams.n_embd_head_k_mla, keys.key("attention.value_length_mla"),
+                hparams.n_embd_head_v_mla);
   KVSHARE_TRY(read_nextn(keys, hparams));
   return {};
 }
-
 
 }  // namespace
 
 const std::vector<ArchEntry>& arch_table() {
   static const std::vector<ArchEntry> table{
-      {"llama", plain_attention},     {"qwen2", plain_attention},     {"qwen2moe", plain_attention},
-      {"qwen3", plain_attention},     {"qwen3moe", plain_attention},  {"qwen2vl", mrope_sections},
-      {"qwen3vl", mrope_sections},    {"qwen3vlmoe", mrope_sections}, {"gemma2", gemma2},
-      {"gemma3", gemma3},             {"mamba", mamba},               {"mamba2", mamba2},
-      {"jamba", jamba},               {"granitehybrid", granite_hybrid}, {"qwen3next", qwen3next},
-      {"qwen35", qwen35},             {"qwen35moe", qwen35},          {"deepseek2", deepseek2},
+      {"llama", plain_attention},
+      {"qwen2", plain_attention},
+      {"qwen2moe", plain_attention},
+      {"qwen3", plain_attention},
+      {"qwen3moe", plain_attention},
+      {"qwen2vl", mrope_sections},
+      {"qwen3vl", mrope_sections},
+      {"qwen3vlmoe", mrope_sections},
+      {"gemma2", gemma2},
+      {"gemma3", gemma3},
+      {"mamba", mamba},
+      {"mamba2", mamba2},
+      {"jamba", jamba},
+      {"granitehybrid", granite_hybrid},
+      {"qwen3next", qwen3next},
+      {"qwen35", qwen35},
+      {"qwen35moe", qwen35},
+      {"deepseek2", deepseek2},
       {"lfm2", lfm2},
   };
   return table;

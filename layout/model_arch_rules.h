@@ -49,8 +49,8 @@ struct HparamsDraft {
   uint32_t n_embd_head_v_full = 0;
   uint32_t n_embd_head_k_swa = 0;
   uint32_t n_embd_head_v_swa = 0;
-  std::vector<bool> is_swa;         // [n_layer_all]
-  std::vector<bool> is_recr;        // [n_layer_all]
+  std::vector<bool> is_swa;   // [n_layer_all]
+  std::vector<bool> is_recr;  // [n_layer_all]
   uint32_t n_swa = 0;
   SwaType swa_type = SwaType::none;
   uint32_t n_embd_head_k_mla = 0;

@@ -29,7 +29,8 @@ Result<void> unsupported_arch(const std::string& arch) {
 
 Result<uint32_t> checked_u32(uint64_t value, std::string_view what, const std::string& arch) {
   if (value > std::numeric_limits<uint32_t>::max())
-    return fail(EOVERFLOW, "{} model: {} is {}, more than 32 bits (llama.cpp keeps it in a uint32_t)", arch, what, value);
+    return fail(EOVERFLOW, "{} model: {} is {}, more than 32 bits (llama.cpp keeps it in a uint32_t)", arch, what,
+                value);
   return static_cast<uint32_t>(value);
 }
 
@@ -108,12 +109,18 @@ void assign_cache_membership(const HparamsDraft& h, ModelShape& shape) {
 
 std::string_view memory_kind_name(MemoryKind kind) {
   switch (kind) {
-    case MemoryKind::none: return "none";
-    case MemoryKind::kv: return "kv";
-    case MemoryKind::kv_iswa: return "kv_iswa";
-    case MemoryKind::recurrent: return "recurrent";
-    case MemoryKind::hybrid: return "hybrid";
-    case MemoryKind::hybrid_iswa: return "hybrid_iswa";
+    case MemoryKind::none:
+      return "none";
+    case MemoryKind::kv:
+      return "kv";
+    case MemoryKind::kv_iswa:
+      return "kv_iswa";
+    case MemoryKind::recurrent:
+      return "recurrent";
+    case MemoryKind::hybrid:
+      return "hybrid";
+    case MemoryKind::hybrid_iswa:
+      return "hybrid_iswa";
   }
   return "unknown";
 }
@@ -166,9 +173,8 @@ Result<ModelShape> derive_model_shape(const GgufMetadata& metadata) {
   const uint64_t conv_rows = h.n_shortconv_l_cache > 0 ? h.n_shortconv_l_cache - 1
                              : h.ssm_d_conv > 0        ? h.ssm_d_conv - 1
                                                        : 0;
-  const uint64_t conv_channels = h.n_shortconv_l_cache > 0
-                                     ? uint64_t{h.n_embd}
-                                     : uint64_t{h.ssm_d_inner} + 2ull * h.ssm_n_group * h.ssm_d_state;
+  const uint64_t conv_channels =
+      h.n_shortconv_l_cache > 0 ? uint64_t{h.n_embd} : uint64_t{h.ssm_d_inner} + 2ull * h.ssm_n_group * h.ssm_d_state;
   auto n_embd_r = checked_u32(conv_rows * conv_channels, "n_embd_r (conv state width)", *arch);
   if (!n_embd_r) return fail(n_embd_r.error());
   auto n_embd_s = checked_u32(uint64_t{h.ssm_d_state} * h.ssm_d_inner, "n_embd_s (ssm state width)", *arch);
@@ -186,9 +192,11 @@ Result<ModelShape> derive_model_shape(const GgufMetadata& metadata) {
     layer.is_nextn = il >= h.n_layer();
     layer.n_embd_head_k = layer.is_swa ? h.n_embd_head_k_swa : h.n_embd_head_k_full;
     layer.n_embd_head_v = layer.is_swa ? h.n_embd_head_v_swa : h.n_embd_head_v_full;
-    auto k_gqa = checked_u32(uint64_t{layer.n_embd_head_k} * layer.n_head_kv, fmt::format("layer {} n_embd_k_gqa", il), *arch);
+    auto k_gqa =
+        checked_u32(uint64_t{layer.n_embd_head_k} * layer.n_head_kv, fmt::format("layer {} n_embd_k_gqa", il), *arch);
     if (!k_gqa) return fail(k_gqa.error());
-    auto v_gqa = checked_u32(uint64_t{layer.n_embd_head_v} * layer.n_head_kv, fmt::format("layer {} n_embd_v_gqa", il), *arch);
+    auto v_gqa =
+        checked_u32(uint64_t{layer.n_embd_head_v} * layer.n_head_kv, fmt::format("layer {} n_embd_v_gqa", il), *arch);
     if (!v_gqa) return fail(v_gqa.error());
     layer.n_embd_k_gqa = *k_gqa;
     layer.n_embd_v_gqa = *v_gqa;

@@ -29,28 +29,28 @@ struct LayerShape {
   uint32_t n_head_kv = 0;
   uint32_t n_embd_head_k = 0;  // key_length (or key_length_swa on SWA layers)
   uint32_t n_embd_head_v = 0;
-  uint32_t n_embd_k_gqa = 0;   // n_embd_head_k * n_head_kv
-  uint32_t n_embd_v_gqa = 0;   // n_embd_head_v * n_head_kv
+  uint32_t n_embd_k_gqa = 0;  // n_embd_head_k * n_head_kv
+  uint32_t n_embd_v_gqa = 0;  // n_embd_head_v * n_head_kv
   uint32_t n_ff = 0;
   bool is_swa = false;
   bool is_recurrent = false;
-  bool has_kv = true;          // owns K/V tensors (false past n_layer_kv_from_start)
-  bool is_nextn = false;       // an MTP/NextN block past the trunk
+  bool has_kv = true;     // owns K/V tensors (false past n_layer_kv_from_start)
+  bool is_nextn = false;  // an MTP/NextN block past the trunk
 };
 
 struct ModelShape {
-  std::string arch;            // general.architecture
-  uint32_t n_layer_all = 0;    // {arch}.block_count, trunk + NextN
+  std::string arch;          // general.architecture
+  uint32_t n_layer_all = 0;  // {arch}.block_count, trunk + NextN
   uint32_t n_layer_nextn = 0;
-  uint32_t n_layer = 0;        // trunk: n_layer_all - n_layer_nextn
+  uint32_t n_layer = 0;  // trunk: n_layer_all - n_layer_nextn
   uint32_t n_embd = 0;
   uint32_t n_ctx_train = 0;
   std::vector<LayerShape> layers;  // [n_layer_all]
 
   uint32_t n_swa = 0;
   SwaType swa_type = SwaType::none;
-  bool is_mla = false;         // K only (latent), no V tensor
-  uint32_t n_pos_per_embd = 1; // 4 for M-RoPE: state-file cells grow by 8 bytes
+  bool is_mla = false;          // K only (latent), no V tensor
+  uint32_t n_pos_per_embd = 1;  // 4 for M-RoPE: state-file cells grow by 8 bytes
 
   // Recurrent state widths, elements per sequence per recurrent layer (f32).
   uint32_t n_embd_r = 0;

@@ -36,8 +36,10 @@ Result<std::pair<nlohmann::json, ReceiverOp>> parse_envelope(std::string_view te
   auto version = read.u32("version");
   if (!version) return fail(version.error());
   if (*version != kReceiverProtocolVersion)
-    return fail(EPROTO, "{}: protocol version {}, this side speaks {} (serve and kvshare-remote-receiver come from "
-                "one build)", source, *version, kReceiverProtocolVersion);
+    return fail(EPROTO,
+                "{}: protocol version {}, this side speaks {} (serve and kvshare-remote-receiver come from "
+                "one build)",
+                source, *version, kReceiverProtocolVersion);
   auto op_text = read.text("op");
   if (!op_text) return fail(op_text.error());
   for (const auto& [op, name] : kOps)
@@ -56,7 +58,9 @@ std::string_view receiver_op_name(ReceiverOp op) {
 std::string encode_receiver_request(const ReceiverRequest& request) {
   Json json{{"version", kReceiverProtocolVersion}, {"op", receiver_op_name(request.op)}};
   switch (request.op) {
-    case ReceiverOp::listen: json["socket"] = request.socket_name; break;
+    case ReceiverOp::listen:
+      json["socket"] = request.socket_name;
+      break;
     case ReceiverOp::grant:
       json["n_cells"] = request.n_cells;
       json["timeout_ms"] = request.timeout_ms;
@@ -65,8 +69,11 @@ std::string encode_receiver_request(const ReceiverRequest& request) {
       json["grant_id"] = request.grant_id;
       json["n_tokens"] = request.n_tokens;
       break;
-    case ReceiverOp::revoke: json["why"] = request.why; break;
-    case ReceiverOp::hello: break;
+    case ReceiverOp::revoke:
+      json["why"] = request.why;
+      break;
+    case ReceiverOp::hello:
+      break;
   }
   return json.dump();
 }
@@ -79,16 +86,23 @@ std::string encode_receiver_reply(const ReceiverReply& reply) {
     return json.dump();
   }
   switch (reply.op) {
-    case ReceiverOp::hello: json["pid"] = reply.pid; break;
-    case ReceiverOp::listen: json["socket"] = reply.socket_path; break;
+    case ReceiverOp::hello:
+      json["pid"] = reply.pid;
+      break;
+    case ReceiverOp::listen:
+      json["socket"] = reply.socket_path;
+      break;
     case ReceiverOp::grant:
       json["share_id"] = reply.share_id;
       json["region"] = reply.region_mapped ? "mapped" : "kept";
       json["region_ms"] = reply.region_ms;
       json["offer"] = reply.offer;
       break;
-    case ReceiverOp::complete: json["bytes"] = reply.bytes_received; break;
-    case ReceiverOp::revoke: break;
+    case ReceiverOp::complete:
+      json["bytes"] = reply.bytes_received;
+      break;
+    case ReceiverOp::revoke:
+      break;
   }
   return json.dump();
 }
@@ -100,7 +114,8 @@ Result<ReceiverRequest> parse_receiver_request(std::string_view text, std::strin
   ReceiverRequest request;
   request.op = envelope->second;
   switch (request.op) {
-    case ReceiverOp::hello: return fail(EINVAL, "{}: \"hello\" is the receiver's word, not a request", source);
+    case ReceiverOp::hello:
+      return fail(EINVAL, "{}: \"hello\" is the receiver's word, not a request", source);
     case ReceiverOp::listen: {
       auto name = read.text("socket");
       if (!name) return fail(name.error());
@@ -195,7 +210,8 @@ Result<ReceiverReply> parse_receiver_reply(std::string_view text, std::string_vi
       reply.bytes_received = *bytes;
       break;
     }
-    case ReceiverOp::revoke: break;
+    case ReceiverOp::revoke:
+      break;
   }
   return reply;
 }

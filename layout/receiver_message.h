@@ -35,12 +35,12 @@ std::string_view receiver_op_name(ReceiverOp op);
 
 struct ReceiverRequest {
   ReceiverOp op = ReceiverOp::listen;
-  std::string socket_name;   // listen: a file name (no '/'), at most 100 bytes
-  uint32_t n_cells = 0;      // grant: cells 0..n_cells-1, at least 1
-  uint64_t timeout_ms = 0;   // grant: the grant's lifetime, and the wait for the decoder's message
-  uint64_t grant_id = 0;     // complete: the offer's share_id
-  uint32_t n_tokens = 0;     // complete
-  std::string why;           // revoke: said on the receiver's stderr
+  std::string socket_name;  // listen: a file name (no '/'), at most 100 bytes
+  uint32_t n_cells = 0;     // grant: cells 0..n_cells-1, at least 1
+  uint64_t timeout_ms = 0;  // grant: the grant's lifetime, and the wait for the decoder's message
+  uint64_t grant_id = 0;    // complete: the offer's share_id
+  uint32_t n_tokens = 0;    // complete
+  std::string why;          // revoke: said on the receiver's stderr
 };
 
 struct ReceiverReply {
@@ -54,10 +54,10 @@ struct ReceiverReply {
   // listen: the socket's absolute path, for POST /slots/0?action=share {"socket": ...}
   std::string socket_path;
   // grant
-  uint64_t share_id = 0;        // the decoder's share_id (its share message): what serve adopts
-  nlohmann::json offer;         // the remote offer (kvshare/remote/remote_offer.h), for the provider
-  bool region_mapped = false;   // this share brought a region the receiver had not mapped: mapped and registered now
-  double region_ms = 0;         // the receive, and for a new region its mapping and registration
+  uint64_t share_id = 0;       // the decoder's share_id (its share message): what serve adopts
+  nlohmann::json offer;        // the remote offer (kvshare/remote/remote_offer.h), for the provider
+  bool region_mapped = false;  // this share brought a region the receiver had not mapped: mapped and registered now
+  double region_ms = 0;        // the receive, and for a new region its mapping and registration
   // complete
   uint64_t bytes_received = 0;
 };

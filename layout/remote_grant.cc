@@ -26,11 +26,14 @@ Result<void> check_grant(const CellGrant& grant) {
   if (grant.layout == nullptr || grant.memory == nullptr) return fail(EINVAL, "remote grant: no layout");
   const MemoryShape& memory = *grant.memory;
   if (memory.kind != MemoryKind::kv || memory.kv_caches.size() != 1 || memory.recurrent)
-    return fail(EINVAL, "remote grant: the memory holds {} KV cache object(s){}; a remote share covers one plain "
-                "KV cache", memory.kv_caches.size(), memory.recurrent ? " and recurrent state" : "");
+    return fail(EINVAL,
+                "remote grant: the memory holds {} KV cache object(s){}; a remote share covers one plain "
+                "KV cache",
+                memory.kv_caches.size(), memory.recurrent ? " and recurrent state" : "");
   const KvCacheShape& cache = memory.kv_caches.front();
   if (cache.n_stream != 1)
-    return fail(EINVAL, "remote grant: the KV cache has {} streams; a remote share covers stream 0 of one", cache.n_stream);
+    return fail(EINVAL, "remote grant: the KV cache has {} streams; a remote share covers stream 0 of one",
+                cache.n_stream);
   if (grant.n_cells == 0 || grant.n_cells > cache.kv_size)
     return fail(ERANGE, "remote grant: {} cells, the cache has 1..{}", grant.n_cells, cache.kv_size);
   return {};
@@ -78,8 +81,8 @@ Result<void> check_write(const CellGrant& grant, uint32_t chunk, uint64_t offset
     if (offset < t.offset || offset - t.offset >= t.tensor.nbytes) continue;
     // The write starts inside this tensor: it must end inside the granted cells of it.
     const uint64_t rel = offset - t.offset;
-    uint64_t row_start = 0;      // where the granted slice containing `rel` starts
-    uint64_t granted = 0;        // its length
+    uint64_t row_start = 0;  // where the granted slice containing `rel` starts
+    uint64_t granted = 0;    // its length
     if (!is_transposed_v(cache, t)) {
       granted = static_cast<uint64_t>(grant.n_cells) * t.tensor.row_bytes;
     } else {
@@ -88,9 +91,11 @@ Result<void> check_write(const CellGrant& grant, uint32_t chunk, uint64_t offset
     }
     const uint64_t in_slice = rel - row_start;
     if (in_slice >= granted || size_bytes > granted - in_slice)
-      return fail(EFAULT, "remote write of {} bytes to chunk {} at offset {}: outside cells 0..{} of {} (granted "
-                  "bytes {}..{} of the tensor{})", size_bytes, chunk, offset, grant.n_cells - 1, t.tensor.name,
-                  row_start, row_start + granted, is_transposed_v(cache, t) ? "'s element row" : "");
+      return fail(EFAULT,
+                  "remote write of {} bytes to chunk {} at offset {}: outside cells 0..{} of {} (granted "
+                  "bytes {}..{} of the tensor{})",
+                  size_bytes, chunk, offset, grant.n_cells - 1, t.tensor.name, row_start, row_start + granted,
+                  is_transposed_v(cache, t) ? "'s element row" : "");
     return {};
   }
   return fail(EFAULT, "remote write of {} bytes to chunk {} at offset {}: no KV tensor of the share starts there",

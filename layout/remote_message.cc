@@ -16,7 +16,8 @@ constexpr size_t kPrologueBytes = 8;
 
 template <class T>
 void put(RemoteHeaderBytes& out, size_t at, T value) {
-  for (size_t i = 0; i < sizeof(T); ++i) out[at + i] = static_cast<std::byte>((static_cast<uint64_t>(value) >> (8 * i)) & 0xff);
+  for (size_t i = 0; i < sizeof(T); ++i)
+    out[at + i] = static_cast<std::byte>((static_cast<uint64_t>(value) >> (8 * i)) & 0xff);
 }
 
 template <class T>
@@ -51,8 +52,10 @@ Result<void> check_prologue(std::span<const std::byte> in, RemoteKind kind) {
                 kRemoteMagic);
   const uint16_t version = get<uint16_t>(in, 4);
   if (version == 1)
-    return fail(EPROTO, "remote {} header: version 1 at offset 4, this decoder speaks version {} (version 2 carries "
-                "the share secret; update the provider)", name, kRemoteVersion);
+    return fail(EPROTO,
+                "remote {} header: version 1 at offset 4, this decoder speaks version {} (version 2 carries "
+                "the share secret; update the provider)",
+                name, kRemoteVersion);
   if (version != kRemoteVersion)
     return fail(EPROTO, "remote {} header: version {} at offset 4, this decoder speaks version {}", name, version,
                 kRemoteVersion);
@@ -62,7 +65,8 @@ Result<void> check_prologue(std::span<const std::byte> in, RemoteKind kind) {
     return fail(EPROTO, "remote {} header: kind {} at offset 6, expected {}", name, get<uint16_t>(in, 6),
                 static_cast<uint16_t>(kind));
   if (get<uint32_t>(in, 20) != 0)
-    return fail(EPROTO, "remote {} header: reserved field at offset 20 is {:#x}, must be 0", name, get<uint32_t>(in, 20));
+    return fail(EPROTO, "remote {} header: reserved field at offset 20 is {:#x}, must be 0", name,
+                get<uint32_t>(in, 20));
   return {};
 }
 

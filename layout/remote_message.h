@@ -32,10 +32,10 @@ bool same_secret(const RemoteSecret& a, const RemoteSecret& b);
 
 struct RemoteWrite {
   uint64_t share_id = 0;
-  RemoteSecret secret{};     // the offer's
+  RemoteSecret secret{};  // the offer's
   uint32_t chunk = 0;
-  uint64_t offset = 0;       // byte offset in the chunk
-  uint64_t size_bytes = 0;   // must equal the payload's length
+  uint64_t offset = 0;      // byte offset in the chunk
+  uint64_t size_bytes = 0;  // must equal the payload's length
 };
 
 struct RemoteDone {

@@ -34,9 +34,13 @@ inline uint8_t trunc_to_uint8(float f) { return static_cast<uint8_t>(trunc_to_in
 
 // ggml's MIN/MAX macros, whose NaN behaviour (a comparison, not fmin) the bytes depend on.
 template <class T>
-inline T ggml_min(T a, T b) { return a < b ? a : b; }
+inline T ggml_min(T a, T b) {
+  return a < b ? a : b;
+}
 template <class T>
-inline T ggml_max(T a, T b) { return a > b ? a : b; }
+inline T ggml_max(T a, T b) {
+  return a > b ? a : b;
+}
 
 void quantize_q4_0(const float* x, BlockQ4_0* y, int64_t n) {
   for (int64_t i = 0; i < n / kQK4_0; ++i, x += kQK4_0) {
@@ -131,7 +135,10 @@ int best_index_int8(int n, const int8_t* val, float x) {
   int ml = 0, mu = n - 1;
   while (mu - ml > 1) {
     const int mav = (ml + mu) / 2;
-    if (x < val[mav]) mu = mav; else ml = mav;
+    if (x < val[mav])
+      mu = mav;
+    else
+      ml = mav;
   }
   return x - val[mu - 1] < val[mu] - x ? mu - 1 : mu;
 }
@@ -355,7 +362,7 @@ struct Backend {
   void (*fp32_to_q8_0)(const float*, void*, int64_t);
   void (*fp16_to_fp32)(const uint16_t*, float*, int64_t);
   void (*copy)(void*, const void*, size_t);
-  void (*copy_stream)(void*, const void*, size_t);             // fence left to the caller
+  void (*copy_stream)(void*, const void*, size_t);                // fence left to the caller
   void (*fp32_to_fp16_stream)(const float*, uint16_t*, int64_t);  // fence left to the caller
   void (*fence)();
   const char* name;
@@ -364,15 +371,22 @@ struct Backend {
 void no_fence() {}
 
 const Backend& backend() {
-  static const Backend chosen = kernels::cpu_has_avx2_f16c()
-                                    ? Backend{kernels::fp32_to_fp16_avx2, kernels::fp32_to_q8_0_avx2,
-                                              kernels::fp16_to_fp32_avx2, kernels::copy_bytes_streaming_avx2,
-                                              kernels::copy_bytes_stream_nofence_avx2,
-                                              kernels::fp32_to_fp16_stream_nofence_avx2, kernels::store_fence,
-                                              "avx2+f16c"}
-                                    : Backend{kernels::fp32_to_fp16_scalar, kernels::fp32_to_q8_0_scalar,
-                                              kernels::fp16_to_fp32_scalar, kernels::copy_bytes, kernels::copy_bytes,
-                                              kernels::fp32_to_fp16_scalar, no_fence, "scalar"};
+  static const Backend chosen = kernels::cpu_has_avx2_f16c() ? Backend{kernels::fp32_to_fp16_avx2,
+                                                                       kernels::fp32_to_q8_0_avx2,
+                                                                       kernels::fp16_to_fp32_avx2,
+                                                                       kernels::copy_bytes_streaming_avx2,
+                                                                       kernels::copy_bytes_stream_nofence_avx2,
+                                                                       kernels::fp32_to_fp16_stream_nofence_avx2,
+                                                                       kernels::store_fence,
+                                                                       "avx2+f16c"}
+                                                             : Backend{kernels::fp32_to_fp16_scalar,
+                                                                       kernels::fp32_to_q8_0_scalar,
+                                                                       kernels::fp16_to_fp32_scalar,
+                                                                       kernels::copy_bytes,
+                                                                       kernels::copy_bytes,
+                                                                       kernels::fp32_to_fp16_scalar,
+                                                                       no_fence,
+                                                                       "scalar"};
   return chosen;
 }
 
@@ -380,34 +394,58 @@ const Backend& backend() {
 void source_to_fp32(GgmlType src_type, const void* src, float* dst, int64_t n) {
   if (n == 0) return;  // a row of no elements (LFM2's S state) may have no address
   switch (src_type) {
-    case GgmlType::F32: std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float)); return;
-    case GgmlType::F16: backend().fp16_to_fp32(static_cast<const uint16_t*>(src), dst, n); return;
+    case GgmlType::F32:
+      std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+      return;
+    case GgmlType::F16:
+      backend().fp16_to_fp32(static_cast<const uint16_t*>(src), dst, n);
+      return;
     case GgmlType::BF16: {
       const auto* s = static_cast<const uint16_t*>(src);
       for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_fp32(s[i]);
       return;
     }
-    default: assert(false && "not a source type"); return;
+    default:
+      assert(false && "not a source type");
+      return;
   }
 }
 
 // f32 -> cache type, n a multiple of the destination block size.
 void fp32_to_cache(const float* src, GgmlType dst_type, void* dst, int64_t n) {
   switch (dst_type) {
-    case GgmlType::F32: std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float)); return;
-    case GgmlType::F16: backend().fp32_to_fp16(src, static_cast<uint16_t*>(dst), n); return;
+    case GgmlType::F32:
+      std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+      return;
+    case GgmlType::F16:
+      backend().fp32_to_fp16(src, static_cast<uint16_t*>(dst), n);
+      return;
     case GgmlType::BF16: {
       auto* d = static_cast<uint16_t*>(dst);
       for (int64_t i = 0; i < n; ++i) d[i] = fp32_to_bf16(src[i]);
       return;
     }
-    case GgmlType::Q8_0: backend().fp32_to_q8_0(src, dst, n); return;
-    case GgmlType::Q4_0: quantize_q4_0(src, static_cast<BlockQ4_0*>(dst), n); return;
-    case GgmlType::Q4_1: quantize_q4_1(src, static_cast<BlockQ4_1*>(dst), n); return;
-    case GgmlType::Q5_0: quantize_q5_0(src, static_cast<BlockQ5_0*>(dst), n); return;
-    case GgmlType::Q5_1: quantize_q5_1(src, static_cast<BlockQ5_1*>(dst), n); return;
-    case GgmlType::IQ4_NL: quantize_iq4_nl(src, static_cast<BlockIQ4_NL*>(dst), n); return;
-    default: assert(false && "not a cache type"); return;
+    case GgmlType::Q8_0:
+      backend().fp32_to_q8_0(src, dst, n);
+      return;
+    case GgmlType::Q4_0:
+      quantize_q4_0(src, static_cast<BlockQ4_0*>(dst), n);
+      return;
+    case GgmlType::Q4_1:
+      quantize_q4_1(src, static_cast<BlockQ4_1*>(dst), n);
+      return;
+    case GgmlType::Q5_0:
+      quantize_q5_0(src, static_cast<BlockQ5_0*>(dst), n);
+      return;
+    case GgmlType::Q5_1:
+      quantize_q5_1(src, static_cast<BlockQ5_1*>(dst), n);
+      return;
+    case GgmlType::IQ4_NL:
+      quantize_iq4_nl(src, static_cast<BlockIQ4_NL*>(dst), n);
+      return;
+    default:
+      assert(false && "not a cache type");
+      return;
   }
 }
 
@@ -452,14 +490,18 @@ void copy_bytes(void* dst, const void* src, size_t bytes) { std::memcpy(dst, src
 
 }  // namespace kernels
 
-bool is_source_type(GgmlType type) {
-  return type == GgmlType::F32 || type == GgmlType::F16 || type == GgmlType::BF16;
-}
+bool is_source_type(GgmlType type) { return type == GgmlType::F32 || type == GgmlType::F16 || type == GgmlType::BF16; }
 
 bool is_cache_type(GgmlType type) {
   switch (type) {
-    case GgmlType::F32: case GgmlType::F16: case GgmlType::BF16: case GgmlType::Q8_0:
-    case GgmlType::Q4_0: case GgmlType::Q4_1: case GgmlType::Q5_0: case GgmlType::Q5_1:
+    case GgmlType::F32:
+    case GgmlType::F16:
+    case GgmlType::BF16:
+    case GgmlType::Q8_0:
+    case GgmlType::Q4_0:
+    case GgmlType::Q4_1:
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1:
     case GgmlType::IQ4_NL:
       return true;
     default:
@@ -520,18 +562,43 @@ void convert_stream_fence() { backend().fence(); }
 bool dequantize_row(GgmlType type, const void* src, float* dst, int64_t n) {
   if (n < 0 || !is_row_aligned(type, n)) return false;
   switch (type) {
-    case GgmlType::F32: case GgmlType::F16: case GgmlType::BF16: source_to_fp32(type, src, dst, n); return true;
-    case GgmlType::Q4_0: dequantize_q4_0(static_cast<const BlockQ4_0*>(src), dst, n); return true;
-    case GgmlType::Q4_1: dequantize_q4_1(static_cast<const BlockQ4_1*>(src), dst, n); return true;
-    case GgmlType::Q5_0: dequantize_q5_0(static_cast<const BlockQ5_0*>(src), dst, n); return true;
-    case GgmlType::Q5_1: dequantize_q5_1(static_cast<const BlockQ5_1*>(src), dst, n); return true;
-    case GgmlType::Q8_0: dequantize_q8_0(static_cast<const BlockQ8_0*>(src), dst, n); return true;
-    case GgmlType::IQ4_NL: dequantize_iq4_nl(static_cast<const BlockIQ4_NL*>(src), dst, n); return true;
-    case GgmlType::Q4_K: dequantize_q4_K(static_cast<const BlockQ4_K*>(src), dst, n); return true;
-    case GgmlType::Q5_K: dequantize_q5_K(static_cast<const BlockQ5_K*>(src), dst, n); return true;
-    case GgmlType::Q6_K: dequantize_q6_K(static_cast<const BlockQ6_K*>(src), dst, n); return true;
-    case GgmlType::Q8_K: dequantize_q8_K(static_cast<const BlockQ8_K*>(src), dst, n); return true;
-    default: return false;
+    case GgmlType::F32:
+    case GgmlType::F16:
+    case GgmlType::BF16:
+      source_to_fp32(type, src, dst, n);
+      return true;
+    case GgmlType::Q4_0:
+      dequantize_q4_0(static_cast<const BlockQ4_0*>(src), dst, n);
+      return true;
+    case GgmlType::Q4_1:
+      dequantize_q4_1(static_cast<const BlockQ4_1*>(src), dst, n);
+      return true;
+    case GgmlType::Q5_0:
+      dequantize_q5_0(static_cast<const BlockQ5_0*>(src), dst, n);
+      return true;
+    case GgmlType::Q5_1:
+      dequantize_q5_1(static_cast<const BlockQ5_1*>(src), dst, n);
+      return true;
+    case GgmlType::Q8_0:
+      dequantize_q8_0(static_cast<const BlockQ8_0*>(src), dst, n);
+      return true;
+    case GgmlType::IQ4_NL:
+      dequantize_iq4_nl(static_cast<const BlockIQ4_NL*>(src), dst, n);
+      return true;
+    case GgmlType::Q4_K:
+      dequantize_q4_K(static_cast<const BlockQ4_K*>(src), dst, n);
+      return true;
+    case GgmlType::Q5_K:
+      dequantize_q5_K(static_cast<const BlockQ5_K*>(src), dst, n);
+      return true;
+    case GgmlType::Q6_K:
+      dequantize_q6_K(static_cast<const BlockQ6_K*>(src), dst, n);
+      return true;
+    case GgmlType::Q8_K:
+      dequantize_q8_K(static_cast<const BlockQ8_K*>(src), dst, n);
+      return true;
+    default:
+      return false;
   }
 }
 

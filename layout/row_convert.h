@@ -7,8 +7,8 @@
 
 #include <cstdint>
 
-#include "layout/tensor_type.h"
 #include "layout/memory_shape.h"
+#include "layout/tensor_type.h"
 
 namespace kvshare::layout {
 
@@ -23,8 +23,7 @@ bool is_cache_type(GgmlType type);
 // caches (attn_rot_k / attn_rot_v). Preconditions (checked by callers; asserted in
 // debug builds): is_source_type(src_type), is_cache_type(dst_type), n a multiple of the
 // destination block size and of rotation_group.
-void convert_row(GgmlType src_type, const void* src, GgmlType dst_type, void* dst, int64_t n,
-                 int rotation_group = 0);
+void convert_row(GgmlType src_type, const void* src, GgmlType dst_type, void* dst, int64_t n, int rotation_group = 0);
 
 // As convert_row, but may write `dst` with non-temporal stores (same-type copies and
 // f32 -> f16 on the AVX2 path): for destinations nobody reads soon, such as a shared

@@ -93,8 +93,9 @@ KVSHARE_AVX2 void fp32_to_q8_0_avx2(const float* src, void* dst, int64_t n) {
            v3 = _mm256_loadu_ps(x + 24);
     // A NaN makes the reference's sequential MAX order-dependent; such a block (never in
     // real activations) takes the scalar path so the bytes still agree.
-    const __m256 unordered = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(v0, v0, _CMP_UNORD_Q), _mm256_cmp_ps(v1, v1, _CMP_UNORD_Q)),
-                                          _mm256_or_ps(_mm256_cmp_ps(v2, v2, _CMP_UNORD_Q), _mm256_cmp_ps(v3, v3, _CMP_UNORD_Q)));
+    const __m256 unordered =
+        _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(v0, v0, _CMP_UNORD_Q), _mm256_cmp_ps(v1, v1, _CMP_UNORD_Q)),
+                     _mm256_or_ps(_mm256_cmp_ps(v2, v2, _CMP_UNORD_Q), _mm256_cmp_ps(v3, v3, _CMP_UNORD_Q)));
     if (!_mm256_testz_ps(unordered, unordered)) {
       fp32_to_q8_0_scalar(x, &blocks[b], blocks::kQK8_0);
       continue;

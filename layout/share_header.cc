@@ -44,9 +44,12 @@ std::string hex64(uint64_t value) { return fmt::format("{:#018x}", value); }
 
 std::string_view swa_type_name(SwaType type) {
   switch (type) {
-    case SwaType::none: return "none";
-    case SwaType::standard: return "standard";
-    case SwaType::chunked: return "chunked";
+    case SwaType::none:
+      return "none";
+    case SwaType::standard:
+      return "standard";
+    case SwaType::chunked:
+      return "chunked";
   }
   return "none";
 }
@@ -86,7 +89,8 @@ Json memory_json(const MemoryShape& m) {
     cj["v_width"] = c.v_width;
     Json layers = Json::array();
     for (const auto& l : c.layers)
-      layers.push_back(Json{{"il", l.il}, {"n_embd_k_gqa", l.n_embd_k_gqa}, {"n_embd_v_gqa", l.n_embd_v_gqa}, {"has_v", l.has_v}});
+      layers.push_back(
+          Json{{"il", l.il}, {"n_embd_k_gqa", l.n_embd_k_gqa}, {"n_embd_v_gqa", l.n_embd_v_gqa}, {"has_v", l.has_v}});
     cj["layers"] = std::move(layers);
     caches.push_back(std::move(cj));
   }
@@ -110,7 +114,8 @@ Json memory_json(const MemoryShape& m) {
 
 class Field {
  public:
-  Field(const Json& value, std::string path, std::string_view source) : value_(value), path_(std::move(path)), source_(source) {}
+  Field(const Json& value, std::string path, std::string_view source)
+      : value_(value), path_(std::move(path)), source_(source) {}
 
   const std::string& path() const { return path_; }
   const Json& json() const { return value_; }
@@ -124,8 +129,7 @@ class Field {
     if (!value_.is_object()) return error("is {}, expected an object", value_.type_name());
     auto it = value_.find(name);
     const std::string child = path_.empty() ? std::string(name) : path_ + "." + std::string(name);
-    if (it == value_.end())
-      return fail(EINVAL, "{}: field \"{}\" is missing", source_, child);
+    if (it == value_.end()) return fail(EINVAL, "{}: field \"{}\" is missing", source_, child);
     return Field(*it, child, source_);
   }
 
@@ -173,9 +177,12 @@ class Field {
     for (size_t i = 2; i < text->size(); ++i) {
       const char c = (*text)[i];
       int digit;
-      if (c >= '0' && c <= '9') digit = c - '0';
-      else if (c >= 'a' && c <= 'f') digit = c - 'a' + 10;
-      else return error("is \"{}\", expected lower-case hex digits", *text);
+      if (c >= '0' && c <= '9')
+        digit = c - '0';
+      else if (c >= 'a' && c <= 'f')
+        digit = c - 'a' + 10;
+      else
+        return error("is \"{}\", expected lower-case hex digits", *text);
       v = (v << 4) | static_cast<uint64_t>(digit);
     }
     return v;
@@ -199,10 +206,10 @@ class Field {
 };
 
 // Reads `name` of `parent` with `read` (a Field member function) into `out`.
-#define KVSHARE_FIELD(parent, name, read, out)                             \
-  do {                                                                     \
+#define KVSHARE_FIELD(parent, name, read, out)                              \
+  do {                                                                      \
     KVSHARE_TRY_ASSIGN(const Field& kvshare_field_, (parent).member(name)); \
-    KVSHARE_TRY_ASSIGN(out, kvshare_field_.read());                        \
+    KVSHARE_TRY_ASSIGN(out, kvshare_field_.read());                         \
   } while (0)
 
 // Declares `out`, the member `name` of `parent`.
@@ -257,7 +264,8 @@ Result<KvCacheShape> parse_kv_cache(const Field& f) {
   KVSHARE_CHILD(f, "role", role_field);
   auto role = role_field.as_string();
   if (!role) return fail(role.error());
-  if (*role != "kv" && *role != "base" && *role != "swa") return role_field.error("is \"{}\", expected kv, base or swa", *role);
+  if (*role != "kv" && *role != "base" && *role != "swa")
+    return role_field.error("is \"{}\", expected kv, base or swa", *role);
   c.role = *role;
   KVSHARE_FIELD(f, "kv_size", as_u32, c.kv_size);
   KVSHARE_FIELD(f, "n_stream", as_u32, c.n_stream);
@@ -332,7 +340,8 @@ Result<MemoryShape> parse_memory(const Field& f) {
   const bool iswa = m.kind == MemoryKind::kv_iswa || m.kind == MemoryKind::hybrid_iswa;
   const size_t want_caches = m.kind == MemoryKind::none || m.kind == MemoryKind::recurrent ? 0 : iswa ? 2 : 1;
   if (m.kv_caches.size() != want_caches)
-    return caches_field.error("has {} caches, memory of kind {} has {}", m.kv_caches.size(), memory_kind_name(m.kind), want_caches);
+    return caches_field.error("has {} caches, memory of kind {} has {}", m.kv_caches.size(), memory_kind_name(m.kind),
+                              want_caches);
   const bool want_recurrent =
       m.kind == MemoryKind::recurrent || m.kind == MemoryKind::hybrid || m.kind == MemoryKind::hybrid_iswa;
   if (m.recurrent.has_value() != want_recurrent)
@@ -347,7 +356,8 @@ Result<ShareChunk> parse_chunk(const Field& f) {
   KVSHARE_FIELD(f, "size_bytes", as_u64, c.size_bytes);
   KVSHARE_FIELD(f, "layout_hash", as_hex64, c.layout_hash);
   if (c.size_bytes < kShareAlign || c.size_bytes % kShareAlign != 0)
-    return f.error("has size_bytes {}, expected a multiple of {} of at least {}", c.size_bytes, kShareAlign, kShareAlign);
+    return f.error("has size_bytes {}, expected a multiple of {} of at least {}", c.size_bytes, kShareAlign,
+                   kShareAlign);
   return c;
 }
 
@@ -364,7 +374,8 @@ Result<GgmlType> parse_tensor_type(const Field& f) {
   if (!text) return fail(text.error());
   // Recurrent state is f32; caches hold what -ctk/-ctv accept.
   auto type = parse_cache_type(*text);
-  if (!type) return f.error("is \"{}\", not a cache type (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl)", *text);
+  if (!type)
+    return f.error("is \"{}\", not a cache type (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl)", *text);
   return *type;
 }
 
@@ -401,7 +412,8 @@ Result<SharedTensor> parse_tensor(const Field& f) {
   if (!is_row_aligned(t.type, t.ne[0]))
     return f.error("has ne[0] {}, not a multiple of {}'s block size", t.ne[0], ggml_type_name(t.type));
   const uint64_t row = ggml_row_size(t.type, t.ne[0]);
-  if (t.row_bytes != row) return f.error("has row_bytes {}, ggml_row_size({}, {}) is {}", t.row_bytes, ggml_type_name(t.type), t.ne[0], row);
+  if (t.row_bytes != row)
+    return f.error("has row_bytes {}, ggml_row_size({}, {}) is {}", t.row_bytes, ggml_type_name(t.type), t.ne[0], row);
   uint64_t total = row;
   for (size_t d = 1; d < 4; ++d) {
     if (__builtin_mul_overflow(total, static_cast<uint64_t>(t.ne[d]), &total) || total > kMaxTensorBytes)
@@ -418,7 +430,9 @@ Result<SharedTensor> parse_tensor(const Field& f) {
 std::string describe_value(const std::string& value) { return fmt::format("\"{}\"", value); }
 std::string describe_value(bool value) { return value ? "true" : "false"; }
 template <class T>
-std::string describe_value(const T& value) { return fmt::format("{}", value); }
+std::string describe_value(const T& value) {
+  return fmt::format("{}", value);
+}
 
 // Cross checks that need the whole document: every tensor in a chunk of its cache, each
 // cache's tensors agreeing with the cache's geometry, and the layout (chunking, offsets,
@@ -432,39 +446,44 @@ Result<void> check_consistency(const ShareHeader& h, std::string_view source) {
   for (size_t i = 0; i < h.layout.tensors.size(); ++i) {
     const SharedTensor& s = h.layout.tensors[i];
     const CacheTensor& t = s.tensor;
-    const auto where = [&](std::string_view field) { return fmt::format("{}: field \"tensors[{}].{}\" ({})", source, i, field, t.name); };
+    const auto where = [&](std::string_view field) {
+      return fmt::format("{}: field \"tensors[{}].{}\" ({})", source, i, field, t.name);
+    };
     if (s.cache_index >= n_objects)
       return fail(EINVAL, "{} is {}, the memory has {} cache objects", where("cache_index"), s.cache_index, n_objects);
     if (s.chunk >= h.layout.chunks.size())
       return fail(EINVAL, "{} is {}, the header has {} chunks", where("chunk"), s.chunk, h.layout.chunks.size());
     const ShareChunk& chunk = h.layout.chunks[s.chunk];
     if (chunk.cache_index != s.cache_index)
-      return fail(EINVAL, "{} is {}, which belongs to cache object {}, not {}", where("chunk"), s.chunk, chunk.cache_index,
-                  s.cache_index);
+      return fail(EINVAL, "{} is {}, which belongs to cache object {}, not {}", where("chunk"), s.chunk,
+                  chunk.cache_index, s.cache_index);
     if (s.offset > chunk.size_bytes || s.padded_bytes > chunk.size_bytes - s.offset)
-      return fail(EINVAL, "{} is {} with {} padded bytes, past the end of chunk {} ({} bytes)", where("offset"), s.offset,
-                  s.padded_bytes, s.chunk, chunk.size_bytes);
+      return fail(EINVAL, "{} is {} with {} padded bytes, past the end of chunk {} ({} bytes)", where("offset"),
+                  s.offset, s.padded_bytes, s.chunk, chunk.size_bytes);
     if (s.cache_index < h.memory.kv_caches.size()) {
       const KvCacheShape& cache = h.memory.kv_caches[s.cache_index];
       const bool is_k = t.kind == TensorKind::k;
-      if (!is_k && t.kind != TensorKind::v) return fail(EINVAL, "{} is \"{}\" in a KV cache", where("kind"), tensor_kind_name(t.kind));
+      if (!is_k && t.kind != TensorKind::v)
+        return fail(EINVAL, "{} is \"{}\" in a KV cache", where("kind"), tensor_kind_name(t.kind));
       if (t.type != (is_k ? cache.type_k : cache.type_v))
         return fail(EINVAL, "{} is \"{}\", its cache holds \"{}\"", where("type"), ggml_type_name(t.type),
                     ggml_type_name(is_k ? cache.type_k : cache.type_v));
       if (t.ne[1] != cache.kv_size || t.ne[2] != cache.n_stream || t.ne[3] != 1)
-        return fail(EINVAL, "{} is [{}, {}, {}, {}], its cache has kv_size {} and n_stream {}", where("ne"), t.ne[0], t.ne[1],
-                    t.ne[2], t.ne[3], cache.kv_size, cache.n_stream);
+        return fail(EINVAL, "{} is [{}, {}, {}, {}], its cache has kv_size {} and n_stream {}", where("ne"), t.ne[0],
+                    t.ne[1], t.ne[2], t.ne[3], cache.kv_size, cache.n_stream);
     } else {
       if (t.kind != TensorKind::r && t.kind != TensorKind::s)
         return fail(EINVAL, "{} is \"{}\" in the recurrent state", where("kind"), tensor_kind_name(t.kind));
-      if (t.type != GgmlType::F32) return fail(EINVAL, "{} is \"{}\", recurrent state is f32", where("type"), ggml_type_name(t.type));
+      if (t.type != GgmlType::F32)
+        return fail(EINVAL, "{} is \"{}\", recurrent state is f32", where("type"), ggml_type_name(t.type));
       if (t.ne[1] != h.memory.recurrent->rs_size || t.ne[2] != 1 || t.ne[3] != 1)
-        return fail(EINVAL, "{} is [{}, {}, {}, {}], the recurrent state has rs_size {}", where("ne"), t.ne[0], t.ne[1], t.ne[2],
-                    t.ne[3], h.memory.recurrent->rs_size);
+        return fail(EINVAL, "{} is [{}, {}, {}, {}], the recurrent state has rs_size {}", where("ne"), t.ne[0], t.ne[1],
+                    t.ne[2], t.ne[3], h.memory.recurrent->rs_size);
       // A row is one layer's state: its width is the layer's n_embd_r or n_embd_s (what a
       // provider engine sizes its writes by), so the two fields must agree.
       const auto& layers = h.memory.recurrent->layers;
-      const auto layer = std::find_if(layers.begin(), layers.end(), [&](const RecurrentLayer& l) { return l.il == t.layer; });
+      const auto layer =
+          std::find_if(layers.begin(), layers.end(), [&](const RecurrentLayer& l) { return l.il == t.layer; });
       if (layer == layers.end())
         return fail(EINVAL, "{} is {}, not a layer of \"memory.recurrent.layers\"", where("layer"), t.layer);
       const bool is_r = t.kind == TensorKind::r;
@@ -474,8 +493,8 @@ Result<void> check_consistency(const ShareHeader& h, std::string_view source) {
                     layer - layers.begin(), is_r ? "n_embd_r" : "n_embd_s", width);
     }
     if (i > 0 && s.cache_index < h.layout.tensors[i - 1].cache_index)
-      return fail(EINVAL, "{} is {} after cache object {}: tensors must be in fd order", where("cache_index"), s.cache_index,
-                  h.layout.tensors[i - 1].cache_index);
+      return fail(EINVAL, "{} is {} after cache object {}: tensors must be in fd order", where("cache_index"),
+                  s.cache_index, h.layout.tensors[i - 1].cache_index);
   }
 
   // Rebuild the cache objects' tensor lists and recompute the layout the decoder would use.
@@ -483,8 +502,10 @@ Result<void> check_consistency(const ShareHeader& h, std::string_view source) {
   for (auto& cache : memory.kv_caches) cache.tensors.clear();
   if (memory.recurrent) memory.recurrent->tensors.clear();
   for (const SharedTensor& s : h.layout.tensors) {
-    if (s.cache_index < memory.kv_caches.size()) memory.kv_caches[s.cache_index].tensors.push_back(s.tensor);
-    else memory.recurrent->tensors.push_back(s.tensor);
+    if (s.cache_index < memory.kv_caches.size())
+      memory.kv_caches[s.cache_index].tensors.push_back(s.tensor);
+    else
+      memory.recurrent->tensors.push_back(s.tensor);
   }
   const ShareLayout expected = share_layout(memory);
   if (expected.chunks.size() != h.layout.chunks.size())
@@ -494,27 +515,32 @@ Result<void> check_consistency(const ShareHeader& h, std::string_view source) {
     const ShareChunk& got = h.layout.chunks[c];
     const ShareChunk& want = expected.chunks[c];
     if (got.cache_index != want.cache_index)
-      return fail(EINVAL, "{}: field \"chunks[{}].cache_index\" is {}, its tensors make {}", source, c, got.cache_index, want.cache_index);
+      return fail(EINVAL, "{}: field \"chunks[{}].cache_index\" is {}, its tensors make {}", source, c, got.cache_index,
+                  want.cache_index);
     if (got.size_bytes != want.size_bytes)
-      return fail(EINVAL, "{}: field \"chunks[{}].size_bytes\" is {}, its tensors make {}", source, c, got.size_bytes, want.size_bytes);
+      return fail(EINVAL, "{}: field \"chunks[{}].size_bytes\" is {}, its tensors make {}", source, c, got.size_bytes,
+                  want.size_bytes);
     if (got.layout_hash != want.layout_hash)
-      return fail(EINVAL, "{}: field \"chunks[{}].layout_hash\" is {}, its tensors hash to {}", source, c, hex64(got.layout_hash),
-                  hex64(want.layout_hash));
+      return fail(EINVAL, "{}: field \"chunks[{}].layout_hash\" is {}, its tensors hash to {}", source, c,
+                  hex64(got.layout_hash), hex64(want.layout_hash));
   }
   for (size_t i = 0; i < expected.tensors.size(); ++i) {
     const SharedTensor& got = h.layout.tensors[i];
     const SharedTensor& want = expected.tensors[i];
     if (got.chunk != want.chunk || got.offset != want.offset || got.padded_bytes != want.padded_bytes)
-      return fail(EINVAL, "{}: field \"tensors[{}]\" ({}) is at chunk {} offset {} ({} padded bytes), the layout puts it at "
-                  "chunk {} offset {} ({} bytes)", source, i, got.tensor.name, got.chunk, got.offset, got.padded_bytes,
-                  want.chunk, want.offset, want.padded_bytes);
+      return fail(EINVAL,
+                  "{}: field \"tensors[{}]\" ({}) is at chunk {} offset {} ({} padded bytes), the layout puts it at "
+                  "chunk {} offset {} ({} bytes)",
+                  source, i, got.tensor.name, got.chunk, got.offset, got.padded_bytes, want.chunk, want.offset,
+                  want.padded_bytes);
   }
   return {};
 }
 
 Result<ShareHeader> parse_document(const Json& root, std::string_view source) {
   const Field top(root, "", source);
-  if (!root.is_object()) return fail(EINVAL, "{}: the document is {}, expected a JSON object", source, root.type_name());
+  if (!root.is_object())
+    return fail(EINVAL, "{}: the document is {}, expected a JSON object", source, root.type_name());
   ShareHeader h;
   std::string format;
   {
@@ -522,7 +548,8 @@ Result<ShareHeader> parse_document(const Json& root, std::string_view source) {
     if (!f) return fail(f.error());
     auto v = f->as_string();
     if (!v) return fail(v.error());
-    if (*v != kFormatName) return f->error("is \"{}\", expected \"{}\" (is this a kvshare layout header?)", *v, kFormatName);
+    if (*v != kFormatName)
+      return f->error("is \"{}\", expected \"{}\" (is this a kvshare layout header?)", *v, kFormatName);
   }
   {
     auto f = top.member("format_version");
@@ -531,7 +558,8 @@ Result<ShareHeader> parse_document(const Json& root, std::string_view source) {
     if (!v) return fail(v.error());
     if (*v == 0) return f->error("is 0, versions start at 1");
     if (*v > ShareHeader::kFormatVersion)
-      return f->error("is {}, newer than this reader ({}): update kvshare on this side", *v, ShareHeader::kFormatVersion);
+      return f->error("is {}, newer than this reader ({}): update kvshare on this side", *v,
+                      ShareHeader::kFormatVersion);
     h.format_version = *v;
   }
   auto model_field = top.member("model");
@@ -570,8 +598,10 @@ Result<ShareHeader> parse_document(const Json& root, std::string_view source) {
   if (auto consistent = check_consistency(h, source); !consistent) return fail(consistent.error());
   // The cache objects carry their tensors too, as derive_memory_shape made them.
   for (const SharedTensor& s : h.layout.tensors) {
-    if (s.cache_index < h.memory.kv_caches.size()) h.memory.kv_caches[s.cache_index].tensors.push_back(s.tensor);
-    else h.memory.recurrent->tensors.push_back(s.tensor);
+    if (s.cache_index < h.memory.kv_caches.size())
+      h.memory.kv_caches[s.cache_index].tensors.push_back(s.tensor);
+    else
+      h.memory.recurrent->tensors.push_back(s.tensor);
   }
   return h;
 }
@@ -612,7 +642,8 @@ ModelFingerprint model_fingerprint(const GgufMetadata& metadata, const std::vect
     if (auto n = metadata.get_u32(fp.arch + ".block_count")) fp.n_layer = *n;
     if (auto n = metadata.get_u32(fp.arch + ".embedding_length")) fp.n_embd = *n;
   }
-  if (auto tokens = metadata.get_array("tokenizer.ggml.tokens")) fp.n_vocab = static_cast<uint32_t>((*tokens)->elements.size());
+  if (auto tokens = metadata.get_array("tokenizer.ggml.tokens"))
+    fp.n_vocab = static_cast<uint32_t>((*tokens)->elements.size());
   uint64_t hash = kFnvBasis;
   for (const GgufTensorInfo& t : tensors) {
     hash = fnv_le(hash, t.name.size(), 8);
@@ -646,7 +677,8 @@ std::string to_json(const ShareHeader& header, bool pretty) {
   j["memory"] = memory_json(header.memory);
   Json chunks = Json::array();
   for (const auto& c : header.layout.chunks)
-    chunks.push_back(Json{{"cache_index", c.cache_index}, {"size_bytes", c.size_bytes}, {"layout_hash", hex64(c.layout_hash)}});
+    chunks.push_back(
+        Json{{"cache_index", c.cache_index}, {"size_bytes", c.size_bytes}, {"layout_hash", hex64(c.layout_hash)}});
   j["chunks"] = std::move(chunks);
   Json tensors = Json::array();
   for (const auto& s : header.layout.tensors) {
@@ -669,7 +701,8 @@ std::string to_json(const ShareHeader& header, bool pretty) {
 
 Result<ShareHeader> parse_share_header(std::string_view json, std::string_view source) {
   if (json.size() > kMaxHeaderBytes)
-    return fail(EMSGSIZE, "{}: layout header is {} bytes, more than the {} a header may have", source, json.size(), kMaxHeaderBytes);
+    return fail(EMSGSIZE, "{}: layout header is {} bytes, more than the {} a header may have", source, json.size(),
+                kMaxHeaderBytes);
   if (const int depth = json_nesting_depth(json); depth > kMaxDepth)
     return fail(EINVAL, "{}: layout header nests {} levels deep, at most {} are allowed", source, depth, kMaxDepth);
   Json root;
@@ -703,7 +736,8 @@ Result<void> check_compatible(const ShareHeader& ours, const ShareHeader& theirs
   if (theirs.params.n_seq_max > 1 || ours.params.n_seq_max > 1)
     cmp.field("params.kv_unified", theirs.params.kv_unified, ours.params.kv_unified);
   cmp.field("params.swa_full", theirs.params.swa_full, ours.params.swa_full);
-  cmp.field("memory.kind", std::string(memory_kind_name(theirs.memory.kind)), std::string(memory_kind_name(ours.memory.kind)));
+  cmp.field("memory.kind", std::string(memory_kind_name(theirs.memory.kind)),
+            std::string(memory_kind_name(ours.memory.kind)));
   cmp.field("memory.n_ctx", theirs.memory.n_ctx, ours.memory.n_ctx);
   cmp.field("memory.n_ctx_seq", theirs.memory.n_ctx_seq, ours.memory.n_ctx_seq);
   cmp.field("memory.n_pos_per_embd", theirs.memory.n_pos_per_embd, ours.memory.n_pos_per_embd);
@@ -723,12 +757,15 @@ Result<void> check_compatible(const ShareHeader& ours, const ShareHeader& theirs
   cmp.field("memory.recurrent", theirs.memory.recurrent.has_value(), ours.memory.recurrent.has_value());
   if (theirs.memory.recurrent && ours.memory.recurrent) {
     cmp.field("memory.recurrent.rs_size", theirs.memory.recurrent->rs_size, ours.memory.recurrent->rs_size);
-    cmp.field("memory.recurrent.layers.size", theirs.memory.recurrent->layers.size(), ours.memory.recurrent->layers.size());
+    cmp.field("memory.recurrent.layers.size", theirs.memory.recurrent->layers.size(),
+              ours.memory.recurrent->layers.size());
   }
   cmp.field("chunks.size", theirs.layout.chunks.size(), ours.layout.chunks.size());
   for (size_t c = 0; c < std::min(theirs.layout.chunks.size(), ours.layout.chunks.size()); ++c) {
-    cmp.field(fmt::format("chunks[{}].size_bytes", c), theirs.layout.chunks[c].size_bytes, ours.layout.chunks[c].size_bytes);
-    cmp.hash_field(fmt::format("chunks[{}].layout_hash", c), theirs.layout.chunks[c].layout_hash, ours.layout.chunks[c].layout_hash);
+    cmp.field(fmt::format("chunks[{}].size_bytes", c), theirs.layout.chunks[c].size_bytes,
+              ours.layout.chunks[c].size_bytes);
+    cmp.hash_field(fmt::format("chunks[{}].layout_hash", c), theirs.layout.chunks[c].layout_hash,
+                   ours.layout.chunks[c].layout_hash);
   }
   cmp.field("tensors.size", theirs.layout.tensors.size(), ours.layout.tensors.size());
   for (size_t i = 0; i < std::min(theirs.layout.tensors.size(), ours.layout.tensors.size()); ++i) {

@@ -21,9 +21,9 @@ namespace kvshare::layout {
 
 // What identifies "the same model" across two processes without reading weights.
 struct ModelFingerprint {
-  std::string arch;           // general.architecture
-  std::string name;           // general.name, "" when absent
-  uint32_t n_layer = 0;       // block_count
+  std::string arch;      // general.architecture
+  std::string name;      // general.name, "" when absent
+  uint32_t n_layer = 0;  // block_count
   uint32_t n_embd = 0;
   uint32_t n_vocab = 0;       // tokenizer.ggml.tokens count, 0 when absent
   uint64_t tensors_hash = 0;  // FNV-1a over every tensor info (name, type, ne), in file order
@@ -37,8 +37,8 @@ struct ShareHeader {
   uint32_t format_version = kFormatVersion;
   ModelFingerprint model;
   KvParams params;
-  MemoryShape memory;   // the cache objects (kv_size, n_stream, types, v_trans, layers)
-  ShareLayout layout;   // chunks and tensor placements, fd order
+  MemoryShape memory;  // the cache objects (kv_size, n_stream, types, v_trans, layers)
+  ShareLayout layout;  // chunks and tensor placements, fd order
 };
 
 // Builds the header for a model and params (derives memory shape and share_layout).

@@ -31,13 +31,13 @@ struct SharedTensor {
 
 struct ShareChunk {
   uint32_t cache_index = 0;
-  uint64_t size_bytes = 0;    // >= 4096, a multiple of 4096
+  uint64_t size_bytes = 0;  // >= 4096, a multiple of 4096
   uint64_t layout_hash = 0;
 };
 
 struct ShareLayout {
-  std::vector<ShareChunk> chunks;      // fd order: per cache object, per chunk
-  std::vector<SharedTensor> tensors;   // creation order
+  std::vector<ShareChunk> chunks;     // fd order: per cache object, per chunk
+  std::vector<SharedTensor> tensors;  // creation order
   uint64_t total_bytes() const;
   const SharedTensor* find(std::string_view name) const;
   // The K or V (or R/S) tensor of layer il in the given cache object; nullptr if none.

@@ -9,19 +9,22 @@
 namespace kvshare::layout {
 namespace {
 
-constexpr uint64_t kKvCellBytes = 12;       // pos, n_seq_id, one seq id
-constexpr uint64_t kCellExtBytesV2 = 8;     // llama_kv_cell_ext {x, y}
-constexpr uint64_t kCellExtBytesV3 = 12;    // llama_kv_cell_ext {x, y, tok}
-constexpr uint64_t kRecurrentCellBytes = 8; // pos, n_seq_id = 0
+constexpr uint64_t kKvCellBytes = 12;        // pos, n_seq_id, one seq id
+constexpr uint64_t kCellExtBytesV2 = 8;      // llama_kv_cell_ext {x, y}
+constexpr uint64_t kCellExtBytesV3 = 12;     // llama_kv_cell_ext {x, y, tok}
+constexpr uint64_t kRecurrentCellBytes = 8;  // pos, n_seq_id = 0
 
 // llama_hparams::is_masked_swa for the window types a KvCacheShape can carry. n_swa 0 masks
 // nothing (a non-SWA cache).
 bool is_masked_swa(uint32_t n_swa, SwaType swa_type, int64_t p0, int64_t p1) {
   if (n_swa == 0) return false;
   switch (swa_type) {
-    case SwaType::none: return false;
-    case SwaType::standard: return p1 - p0 >= static_cast<int64_t>(n_swa);
-    case SwaType::chunked: return p0 < (p1 / n_swa) * static_cast<int64_t>(n_swa);
+    case SwaType::none:
+      return false;
+    case SwaType::standard:
+      return p1 - p0 >= static_cast<int64_t>(n_swa);
+    case SwaType::chunked:
+      return p0 < (p1 / n_swa) * static_cast<int64_t>(n_swa);
   }
   return false;
 }
@@ -44,8 +47,8 @@ Result<StateSection> plan_row_section(TensorKind kind, uint32_t il, GgmlType typ
   section.n_embd = n_embd;
   section.is_transposed = transposed;
   // Mirrors state_write_data: a transposed V row is n_embd elements of type_size bytes.
-  section.row_bytes = transposed ? static_cast<uint64_t>(ggml_traits(type).type_size) * n_embd
-                                 : ggml_row_size(type, n_embd);
+  section.row_bytes =
+      transposed ? static_cast<uint64_t>(ggml_traits(type).type_size) * n_embd : ggml_row_size(type, n_embd);
   section.n_rows = n_rows;
   return section;
 }
@@ -155,7 +158,7 @@ void put_section_header(std::vector<std::byte>& out, const StateSection& section
 struct ParseError {
   Error error;
   uint64_t offset = 0;
-  bool is_kv_cell_value = false;  // a KV cell's pos or n_seq_id is out of range
+  bool is_kv_cell_value = false;      // a KV cell's pos or n_seq_id is out of range
   bool is_recurrent_section = false;  // inspect mode: an R/S section of a recurrent block is bad
 };
 
@@ -177,10 +180,10 @@ class Cursor {
 
   template <class... Args>
   tl::unexpected<ParseError> error_at(uint64_t offset, fmt::format_string<Args...> format, Args&&... args) const {
-    return tl::unexpected<ParseError>(ParseError{
-        Error(EINVAL, fmt::format("state file {}: {} (offset {})", name_,
-                                  fmt::format(format, std::forward<Args>(args)...), offset)),
-        offset});
+    return tl::unexpected<ParseError>(
+        ParseError{Error(EINVAL, fmt::format("state file {}: {} (offset {})", name_,
+                                             fmt::format(format, std::forward<Args>(args)...), offset)),
+                   offset});
   }
 
   template <class T>
@@ -207,7 +210,6 @@ class Cursor {
   std::string_view name_;
   uint64_t pos_ = 0;
 };
-
 
 // Expectations for one section when a memory shape is given.
 struct SectionExpect {
@@ -238,8 +240,8 @@ ParseResult<StateSection> parse_section(Cursor& in, std::string_view role, Tenso
   if (!traits) return in.error_at(section.header_offset, "{} type is {}, not a ggml type", label, type_id);
   section.type = static_cast<GgmlType>(type_id);
   if (expect && section.type != expect->type)
-    return in.error_at(section.header_offset, "{} type is {} ({}), layout says {} ({})", label, type_id,
-                       traits->name, static_cast<int32_t>(expect->type), ggml_type_name(expect->type));
+    return in.error_at(section.header_offset, "{} type is {} ({}), layout says {} ({})", label, type_id, traits->name,
+                       static_cast<int32_t>(expect->type), ggml_type_name(expect->type));
 
   if (transposed) {
     const uint64_t el_offset = in.pos();
@@ -285,7 +287,8 @@ ParseResult<std::vector<StateSection>> parse_sections(Cursor& in, std::string_vi
   // Each section takes at least its 12-byte header: bound the reservation by the file.
   sections.reserve(std::min<uint64_t>(count, in.remaining() / kStateSectionHeaderBytes));
   for (uint32_t i = 0; i < count; ++i) {
-    KVSHARE_TRY_ASSIGN(auto section, parse_section(in, role, kind, i, transposed, n_rows, expect ? &(*expect)[i] : nullptr));
+    KVSHARE_TRY_ASSIGN(auto section,
+                       parse_section(in, role, kind, i, transposed, n_rows, expect ? &(*expect)[i] : nullptr));
     sections.push_back(section);
   }
   return sections;
@@ -328,8 +331,8 @@ ParseResult<StateBlock> parse_kv_block(Cursor& in, std::string role, bool mrope,
       continue;
     }
     if (expect && cell_count > expect->kv_size)
-      return in.error_at(stream.offset, "{} cell_count {} exceeds the cache's kv_size of {} cells", where,
-                         cell_count, expect->kv_size);
+      return in.error_at(stream.offset, "{} cell_count {} exceeds the cache's kv_size of {} cells", where, cell_count,
+                         expect->kv_size);
 
     stream.cells_offset = in.pos();
     stream.cell_record_bytes = kv_cell_record_bytes(version, mrope);
@@ -382,11 +385,12 @@ ParseResult<StateBlock> parse_kv_block(Cursor& in, std::string role, bool mrope,
     stream.n_layer = n_layer;
 
     KVSHARE_TRY_ASSIGN(auto k_sections, parse_sections(in, block.role, TensorKind::k, n_layer, false, cell_count,
-                                       expect ? &k_expect : nullptr));
+                                                       expect ? &k_expect : nullptr));
     stream.sections = std::move(k_sections);
     if (expect) {
-      KVSHARE_TRY_ASSIGN(auto v_sections, parse_sections(in, block.role, TensorKind::v, static_cast<uint32_t>(v_expect.size()),
-                                         stream.is_transposed, cell_count, &v_expect));
+      KVSHARE_TRY_ASSIGN(auto v_sections,
+                         parse_sections(in, block.role, TensorKind::v, static_cast<uint32_t>(v_expect.size()),
+                                        stream.is_transposed, cell_count, &v_expect));
       stream.sections.insert(stream.sections.end(), v_sections.begin(), v_sections.end());
     } else {
       // Without a shape, V is one section per layer, or none at all (MLA caches).
@@ -426,8 +430,8 @@ ParseResult<StateSection> parse_recurrent_section(Cursor& in, uint32_t ordinal, 
   if (*type_id != static_cast<int32_t>(GgmlType::F32)) {
     const auto traits = ggml_type_traits(*type_id);
     return recurrent_section_error(in.error_at(section.header_offset,
-                                               "{} type is {} ({}), llama.cpp writes recurrent state as f32 (0)",
-                                               label, *type_id, traits ? traits->name : "not a ggml type"));
+                                               "{} type is {} ({}), llama.cpp writes recurrent state as f32 (0)", label,
+                                               *type_id, traits ? traits->name : "not a ggml type"));
   }
   section.type = GgmlType::F32;
   const uint64_t row_offset = in.pos();
@@ -481,8 +485,8 @@ ParseResult<std::vector<StateSection>> parse_recurrent_sections(Cursor& in, uint
           section.header_offset + 4,
           "recurrent section {} ({} of recurrent layer {}) row size is {} bytes, section {} has {}: llama.cpp writes "
           "every {} row with one size ({})",
-          i, is_r ? "R" : "S", section.il, section.row_bytes, is_r ? 0 : n_recurrent, first.row_bytes,
-          is_r ? "R" : "S", is_r ? "n_embd_r" : "n_embd_s"));
+          i, is_r ? "R" : "S", section.il, section.row_bytes, is_r ? 0 : n_recurrent, first.row_bytes, is_r ? "R" : "S",
+          is_r ? "n_embd_r" : "n_embd_s"));
   }
   return run;
 }
@@ -530,14 +534,16 @@ ParseResult<StateBlock> parse_recurrent_block(Cursor& in, const RecurrentShape* 
   if (expect) {
     std::vector<SectionExpect> r_expect, s_expect;
     for (const auto& layer : expect->layers) {
-      r_expect.push_back({TensorKind::r, layer.il, tensor_type_or(expect->tensors, TensorKind::r, layer.il, GgmlType::F32),
-                          layer.n_embd_r});
-      s_expect.push_back({TensorKind::s, layer.il, tensor_type_or(expect->tensors, TensorKind::s, layer.il, GgmlType::F32),
-                          layer.n_embd_s});
+      r_expect.push_back({TensorKind::r, layer.il,
+                          tensor_type_or(expect->tensors, TensorKind::r, layer.il, GgmlType::F32), layer.n_embd_r});
+      s_expect.push_back({TensorKind::s, layer.il,
+                          tensor_type_or(expect->tensors, TensorKind::s, layer.il, GgmlType::F32), layer.n_embd_s});
     }
     const auto count = static_cast<uint32_t>(r_expect.size());
-    KVSHARE_TRY_ASSIGN(auto r_sections, parse_sections(in, "recurrent", TensorKind::r, count, false, cell_count, &r_expect));
-    KVSHARE_TRY_ASSIGN(auto s_sections, parse_sections(in, "recurrent", TensorKind::s, count, false, cell_count, &s_expect));
+    KVSHARE_TRY_ASSIGN(auto r_sections,
+                       parse_sections(in, "recurrent", TensorKind::r, count, false, cell_count, &r_expect));
+    KVSHARE_TRY_ASSIGN(auto s_sections,
+                       parse_sections(in, "recurrent", TensorKind::s, count, false, cell_count, &s_expect));
     stream.sections = std::move(r_sections);
     stream.sections.insert(stream.sections.end(), s_sections.begin(), s_sections.end());
   } else {
@@ -556,12 +562,18 @@ struct BlockPlan {
 
 BlockPlan blocks_of_kind(MemoryKind kind) {
   switch (kind) {
-    case MemoryKind::none: return {{}, false};
-    case MemoryKind::kv: return {{"kv"}, false};
-    case MemoryKind::kv_iswa: return {{"base", "swa"}, false};
-    case MemoryKind::recurrent: return {{}, true};
-    case MemoryKind::hybrid: return {{"kv"}, true};
-    case MemoryKind::hybrid_iswa: return {{"base", "swa"}, true};
+    case MemoryKind::none:
+      return {{}, false};
+    case MemoryKind::kv:
+      return {{"kv"}, false};
+    case MemoryKind::kv_iswa:
+      return {{"base", "swa"}, false};
+    case MemoryKind::recurrent:
+      return {{}, true};
+    case MemoryKind::hybrid:
+      return {{"kv"}, true};
+    case MemoryKind::hybrid_iswa:
+      return {{"base", "swa"}, true};
   }
   return {};
 }
@@ -576,7 +588,8 @@ ParseResult<StateLayout> parse_memory(std::span<const std::byte> file, std::stri
   layout.has_mrope_cells = mrope;
   if (expect) {
     for (const auto& cache : expect->kv_caches) {
-      KVSHARE_TRY_ASSIGN(auto block, parse_kv_block(in, cache.role.empty() ? "kv" : cache.role, mrope, layout.version, &cache));
+      KVSHARE_TRY_ASSIGN(auto block,
+                         parse_kv_block(in, cache.role.empty() ? "kv" : cache.role, mrope, layout.version, &cache));
       layout.blocks.push_back(std::move(block));
     }
     if (expect->recurrent) {
@@ -640,8 +653,8 @@ Result<void> decode_token_form(std::span<const std::byte> file, StateLayout& lay
   auto packing = take_u32("the packing version");
   if (!packing) return fail(packing.error());
   if (*packing != kServerTokensStateVersion)
-    return bad(off - 4, fmt::format("packing version is {}, llama-server writes {}", *packing,
-                                    kServerTokensStateVersion));
+    return bad(off - 4,
+               fmt::format("packing version is {}, llama-server writes {}", *packing, kServerTokensStateVersion));
   auto n_ids = take_u32("the id count");
   if (!n_ids) return fail(n_ids.error());
   if (*n_ids > (end - off) / 4)
@@ -651,19 +664,18 @@ Result<void> decode_token_form(std::span<const std::byte> file, StateLayout& lay
   off += uint64_t{4} * *n_ids;
   auto n_keys = take_u32("the media-key count");
   if (!n_keys) return fail(n_keys.error());
-  if (*n_keys > (end - off) / 4)
-    return bad(off - 4, fmt::format("{} media keys do not fit the token words", *n_keys));
+  if (*n_keys > (end - off) / 4) return bad(off - 4, fmt::format("{} media keys do not fit the token words", *n_keys));
   const uint64_t keys_offset = off;
   off += uint64_t{4} * *n_keys;
   for (uint32_t i = 0; i < *n_keys; ++i) {
     if (word_at(keys_offset + uint64_t{4} * i) >= *n_ids)
-      return bad(keys_offset + uint64_t{4} * i, fmt::format("media key {} is {}, past the {} ids", i,
-                                                            word_at(keys_offset + uint64_t{4} * i), *n_ids));
+      return bad(keys_offset + uint64_t{4} * i,
+                 fmt::format("media key {} is {}, past the {} ids", i, word_at(keys_offset + uint64_t{4} * i), *n_ids));
     auto n_bytes = take_u32(fmt::format("media chunk {} size", i));
     if (!n_bytes) return fail(n_bytes.error());
     if (*n_bytes == 0 || *n_bytes > end - off)
-      return bad(off - 4, fmt::format("media chunk {} has {} bytes, {} left in the token words", i, *n_bytes,
-                                      end - off));
+      return bad(off - 4,
+                 fmt::format("media chunk {} has {} bytes, {} left in the token words", i, *n_bytes, end - off));
     off += *n_bytes;
   }
   // The writer pads to whole words; a whole word more is data llama-server refuses.
@@ -688,7 +700,8 @@ uint32_t kv_cell_record_bytes(uint32_t version, bool has_mrope_cells) {
 
 Result<void> check_state_version(uint32_t version, std::string_view what) {
   if (is_known_state_version(version)) return {};
-  return fail(EINVAL, "{}: state file version {} is unknown; llama.cpp writes version {} (llama-server before the "
+  return fail(EINVAL,
+              "{}: state file version {} is unknown; llama.cpp writes version {} (llama-server before the "
               "cell token extension, e.g. d32676d) or {} (current llama-server)",
               what, version, kStateSeqVersion2, kStateSeqVersion3);
 }
@@ -724,8 +737,7 @@ void assign_state_offsets(StateLayout& layout) {
   layout.content_bytes = off;
 }
 
-Result<StateLayout> plan_state_layout(const MemoryShape& shape, uint32_t n_token, uint32_t n_cells,
-                                      uint32_t version) {
+Result<StateLayout> plan_state_layout(const MemoryShape& shape, uint32_t n_token, uint32_t n_cells, uint32_t version) {
   if (auto known = check_state_version(version, "plan"); !known) return fail(known.error());
   if (n_cells > static_cast<uint32_t>(std::numeric_limits<int32_t>::max()))
     return fail(EINVAL, "{} cells: positions must fit llama_pos (int32)", n_cells);
@@ -829,8 +841,8 @@ Result<StateLayout> decode_state_layout(std::span<const std::byte> file, const M
   auto version = in.take<uint32_t>("version");
   if (!version) return as_result(version.error());
   if (!is_known_state_version(*version))
-    return fail(EINVAL, "state file {}: version is {}, this reader knows versions {} and {} (offset 4)", name,
-                *version, kStateSeqVersion2, kStateSeqVersion3);
+    return fail(EINVAL, "state file {}: version is {}, this reader knows versions {} and {} (offset 4)", name, *version,
+                kStateSeqVersion2, kStateSeqVersion3);
   auto n_token = in.take<uint32_t>("n_token");
   if (!n_token) return as_result(n_token.error());
   if (auto tokens = in.skip(*n_token, 4, fmt::format("the {} token ids", *n_token)); !tokens)
@@ -876,7 +888,8 @@ Result<StateLayout> decode_state_layout(std::span<const std::byte> file, const M
       if (!best || layout->trailing_bytes < best->trailing_bytes) best = std::move(*layout);
     }
   }
-  if (best && recurrent_section && recurrent_section->offset > best->content_bytes) return as_result(*recurrent_section);
+  if (best && recurrent_section && recurrent_section->offset > best->content_bytes)
+    return as_result(*recurrent_section);
   if (best && (best->memory_kind != MemoryKind::none || !furthest)) return std::move(*best);
   if (furthest) return as_result(*furthest);
   return std::move(*best);
@@ -896,18 +909,19 @@ Result<uint32_t> peek_state_version(std::span<const std::byte> head, std::string
   std::memcpy(&magic, head.data(), 4);
   std::memcpy(&version, head.data() + 4, 4);
   if (magic != kStateSeqMagic)
-    return fail(EINVAL, "state file {}: magic is {:#010x}, a sequence state file has {:#010x} (offset 0)", name,
-                magic, kStateSeqMagic);
-  if (auto known = check_state_version(version, fmt::format("state file {}", name)); !known)
-    return fail(known.error());
+    return fail(EINVAL, "state file {}: magic is {:#010x}, a sequence state file has {:#010x} (offset 0)", name, magic,
+                kStateSeqMagic);
+  if (auto known = check_state_version(version, fmt::format("state file {}", name)); !known) return fail(known.error());
   return version;
 }
 
 Result<void> set_state_version(StateLayout& layout, uint32_t version) {
   if (auto known = check_state_version(version, "set_state_version"); !known) return known;
   if (layout.n_media > 0 && version < kStateSeqVersion3)
-    return fail(EINVAL, "the prompt holds {} media chunks (images or audio), which a version {} decoder cannot "
-                "restore", layout.n_media, version);
+    return fail(EINVAL,
+                "the prompt holds {} media chunks (images or audio), which a version {} decoder cannot "
+                "restore",
+                layout.n_media, version);
   layout.version = version;
   if (layout.token_form == StateTokenForm::server_packed && version < kStateSeqVersion3) {
     layout.token_form = StateTokenForm::ids;
@@ -984,12 +998,12 @@ MemoryShape memory_shape_from_layout(const StateLayout& layout) {
 }
 
 std::string describe_state_layout(const StateLayout& layout) {
-  std::string out = fmt::format("version {}, {}{}, {} tokens{}", layout.version, memory_kind_name(layout.memory_kind),
-                                layout.has_mrope_cells ? " (M-RoPE cells)" : "", layout.n_prompt_ids,
-                                layout.token_form == StateTokenForm::server_packed
-                                    ? fmt::format(" (packed by llama-server in {} token words, {} media chunks)",
-                                                  layout.n_token, layout.n_media)
-                                    : std::string());
+  std::string out = fmt::format(
+      "version {}, {}{}, {} tokens{}", layout.version, memory_kind_name(layout.memory_kind),
+      layout.has_mrope_cells ? " (M-RoPE cells)" : "", layout.n_prompt_ids,
+      layout.token_form == StateTokenForm::server_packed
+          ? fmt::format(" (packed by llama-server in {} token words, {} media chunks)", layout.n_token, layout.n_media)
+          : std::string());
   for (const auto& block : layout.blocks) {
     const StateStream* stream = block.filled_stream();
     if (!stream) {

@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "layout/error.h"
-#include "layout/tensor_type.h"
 #include "layout/memory_shape.h"
+#include "layout/tensor_type.h"
 
 namespace kvshare::layout {
 
@@ -33,8 +33,8 @@ inline bool is_known_state_version(uint32_t version) {
 }
 // Fails (EINVAL) naming `what` unless `version` is 2 or 3.
 Result<void> check_state_version(uint32_t version, std::string_view what);
-inline constexpr uint64_t kStateHeaderBytes = 12;        // magic, version, n_token
-inline constexpr uint64_t kStateSectionHeaderBytes = 12; // type + u64 row size, or type + el size + n_embd
+inline constexpr uint64_t kStateHeaderBytes = 12;         // magic, version, n_token
+inline constexpr uint64_t kStateSectionHeaderBytes = 12;  // type + u64 row size, or type + el size + n_embd
 
 enum class StateBlockKind : uint8_t { kv, recurrent };
 
@@ -43,27 +43,27 @@ enum class StateBlockKind : uint8_t { kv, recurrent };
 struct StateCell {
   int32_t pos = 0;
   uint32_t n_seq_id = 1;
-  int32_t ext_x = 0;   // M-RoPE cells only (llama_kv_cell_ext): text tokens carry x = y = pos
+  int32_t ext_x = 0;  // M-RoPE cells only (llama_kv_cell_ext): text tokens carry x = y = pos
   int32_t ext_y = 0;
   int32_t ext_tok = -1;  // version 3 only: the cell's token id (LLAMA_TOKEN_NULL = -1 for none)
-  int32_t seq_id = 0;  // meaningful when n_seq_id == 1
+  int32_t seq_id = 0;    // meaningful when n_seq_id == 1
   friend bool operator==(const StateCell&, const StateCell&) = default;
 };
 
 // One per-layer run of rows: K or V of a KV block, R or S of a recurrent block.
 struct StateSection {
   TensorKind kind = TensorKind::k;
-  uint32_t il = 0;              // model layer (from the shape); inspect mode: the ordinal,
-                                // counted on across KV blocks (SWA layers follow base layers),
-                                // and among the recurrent layers for R/S (not in the file)
+  uint32_t il = 0;  // model layer (from the shape); inspect mode: the ordinal,
+                    // counted on across KV blocks (SWA layers follow base layers),
+                    // and among the recurrent layers for R/S (not in the file)
   GgmlType type = GgmlType::F16;
-  uint32_t n_embd = 0;          // elements per cell (n_embd_k_gqa, n_embd_v_gqa, n_embd_r, n_embd_s)
-  bool is_transposed = false;   // V with v_trans: header is type, u32 element size, u32 n_embd;
-                                // data element-major (element j of every cell, then j+1)
-  uint64_t row_bytes = 0;       // bytes one cell takes in this section
-  uint32_t n_rows = 0;          // cells
-  uint64_t header_offset = 0;   // file offset of the 12-byte section header
-  uint64_t data_offset = 0;     // header_offset + 12
+  uint32_t n_embd = 0;         // elements per cell (n_embd_k_gqa, n_embd_v_gqa, n_embd_r, n_embd_s)
+  bool is_transposed = false;  // V with v_trans: header is type, u32 element size, u32 n_embd;
+                               // data element-major (element j of every cell, then j+1)
+  uint64_t row_bytes = 0;      // bytes one cell takes in this section
+  uint32_t n_rows = 0;         // cells
+  uint64_t header_offset = 0;  // file offset of the 12-byte section header
+  uint64_t data_offset = 0;    // header_offset + 12
 
   uint64_t data_bytes() const { return row_bytes * n_rows; }
   uint64_t end_offset() const { return data_offset + data_bytes(); }
@@ -72,26 +72,26 @@ struct StateSection {
 // One stream of a KV block (or the single cell list of a recurrent block).
 struct StateStream {
   uint32_t index = 0;
-  uint64_t offset = 0;            // of the u32 cell_count
+  uint64_t offset = 0;  // of the u32 cell_count
   uint32_t cell_count = 0;
   uint64_t cells_offset = 0;
-  uint32_t cell_record_bytes = 0; // 12; with M-RoPE 20 (version 2) or 24 (version 3); 8 recurrent
+  uint32_t cell_record_bytes = 0;  // 12; with M-RoPE 20 (version 2) or 24 (version 3); 8 recurrent
   std::vector<StateCell> cells;
   // The data header (v_trans or s_trans, n_layer) and the sections. A KV stream with no
   // cells has neither; a recurrent block always has both (llama.cpp writes them anyway).
   bool has_data = false;
   uint64_t data_header_offset = 0;
-  bool is_transposed = false;     // v_trans (s_trans is always 0)
-  uint32_t n_layer = 0;           // as written: owned layers (KV) or hparams.n_layer() (recurrent)
+  bool is_transposed = false;          // v_trans (s_trans is always 0)
+  uint32_t n_layer = 0;                // as written: owned layers (KV) or hparams.n_layer() (recurrent)
   std::vector<StateSection> sections;  // KV: K of every layer, then V; recurrent: R, then S
 };
 
 struct StateBlock {
   StateBlockKind kind = StateBlockKind::kv;
-  std::string role;               // "kv", "base", "swa" or "recurrent"
+  std::string role;  // "kv", "base", "swa" or "recurrent"
   uint64_t offset = 0;
   uint64_t end_offset = 0;
-  uint32_t n_stream = 1;          // KV: the u32 at `offset`; recurrent: 1 (not written)
+  uint32_t n_stream = 1;  // KV: the u32 at `offset`; recurrent: 1 (not written)
   std::vector<StateStream> streams;
 
   // The stream holding the sequence's cells (a sequence file has at most one), or nullptr.
@@ -109,17 +109,17 @@ inline constexpr uint32_t kServerTokensStateVersion = 1;  // SERVER_TOKENS_STATE
 
 struct StateLayout {
   uint32_t version = kStateSeqVersionLatest;
-  uint32_t n_token = 0;           // token words in the file (the header's n_token)
+  uint32_t n_token = 0;  // token words in the file (the header's n_token)
   uint64_t tokens_offset = kStateHeaderBytes;
   StateTokenForm token_form = StateTokenForm::ids;
-  uint32_t n_prompt_ids = 0;      // the prompt's ids: n_token, or the packed id count
+  uint32_t n_prompt_ids = 0;  // the prompt's ids: n_token, or the packed id count
   uint64_t prompt_ids_offset = kStateHeaderBytes;
-  uint32_t n_media = 0;           // packed form: media chunks (images, audio) after the ids
+  uint32_t n_media = 0;  // packed form: media chunks (images, audio) after the ids
   MemoryKind memory_kind = MemoryKind::kv;
-  bool has_mrope_cells = false;   // KV cell records carry llama_kv_cell_ext
-  std::vector<StateBlock> blocks; // file order
-  uint64_t content_bytes = 0;     // end of the last block: what llama.cpp writes
-  uint64_t trailing_bytes = 0;    // decoded files only: bytes after content (llama.cpp ignores them)
+  bool has_mrope_cells = false;    // KV cell records carry llama_kv_cell_ext
+  std::vector<StateBlock> blocks;  // file order
+  uint64_t content_bytes = 0;      // end of the last block: what llama.cpp writes
+  uint64_t trailing_bytes = 0;     // decoded files only: bytes after content (llama.cpp ignores them)
 };
 
 // The bytes one KV cell record takes: 12, plus llama_kv_cell_ext with M-RoPE (8 bytes in
@@ -166,9 +166,8 @@ std::vector<StatePiece> encode_state_metadata(const StateLayout& layout, std::sp
 // The whole file as llama.cpp would write it, rows taken from `rows(section)` (which must
 // return section.data_bytes() bytes, already in file order). For tests and small files; the
 // streaming writer in kvshare/statefile never holds the whole file.
-std::vector<std::byte> encode_state_file(
-    const StateLayout& layout, std::span<const int32_t> tokens,
-    const std::function<std::span<const std::byte>(const StateSection&)>& rows);
+std::vector<std::byte> encode_state_file(const StateLayout& layout, std::span<const int32_t> tokens,
+                                         const std::function<std::span<const std::byte>(const StateSection&)>& rows);
 
 // Decodes and validates a whole file (version 2 or 3, either token form). With `expect`, the
 // file must match that memory shape

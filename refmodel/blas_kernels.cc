@@ -11,8 +11,8 @@ namespace kvshare::refmodel {
 
 const char* best_blas_core_for_this_cpu() {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
     return "SkylakeX";
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "Haswell";
   return nullptr;

@@ -58,7 +58,9 @@ uint32_t lower(uint32_t c) { return (c >= 'A' && c <= 'Z') ? c + 32 : c; }
 uint32_t gpt2_byte_to_codepoint(uint8_t b) {
   // bytes_to_unicode: printable Latin-1 keeps its code point; the other 68 bytes take
   // 256, 257, ... in byte order.
-  auto printable = [](int x) { return (x >= 0x21 && x <= 0x7E) || (x >= 0xA1 && x <= 0xAC) || (x >= 0xAE && x <= 0xFF); };
+  auto printable = [](int x) {
+    return (x >= 0x21 && x <= 0x7E) || (x >= 0xA1 && x <= 0xAC) || (x >= 0xAE && x <= 0xFF);
+  };
   if (printable(b)) return b;
   uint32_t n = 0;
   for (int x = 0; x < b; ++x)
@@ -115,7 +117,8 @@ std::vector<std::string> pre_tokenize_ascii(std::string_view t, bool qwen2_rules
       AsciiFlags flags2 = cpt == ' ' ? flags_of(t, pos + 1) : flags;
       if (!(flags2.is_whitespace || flags2.is_letter || flags2.is_number) && flags.any()) {
         pos += (cpt == ' ');
-        while (!(flags2.is_whitespace || flags2.is_letter || flags2.is_number) && flags2.any()) flags2 = flags_of(t, ++pos);
+        while (!(flags2.is_whitespace || flags2.is_letter || flags2.is_number) && flags2.any())
+          flags2 = flags_of(t, ++pos);
         uint32_t cpt2 = cpt_of(t, pos);
         while (cpt2 == '\r' || cpt2 == '\n') cpt2 = cpt_of(t, ++pos);
         add_token(pos);
@@ -165,7 +168,8 @@ std::vector<std::string> pre_tokenize_ascii(std::string_view t, bool qwen2_rules
       // <space>?[^\s\p{L}\p{N}]+
       if (!(flags2.is_whitespace || flags2.is_letter || flags2.is_number) && flags2.any()) {
         pos += (cpt == ' ');
-        while (!(flags2.is_whitespace || flags2.is_letter || flags2.is_number) && flags2.any()) flags2 = flags_of(t, ++pos);
+        while (!(flags2.is_whitespace || flags2.is_letter || flags2.is_number) && flags2.any())
+          flags2 = flags_of(t, ++pos);
         add_token(pos);
         continue;
       }
@@ -215,18 +219,20 @@ class BpeTokenizer final : public Tokenizer {
   int32_t bos_id() const override { return bos_; }
   int32_t eos_id() const override { return eos_; }
   bool add_bos() const override { return add_bos_; }
-  bool is_end_of_generation(int32_t id) const override {
-    return std::find(eog_.begin(), eog_.end(), id) != eog_.end();
-  }
+  bool is_end_of_generation(int32_t id) const override { return std::find(eog_.begin(), eog_.end(), id) != eog_.end(); }
 
   Result<std::vector<int32_t>> tokenize(std::string_view text, bool add_special, bool parse_special) const override {
     if (!supports_text_)
-      return fail(ENOTSUP, "model {}: text tokenization is not supported for this vocabulary (tokenizer.ggml.model \"{}\", "
-                  "tokenizer.ggml.pre \"{}\"); pass token ids instead", name_, model_, pre_);
+      return fail(ENOTSUP,
+                  "model {}: text tokenization is not supported for this vocabulary (tokenizer.ggml.model \"{}\", "
+                  "tokenizer.ggml.pre \"{}\"); pass token ids instead",
+                  name_, model_, pre_);
     for (size_t i = 0; i < text.size(); ++i)
       if (static_cast<unsigned char>(text[i]) >= 0x80)
-        return fail(ENOTSUP, "model {}: text has a non-ASCII byte 0x{:02x} at offset {}; the reference tokenizer matches "
-                    "llama.cpp for ASCII text only; pass token ids instead", name_, static_cast<unsigned char>(text[i]), i);
+        return fail(ENOTSUP,
+                    "model {}: text has a non-ASCII byte 0x{:02x} at offset {}; the reference tokenizer matches "
+                    "llama.cpp for ASCII text only; pass token ids instead",
+                    name_, static_cast<unsigned char>(text[i]), i);
 
     // Fragments: {token id, or -1 with [begin, end) of raw text}. Mirrors
     // tokenizer_st_partition: each special (longest first) splits every raw fragment.
@@ -415,7 +421,8 @@ Result<std::unique_ptr<Tokenizer>> make_tokenizer(const layout::GgufMetadata& md
   for (size_t i = 0; i < merges->size(); ++i) {
     const std::string& m = (*merges)[i];
     const size_t sp = m.find(' ', 1);
-    if (sp == std::string::npos) return fail(EINVAL, "model {}: tokenizer.ggml.merges[{}] \"{}\" has no space", name, i, m);
+    if (sp == std::string::npos)
+      return fail(EINVAL, "model {}: tokenizer.ggml.merges[{}] \"{}\" has no space", name, i, m);
     t->merge_rank_.emplace(m, static_cast<int32_t>(i));
   }
 
@@ -425,8 +432,9 @@ Result<std::unique_ptr<Tokenizer>> make_tokenizer(const layout::GgufMetadata& md
     t->codepoint_to_byte_.emplace(cp, static_cast<uint8_t>(b));
   }
 
-  for (auto [key, dst] : {std::pair{"tokenizer.ggml.bos_token_id", &t->bos_}, std::pair{"tokenizer.ggml.eos_token_id", &t->eos_},
-                          std::pair{"tokenizer.ggml.eot_token_id", &t->eot_}}) {
+  for (auto [key, dst] :
+       {std::pair{"tokenizer.ggml.bos_token_id", &t->bos_}, std::pair{"tokenizer.ggml.eos_token_id", &t->eos_},
+        std::pair{"tokenizer.ggml.eot_token_id", &t->eot_}}) {
     auto id = optional_id(md, key, n_vocab, name);
     if (!id) return fail(id.error());
     if (*id) *dst = **id;
@@ -442,13 +450,15 @@ Result<std::unique_ptr<Tokenizer>> make_tokenizer(const layout::GgufMetadata& md
   // End of generation: eos, eot, and the end-of-turn texts llama_vocab::load marks EOG.
   if (t->eos_ >= 0) t->eog_.push_back(t->eos_);
   if (t->eot_ >= 0) t->eog_.push_back(t->eot_);
-  for (const char* text : {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>"}) {
+  for (const char* text :
+       {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>"}) {
     auto it = t->token_to_id_.find(text);
     if (it != t->token_to_id_.end() && !t->is_end_of_generation(it->second)) t->eog_.push_back(it->second);
   }
 
   for (int32_t id = 0; id < n_vocab; ++id)
-    if (t->types_[id] == kControl || t->types_[id] == kUserDefined || t->types_[id] == kUnknown) t->specials_.push_back(id);
+    if (t->types_[id] == kControl || t->types_[id] == kUserDefined || t->types_[id] == kUnknown)
+      t->specials_.push_back(id);
   std::stable_sort(t->specials_.begin(), t->specials_.end(),
                    [&](int32_t a, int32_t b) { return t->tokens_[a].size() > t->tokens_[b].size(); });
 

@@ -40,8 +40,8 @@ void matmul(const Matrix& w, const float* x, int64_t n, float* y, std::vector<fl
     in = scratch.data();
   }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(n), static_cast<int>(w.rows),
-              static_cast<int>(w.cols), 1.0f, in, static_cast<int>(w.cols), w.data.data(), static_cast<int>(w.cols), 0.0f, y,
-              static_cast<int>(w.rows));
+              static_cast<int>(w.cols), 1.0f, in, static_cast<int>(w.cols), w.data.data(), static_cast<int>(w.cols),
+              0.0f, y, static_cast<int>(w.rows));
 }
 
 // ggml_compute_forward_rms_norm_f32 then ggml_mul by the weight.
@@ -105,11 +105,14 @@ class RefContext final : public Context {
           return fail(EINVAL, "KV tensor {} ({} bytes at offset {} of chunk {}) lies outside its chunk", t->tensor.name,
                       t->tensor.nbytes, t->offset, t->chunk);
         const bool is_k = kind == layout::TensorKind::k;
-        const uint64_t width = is_k ? hp_.n_embd_k_gqa() : (v_trans_ ? static_cast<uint64_t>(t->tensor.ne[0]) : hp_.n_embd_v_gqa());
+        const uint64_t width =
+            is_k ? hp_.n_embd_k_gqa() : (v_trans_ ? static_cast<uint64_t>(t->tensor.ne[0]) : hp_.n_embd_v_gqa());
         const GgmlType type = is_k ? type_k_ : type_v_;
-        if (t->tensor.type != type || t->tensor.nbytes < layout::ggml_row_size(type, static_cast<int64_t>(width)) * kv_size_)
-          return fail(EINVAL, "KV tensor {}: type {} and {} bytes do not hold {} cells of {} {} elements", t->tensor.name,
-                      layout::ggml_type_name(t->tensor.type), t->tensor.nbytes, kv_size_, width, layout::ggml_type_name(type));
+        if (t->tensor.type != type ||
+            t->tensor.nbytes < layout::ggml_row_size(type, static_cast<int64_t>(width)) * kv_size_)
+          return fail(EINVAL, "KV tensor {}: type {} and {} bytes do not hold {} cells of {} {} elements",
+                      t->tensor.name, layout::ggml_type_name(t->tensor.type), t->tensor.nbytes, kv_size_, width,
+                      layout::ggml_type_name(type));
         std::byte* base = kv_.chunks[t->chunk].data() + t->offset;
         if (is_k) {
           layers_[il].k = base;
@@ -213,7 +216,8 @@ class RefContext final : public Context {
     const uint64_t el = layout::ggml_row_size(type_v_, 1);
     for (int64_t t = 0; t < n; ++t)
       for (int64_t c = 0; c < vd; ++c)
-        store_cache_row(type_v_, v + t * vd + c, layers_[il].v + (static_cast<uint64_t>(c) * kv_size_ + (pos0 + t)) * el, 1, 0);
+        store_cache_row(type_v_, v + t * vd + c,
+                        layers_[il].v + (static_cast<uint64_t>(c) * kv_size_ + (pos0 + t)) * el, 1, 0);
   }
 
   void load_kv(uint32_t il, int64_t n_kv, float* k, float* v) const {

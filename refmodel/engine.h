@@ -35,8 +35,8 @@ class Tokenizer {
   virtual std::string token_to_piece(int32_t id) const = 0;
   virtual std::string detokenize(std::span<const int32_t> ids) const = 0;
   virtual int32_t n_vocab() const = 0;
-  virtual int32_t bos_id() const = 0;   // -1 when none
-  virtual int32_t eos_id() const = 0;   // -1 when none
+  virtual int32_t bos_id() const = 0;  // -1 when none
+  virtual int32_t eos_id() const = 0;  // -1 when none
   virtual bool add_bos() const = 0;
   virtual bool is_end_of_generation(int32_t id) const = 0;  // eos, eot, <|im_end|>
 };
@@ -54,8 +54,7 @@ class Model {
   // Parses a GGUF image that stays mapped while the model lives (`keep_alive` owns it).
   // Unknown arch, missing tensor, wrong shape, unsupported rope scaling: errors naming them.
   static Result<std::shared_ptr<const Model>> from_gguf(std::span<const std::byte> gguf_bytes,
-                                                        std::shared_ptr<void> keep_alive,
-                                                        std::string_view name);
+                                                        std::shared_ptr<void> keep_alive, std::string_view name);
   virtual const layout::GgufMetadata& metadata() const = 0;
   virtual const std::vector<layout::GgufTensorInfo>& tensor_infos() const = 0;
   virtual const layout::ModelShape& shape() const = 0;

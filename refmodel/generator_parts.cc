@@ -82,8 +82,8 @@ void TensorAdder::add(const std::string& name, GgmlType type, std::vector<int64_
 Result<void> check_rows(const GeneratorOptions& o, std::initializer_list<std::pair<const char*, int64_t>> rows) {
   for (auto [what, n] : rows)
     if (!layout::is_row_aligned(o.wtype, n))
-      return fail(EINVAL, "{} = {} is not a multiple of the {} block size {}", what, n,
-                  layout::ggml_type_name(o.wtype), layout::ggml_traits(o.wtype).block_size);
+      return fail(EINVAL, "{} = {} is not a multiple of the {} block size {}", what, n, layout::ggml_type_name(o.wtype),
+                  layout::ggml_traits(o.wtype).block_size);
   return {};
 }
 

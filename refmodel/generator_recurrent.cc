@@ -35,8 +35,10 @@ Result<void> check_hybrid_layers(const Resolved& r) {
     return fail(EINVAL, "--attn-every {}: a {} model needs recurrent layers, so at most every 2nd layer is attention",
                 r.attn_every, r.o.arch);
   if (r.n_layer < r.attn_every)
-    return fail(EINVAL, "--layers {} with --attn-every {}: a {} model needs an attention layer (layer il is one "
-                "when (il + 1) % {} == 0)", r.n_layer, r.attn_every, r.o.arch, r.attn_every);
+    return fail(EINVAL,
+                "--layers {} with --attn-every {}: a {} model needs an attention layer (layer il is one "
+                "when (il + 1) % {} == 0)",
+                r.n_layer, r.attn_every, r.o.arch, r.attn_every);
   return {};
 }
 
@@ -71,8 +73,10 @@ Result<void> check_qwen35(const Resolved& r) {
   if (o.n_head % o.n_head_kv != 0)
     return fail(EINVAL, "--heads {} is not a multiple of --heads-kv {}", o.n_head, o.n_head_kv);
   if (o.head_dim % 2 != 0 || o.head_dim < kQwen35RopeDims)
-    return fail(EINVAL, "--head-dim {}: qwen35 needs an even head size of at least {} (M-RoPE sections 6,5,5,0 "
-                "rotate {} dimensions)", o.head_dim, kQwen35RopeDims, kQwen35RopeDims);
+    return fail(EINVAL,
+                "--head-dim {}: qwen35 needs an even head size of at least {} (M-RoPE sections 6,5,5,0 "
+                "rotate {} dimensions)",
+                o.head_dim, kQwen35RopeDims, kQwen35RopeDims);
   if (o.ssm_n_head % r.ssm_n_group != 0)
     return fail(EINVAL, "--ssm-heads {} (GDN value heads) is not a multiple of --ssm-groups {} (GDN key heads)",
                 o.ssm_n_head, r.ssm_n_group);

@@ -13,7 +13,8 @@ Result<void> check_heads(const GeneratorOptions& o) {
   if (o.n_head % o.n_head_kv != 0)
     return fail(EINVAL, "--heads {} is not a multiple of --heads-kv {}", o.n_head, o.n_head_kv);
   if (o.head_dim % 2 != 0) return fail(EINVAL, "--head-dim {} must be even (RoPE rotates pairs)", o.head_dim);
-  return check_rows(o, {{"--embd", o.n_embd}, {"--ff", o.n_ff}, {"--heads x --head-dim", int64_t{o.n_head} * o.head_dim}});
+  return check_rows(o,
+                    {{"--embd", o.n_embd}, {"--ff", o.n_ff}, {"--heads x --head-dim", int64_t{o.n_head} * o.head_dim}});
 }
 
 Result<void> check_dense(const Resolved& r) { return check_heads(r.o); }

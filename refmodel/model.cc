@@ -34,7 +34,7 @@ Result<std::string> LoadedModel::apply_chat_template(const std::vector<ChatMessa
 }
 
 Result<std::shared_ptr<const Model>> Model::from_gguf(std::span<const std::byte> gguf_bytes,
-                                                     std::shared_ptr<void> keep_alive, std::string_view name) {
+                                                      std::shared_ptr<void> keep_alive, std::string_view name) {
   auto file = layout::parse_gguf(gguf_bytes, name);
   if (!file) return fail(file.error());
   auto hparams = read_hparams(file->metadata, name);

@@ -27,11 +27,11 @@ std::vector<uint8_t> byte_token_bytes() {
 // tokens by the time it applies, and its result becomes one.
 const std::vector<std::pair<std::string, std::string>>& merge_pairs() {
   static const std::vector<std::pair<std::string, std::string>> merges = {
-      {"Ġ", "t"}, {"h", "e"}, {"i", "n"}, {"e", "r"}, {"a", "n"}, {"o", "n"}, {"Ġ", "a"}, {"r", "e"},
-      {"Ġt", "he"}, {"s", "t"}, {"e", "n"}, {"Ġ", "s"}, {"o", "u"}, {"Ġ", "w"}, {"Ċ", "Ċ"}, {"u", "s"},
-      {"us", "er"}, {"a", "s"}, {"as", "s"}, {"i", "st"}, {"ass", "ist"}, {"an", "t"}, {"assist", "ant"},
-      {"s", "y"}, {"sy", "st"}, {"e", "m"}, {"syst", "em"}, {"Ġ", "i"}, {"Ġi", "s"}, {"l", "l"}, {"e", "ll"},
-      {"H", "ell"}, {"Hell", "o"},
+      {"Ġ", "t"},  {"h", "e"},        {"i", "n"},   {"e", "r"},   {"a", "n"},    {"o", "n"},     {"Ġ", "a"},
+      {"r", "e"},  {"Ġt", "he"},      {"s", "t"},   {"e", "n"},   {"Ġ", "s"},    {"o", "u"},     {"Ġ", "w"},
+      {"Ċ", "Ċ"},  {"u", "s"},        {"us", "er"}, {"a", "s"},   {"as", "s"},   {"i", "st"},    {"ass", "ist"},
+      {"an", "t"}, {"assist", "ant"}, {"s", "y"},   {"sy", "st"}, {"e", "m"},    {"syst", "em"}, {"Ġ", "i"},
+      {"Ġi", "s"}, {"l", "l"},        {"e", "ll"},  {"H", "ell"}, {"Hell", "o"},
   };
   return merges;
 }
@@ -139,11 +139,11 @@ Result<void> validate(const GeneratorOptions& o) {
   const ArchSpec* spec = find_arch(o.arch);
   if (spec == nullptr) return fail(EINVAL, "--arch {}: not one of {}", o.arch, fmt::join(generator_archs(), ", "));
   const Resolved r = resolve(o, *spec);
-  for (auto [what, n] : {std::pair{"--layers", r.n_layer}, std::pair{"--embd", o.n_embd}, std::pair{"--heads", o.n_head},
-                         std::pair{"--heads-kv", o.n_head_kv}, std::pair{"--head-dim", o.head_dim},
-                         std::pair{"--ff", o.n_ff}, std::pair{"--ctx", o.n_ctx_train},
-                         std::pair{"--conv-kernel", o.ssm_d_conv}, std::pair{"--ssm-state", o.ssm_d_state},
-                         std::pair{"--ssm-heads", o.ssm_n_head}})
+  for (auto [what, n] :
+       {std::pair{"--layers", r.n_layer}, std::pair{"--embd", o.n_embd}, std::pair{"--heads", o.n_head},
+        std::pair{"--heads-kv", o.n_head_kv}, std::pair{"--head-dim", o.head_dim}, std::pair{"--ff", o.n_ff},
+        std::pair{"--ctx", o.n_ctx_train}, std::pair{"--conv-kernel", o.ssm_d_conv},
+        std::pair{"--ssm-state", o.ssm_d_state}, std::pair{"--ssm-heads", o.ssm_n_head}})
     if (n == 0) return fail(EINVAL, "{} is 0: it must be positive", what);
   if (o.ssm_n_group == 0u) return fail(EINVAL, "--ssm-groups is 0: it must be positive");
   if (!(o.residual_gain > 0.0f) || !std::isfinite(o.residual_gain))

@@ -11,20 +11,20 @@
 #include <vector>
 
 #include "layout/error.h"
-#include "layout/tensor_type.h"
 #include "layout/gguf_writer.h"
+#include "layout/tensor_type.h"
 
 namespace kvshare::refmodel {
 
 struct GeneratorOptions {
-  std::string arch = "qwen3";  // one of generator_archs()
+  std::string arch = "qwen3";       // one of generator_archs()
   std::optional<uint32_t> n_layer;  // default 2; 4 for qwen35 (3 GDN + 1 attention)
   uint32_t n_embd = 128;
   uint32_t n_head = 4;
   uint32_t n_head_kv = 2;
-  uint32_t head_dim = 64;      // key_length = value_length (lfm2: always n_embd / n_head)
+  uint32_t head_dim = 64;  // key_length = value_length (lfm2: always n_embd / n_head)
   uint32_t n_ff = 256;
-  uint32_t n_ctx_train = 4096; // {arch}.context_length
+  uint32_t n_ctx_train = 4096;                     // {arch}.context_length
   layout::GgmlType wtype = layout::GgmlType::F32;  // 2-D weights: f32, f16, bf16 or q8_0
   uint64_t seed = 1;
   // Multiplies the scale of attn_output and ffn_down, the two projections that write into
@@ -34,11 +34,11 @@ struct GeneratorOptions {
   // prompt (attention matters), with margins around 0.3: what a test that must notice wrong
   // KV uses.
   float residual_gain = 1.0f;
-  bool shape_only = false;     // metadata and tensor infos, no data section
+  bool shape_only = false;  // metadata and tensor infos, no data section
   // Tied embeddings (no output.weight). Default: tied for qwen3 and gemma3, separate
   // otherwise (mamba2, lfm2, qwen35: with the control tokens' rows zero).
   std::optional<bool> tie_embeddings;
-  std::string name;            // general.name; "" -> "kvshare-tiny-<arch>"
+  std::string name;  // general.name; "" -> "kvshare-tiny-<arch>"
 
   // gemma3: attention.sliding_window; sliding_window_pattern is 2 (even layers SWA).
   uint32_t n_swa = 32;

@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "layout/error.h"
-#include "layout/tensor_type.h"
 #include "layout/gguf_value.h"
+#include "layout/tensor_type.h"
 #include "refmodel/engine.h"
 
 namespace kvshare::refmodel {
@@ -21,7 +21,7 @@ namespace kvshare::refmodel {
 enum class RopeType : uint8_t { norm, neox };
 
 struct Hparams {
-  std::string arch;           // "llama", "qwen2" or "qwen3"
+  std::string arch;  // "llama", "qwen2" or "qwen3"
   uint32_t n_layer = 0;
   uint32_t n_embd = 0;
   uint32_t n_head = 0;
@@ -34,7 +34,7 @@ struct Hparams {
   uint32_t n_ctx_train = 0;
   float rms_eps = 1e-6f;
   float freq_base = 10000.0f;
-  float freq_scale = 1.0f;    // 1 / rope.scaling.factor for linear scaling
+  float freq_scale = 1.0f;  // 1 / rope.scaling.factor for linear scaling
   RopeType rope_type = RopeType::norm;
   bool has_qk_norm = false;   // qwen3: per-head RMSNorm of q and k before RoPE
   bool has_qkv_bias = false;  // qwen2: biases on q, k, v
@@ -61,17 +61,17 @@ struct Matrix {
 struct LayerWeights {
   std::vector<float> attn_norm;  // [n_embd]
   Matrix wq, wk, wv, wo;
-  std::vector<float> bq, bk, bv;  // qwen2 (empty when absent)
+  std::vector<float> bq, bk, bv;      // qwen2 (empty when absent)
   std::vector<float> q_norm, k_norm;  // qwen3: [n_embd_head_k]
-  std::vector<float> ffn_norm;  // [n_embd]
+  std::vector<float> ffn_norm;        // [n_embd]
   Matrix ffn_gate, ffn_up, ffn_down;
 };
 
 struct Weights {
-  Matrix tok_embd;               // [n_vocab][n_embd]
+  Matrix tok_embd;  // [n_vocab][n_embd]
   std::vector<float> output_norm;
-  Matrix output;                 // empty (rows == 0) when tied to tok_embd
-  std::vector<float> rope_freqs; // llama 3 frequency factors [n_rot/2]; empty when absent
+  Matrix output;                  // empty (rows == 0) when tied to tok_embd
+  std::vector<float> rope_freqs;  // llama 3 frequency factors [n_rot/2]; empty when absent
   std::vector<LayerWeights> layers;
 
   const Matrix& lm_head() const { return output.rows > 0 ? output : tok_embd; }

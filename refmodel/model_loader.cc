@@ -28,8 +28,10 @@ Result<uint32_t> uniform_per_layer(const GgufMetadata& md, const std::string& ke
   if (v.empty()) return fail(EINVAL, "model {}: key \"{}\" is empty", name, key);
   for (uint32_t x : v)
     if (x != v[0])
-      return fail(EINVAL, "model {}: key \"{}\" differs between layers ({} and {}); the reference transformer "
-                  "supports uniform layers only", name, key, v[0], x);
+      return fail(EINVAL,
+                  "model {}: key \"{}\" differs between layers ({} and {}); the reference transformer "
+                  "supports uniform layers only",
+                  name, key, v[0], x);
   return v[0];
 }
 
@@ -55,8 +57,10 @@ Result<Hparams> read_hparams(const GgufMetadata& md, std::string_view name) {
     hp.rope_type = RopeType::neox;
     hp.has_qk_norm = true;
   } else {
-    return fail(EINVAL, "model {}: architecture \"{}\" is not supported by the reference transformer "
-                "(llama, qwen2, qwen3 are)", name, hp.arch);
+    return fail(EINVAL,
+                "model {}: architecture \"{}\" is not supported by the reference transformer "
+                "(llama, qwen2, qwen3 are)",
+                name, hp.arch);
   }
   const std::string a = hp.arch + ".";
   auto n_layer = required_u32(md, a + "block_count", name);
@@ -69,7 +73,8 @@ Result<Hparams> read_hparams(const GgufMetadata& md, std::string_view name) {
   if (!n_ctx) return fail(n_ctx.error());
   hp.n_ctx_train = *n_ctx;
   if (hp.n_layer == 0 || hp.n_embd == 0)
-    return fail(EINVAL, "model {}: block_count {} and embedding_length {} must be positive", name, hp.n_layer, hp.n_embd);
+    return fail(EINVAL, "model {}: block_count {} and embedding_length {} must be positive", name, hp.n_layer,
+                hp.n_embd);
 
   auto n_ff = uniform_per_layer(md, a + "feed_forward_length", hp.n_layer, std::nullopt, name);
   if (!n_ff) return fail(n_ff.error());
@@ -99,8 +104,10 @@ Result<Hparams> read_hparams(const GgufMetadata& md, std::string_view name) {
   if (!rot) return fail(rot.error().with_context(fmt::format("model {}", name)));
   hp.n_rot = rot->value_or(hp.n_embd_head_k);
   if (hp.n_rot != hp.n_embd_head_k)
-    return fail(EINVAL, "model {}: rope.dimension_count {} differs from the head size {} (partial rotary "
-                "embeddings are not supported)", name, hp.n_rot, hp.n_embd_head_k);
+    return fail(EINVAL,
+                "model {}: rope.dimension_count {} differs from the head size {} (partial rotary "
+                "embeddings are not supported)",
+                name, hp.n_rot, hp.n_embd_head_k);
 
   auto eps = md.get_f32(a + "attention.layer_norm_rms_epsilon");
   if (!eps) return fail(eps.error().with_context(fmt::format("model {}", name)));
@@ -118,8 +125,10 @@ Result<Hparams> read_hparams(const GgufMetadata& md, std::string_view name) {
     scaling = *s;
   }
   if (scaling != "none" && scaling != "linear")
-    return fail(EINVAL, "model {}: rope scaling type \"{}\" ({}rope.scaling.type) is not supported by the "
-                "reference transformer (none and linear are)", name, scaling, a);
+    return fail(EINVAL,
+                "model {}: rope scaling type \"{}\" ({}rope.scaling.type) is not supported by the "
+                "reference transformer (none and linear are)",
+                name, scaling, a);
   float factor = 0.0f;
   for (const char* key : {"rope.scaling.factor", "rope.scale_linear"}) {
     auto f = md.find_f32(a + key);
@@ -166,13 +175,15 @@ struct Loader {
       return fail(EINVAL, "model {}: tensor \"{}\" has shape [{}, {}, {}, {}], expected [{}, {}, {}, {}]", name, tensor,
                   info->ne[0], info->ne[1], info->ne[2], info->ne[3], want[0], want[1], want[2], want[3]);
     if (!is_supported_weight_type(info->type))
-      return fail(EINVAL, "model {}: tensor \"{}\" has type {}, not supported (f32, f16, bf16, q8_0, q4_0, q4_K, q6_K are)",
+      return fail(EINVAL,
+                  "model {}: tensor \"{}\" has type {}, not supported (f32, f16, bf16, q8_0, q4_0, q4_K, q6_K are)",
                   name, tensor, layout::ggml_type_name(info->type));
     auto bytes = data_of(*info);
     if (!bytes) return fail(bytes.error().with_context(fmt::format("model {}", name)));
     const int64_t n = want[0] * want[1];
     if (bytes->size() < layout::ggml_row_size(info->type, want[0]) * static_cast<uint64_t>(want[1]))
-      return fail(EINVAL, "model {}: tensor \"{}\" data is {} bytes, too short for its shape", name, tensor, bytes->size());
+      return fail(EINVAL, "model {}: tensor \"{}\" data is {} bytes, too short for its shape", name, tensor,
+                  bytes->size());
     std::vector<float> out(static_cast<size_t>(n));
     const uint64_t row_bytes = layout::ggml_row_size(info->type, want[0]);
     for (int64_t r = 0; r < want[1]; ++r) {

@@ -16,8 +16,8 @@ namespace {
 
 using layout::GgmlType;
 
-constexpr int kQK = 32;     // QK4_0, QK8_0
-constexpr int kQKK = 256;   // QK_K
+constexpr int kQK = 32;    // QK4_0, QK8_0
+constexpr int kQKK = 256;  // QK_K
 
 int nearest_int(float fval) {
   float val = fval + 12582912.f;

@@ -24,8 +24,7 @@ bool is_public_endpoint(std::string_view path);
 
 // Whether a request with these header values (empty: absent) may pass. No keys: always.
 // Compares in time independent of where a wrong key differs.
-bool api_key_accepted(const std::vector<std::string>& keys, std::string_view authorization,
-                      std::string_view x_api_key);
+bool api_key_accepted(const std::vector<std::string>& keys, std::string_view authorization, std::string_view x_api_key);
 
 // --api-key's value: a comma-separated list; empty entries are dropped (common/arg.cpp).
 std::vector<std::string> parse_api_key_list(std::string_view csv);

@@ -21,9 +21,9 @@ void configure(httplib::Client& client, std::chrono::milliseconds timeout, const
 
 Result<HttpReply> to_reply(const httplib::Result& result, std::string_view what, const std::string& host, int port) {
   if (!result)
-    return fail(result.error() == httplib::Error::Read || result.error() == httplib::Error::Connection ? ECONNREFUSED
-                                                                                                       : EIO,
-                "decoder at {}:{}: {}: no answer ({})", host, port, what, httplib::to_string(result.error()));
+    return fail(
+        result.error() == httplib::Error::Read || result.error() == httplib::Error::Connection ? ECONNREFUSED : EIO,
+        "decoder at {}:{}: {}: no answer ({})", host, port, what, httplib::to_string(result.error()));
   HttpReply reply;
   reply.status = result->status;
   reply.body = result->body;

@@ -121,7 +121,8 @@ Result<std::unique_ptr<DecoderProcess>> DecoderProcess::start(const ServeConfig&
   return decoder;
 }
 
-Result<DecoderProcess::Readiness> DecoderProcess::start_on_port(std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds ready_timeout) {
+Result<DecoderProcess::Readiness> DecoderProcess::start_on_port(std::chrono::steady_clock::time_point deadline,
+                                                                std::chrono::milliseconds ready_timeout) {
   SpawnOptions options;
   options.die_with_parent = true;
   options.stdout_to_stderr = true;  // serve's stdout is for serve; the decoder's log goes to stderr
@@ -152,8 +153,8 @@ Result<DecoderProcess::Readiness> DecoderProcess::start_on_port(std::chrono::ste
       if (owner == Readiness::port_taken) return Readiness::port_taken;
     }
     if (Clock::now() > deadline)
-      return fail(ETIMEDOUT, "the decoder did not answer GET /health with 200 within {} ms: {}",
-                  ready_timeout.count(), join_command(command_));
+      return fail(ETIMEDOUT, "the decoder did not answer GET /health with 200 within {} ms: {}", ready_timeout.count(),
+                  join_command(command_));
     std::this_thread::sleep_for(std::chrono::milliseconds(25));
   }
 }

@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "kvshare/share/spawn.h"
-#include "route/serve_config.h"
 #include "layout/error.h"
+#include "route/serve_config.h"
 
 namespace kvshare::route {
 

@@ -9,10 +9,10 @@
 #include <fstream>
 
 #include "kvshare/env.h"
+#include "kvshare/share/broker.h"
 #include "route/remote_receiver_process.h"
 #include "route/resident_provider.h"
 #include "route/state_version_probe.h"
-#include "kvshare/share/broker.h"
 
 namespace kvshare::route {
 namespace {
@@ -34,8 +34,8 @@ struct ScopedFile {
 enum class Step { handed_off, take_file_route, forward };
 struct StepResult {
   Step step = Step::forward;
-  std::string reason;   // metric label
-  std::string why;      // the sentence on stderr
+  std::string reason;              // metric label
+  std::string why;                 // the sentence on stderr
   bool slot_may_be_stale = false;  // slot 0 could not be erased after its cells may have changed
 };
 
@@ -92,11 +92,10 @@ bool erase_slot(const HandoffContext& context, int slot) {
   auto erased = context.decoder->slot_action("erase", Json::object(), slot);
   if (erased && erased->ok()) return true;
   context.metrics->count_fallback("erase_failed");
-  context.log(fmt::format("hybrid: POST /slots/{0}?action=erase failed ({1}); the request goes to slot {0} with "
-                          "cache_prompt false, so the decoder recomputes every cell instead of reusing stale ones",
-                          slot,
-                          erased ? fmt::format("{}: {}", erased->status, erased->error_message)
-                                 : erased.error().what()));
+  context.log(
+      fmt::format("hybrid: POST /slots/{0}?action=erase failed ({1}); the request goes to slot {0} with "
+                  "cache_prompt false, so the decoder recomputes every cell instead of reusing stale ones",
+                  slot, erased ? fmt::format("{}: {}", erased->status, erased->error_message) : erased.error().what()));
   return false;
 }
 
@@ -133,9 +132,10 @@ void log_provider_stderr(const HandoffContext& context, const ProviderRun& run) 
 }
 
 std::string version_mismatch_reason(const ServeConfig& config, uint32_t file_version, uint32_t decoder_version) {
-  return fmt::format("the provider wrote state version {} ({}), the decoder restores version {} only; the provider "
-                     "should follow {} or --state-version",
-                     file_version, provider_name(config), decoder_version, kStateVersionEnv);
+  return fmt::format(
+      "the provider wrote state version {} ({}), the decoder restores version {} only; the provider "
+      "should follow {} or --state-version",
+      file_version, provider_name(config), decoder_version, kStateVersionEnv);
 }
 
 // The decoder refused a restore. When its version was unknown (the probe at start failed),
@@ -147,24 +147,24 @@ StepResult restore_refused(const HandoffContext& context, const std::filesystem:
   if (context.decoder_state_version.load() != 0) return forward_because("restore_failed", refusal);
   auto file_version = read_state_file_version(state_path);
   if (!file_version)
-    return forward_because("restore_failed",
-                           fmt::format("{}; the file's state version is unreadable too ({})", refusal,
-                                       file_version.error().what()));
+    return forward_because("restore_failed", fmt::format("{}; the file's state version is unreadable too ({})", refusal,
+                                                         file_version.error().what()));
   auto decoder_version = probe_decoder_state_version(*context.decoder, context.slot_dir);
   if (!decoder_version)
-    return forward_because("restore_failed",
-                           fmt::format("{}; the provider wrote state version {} ({}), the decoder's version is "
-                                       "unknown ({})",
-                                       refusal, *file_version, context.config->prefill_provider,
-                                       decoder_version.error().what()));
+    return forward_because(
+        "restore_failed",
+        fmt::format("{}; the provider wrote state version {} ({}), the decoder's version is "
+                    "unknown ({})",
+                    refusal, *file_version, context.config->prefill_provider, decoder_version.error().what()));
   context.decoder_state_version.store(*decoder_version);
-  context.log(fmt::format("kvshare-serve: the decoder restores state files of version {} (probed after a refused "
-                          "restore); file-route providers get {}={}",
-                          *decoder_version, kStateVersionEnv, *decoder_version));
+  context.log(
+      fmt::format("kvshare-serve: the decoder restores state files of version {} (probed after a refused "
+                  "restore); file-route providers get {}={}",
+                  *decoder_version, kStateVersionEnv, *decoder_version));
   if (*decoder_version != *file_version)
-    return forward_because("state_version_mismatch",
-                           fmt::format("{}: {}", refusal,
-                                       version_mismatch_reason(*context.config, *file_version, *decoder_version)));
+    return forward_because(
+        "state_version_mismatch",
+        fmt::format("{}: {}", refusal, version_mismatch_reason(*context.config, *file_version, *decoder_version)));
   return forward_because("restore_failed", refusal);
 }
 
@@ -176,19 +176,17 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
   std::vector<std::string> env;
   const uint32_t decoder_version = context.decoder_state_version.load();
   if (decoder_version != 0) env.push_back(fmt::format("{}={}", kStateVersionEnv, decoder_version));
-  const ProviderRun run =
-      context.resident_provider
-          ? context.resident_provider->prefill_file(handoff_ids, std::filesystem::absolute(state.path).string(),
-                                                    decoder_version, provider_kv_params(config),
-                                                    provider_timeout(config))
-          : run_provider(file_provider_command(config, ids_path.string(), state.path.string()), {},
-                         provider_timeout(config), std::move(env));
+  const ProviderRun run = context.resident_provider
+                              ? context.resident_provider->prefill_file(
+                                    handoff_ids, std::filesystem::absolute(state.path).string(), decoder_version,
+                                    provider_kv_params(config), provider_timeout(config))
+                              : run_provider(file_provider_command(config, ids_path.string(), state.path.string()), {},
+                                             provider_timeout(config), std::move(env));
   log_provider_stderr(context, run);
   note_provider_phases(report, run);
   report.prefill_ms = run.prefill_ms();
   if (!run.ok())
-    return forward_because(run.timed_out ? "provider_timeout" : "provider_failed",
-                           provider_failure(run, config));
+    return forward_because(run.timed_out ? "provider_timeout" : "provider_failed", provider_failure(run, config));
   context.rates.observe_provider(0, handoff_ids.size(), run.prefill_ms(), run.wall_ms);
   report.n_prefilled = handoff_ids.size();
   std::error_code ec;
@@ -201,8 +199,7 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
     auto version = read_state_file_version(state.path);
     if (!version) return forward_because("bad_state_file", version.error().what());
     if (*version != decoder_version)
-      return forward_because("state_version_mismatch",
-                             version_mismatch_reason(config, *version, decoder_version));
+      return forward_because("state_version_mismatch", version_mismatch_reason(config, *version, decoder_version));
   }
   // The restore must not land while an earlier request still decodes (llama-server defers
   // it by itself; waiting here keeps any decoder honest).
@@ -218,14 +215,15 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
   if (!restored) return forward_because("restore_failed", restored.error().what());
   if (!restored->ok())
     return restore_refused(context, state.path,
-                           fmt::format("POST /slots/{}?action=restore answered {}: {}", report.slot,
-                                       restored->status, restored->error_message));
+                           fmt::format("POST /slots/{}?action=restore answered {}: {}", report.slot, restored->status,
+                                       restored->error_message));
   const Json& n_restored = restored->body["n_restored"];
   if (!n_restored.is_number_integer() || n_restored.get<int64_t>() != static_cast<int64_t>(handoff_ids.size())) {
     const bool erased = erase_slot(context, report.slot);
     return forward_because("restore_short",
                            fmt::format("the slot holds {} tokens after the restore, expected {} (the prompt less its "
-                                       "last token)", n_restored.dump(), handoff_ids.size()),
+                                       "last token)",
+                                       n_restored.dump(), handoff_ids.size()),
                            !erased);
   }
   report.handoff_ms = restored->timings_ms().value_or(restore_wall_ms);
@@ -365,8 +363,8 @@ StepResult shared_route(const HandoffContext& context, std::span<const int32_t> 
     report.prefill_ms = run.prefill_ms();
     if (!run.ok()) {
       const bool erased = !run.started || erase_slot(context, report.slot);
-      return forward_because(run.timed_out ? "provider_timeout" : "provider_failed",
-                             provider_failure(run, config), !erased);
+      return forward_because(run.timed_out ? "provider_timeout" : "provider_failed", provider_failure(run, config),
+                             !erased);
     }
     context.rates.observe_provider(n_cached, handoff_ids.size() - n_cached, run.prefill_ms(), run.wall_ms);
   }
@@ -375,7 +373,8 @@ StepResult shared_route(const HandoffContext& context, std::span<const int32_t> 
   const auto adopt_start = std::chrono::steady_clock::now();
   auto adopted = adopt_cells(context, report.slot, handoff_ids, share_id, adopt_start, n_cached);
   if (!adopted) return std::move(adopted.error());
-  report.phases.handoff_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - adopt_start).count();
+  report.phases.handoff_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - adopt_start).count();
   report.handoff_ms = shared->timings_ms().value_or(share_wall_ms) + *adopted;
   return {Step::handed_off, "", ""};
 }
@@ -402,7 +401,8 @@ StepResult remote_route(const HandoffContext& context, std::span<const int32_t> 
   auto receiver_failed = [](const Error& error) {
     return error.errno_value() == ESRCH ? std::string("remote_receiver_died") : std::string("remote_receiver_failed");
   };
-  auto ask = [&](const layout::ReceiverRequest& request, std::chrono::milliseconds timeout) -> Result<layout::ReceiverReply> {
+  auto ask = [&](const layout::ReceiverRequest& request,
+                 std::chrono::milliseconds timeout) -> Result<layout::ReceiverReply> {
     auto reply = receiver.call(request, timeout);
     if (!reply) return fail(reply.error());
     if (!reply->ok)
@@ -546,11 +546,12 @@ std::string hybrid_line(const HandoffReport& report, double first_byte_ms) {
 std::string phases_line(const HandoffReport& report, double first_byte_ms) {
   const auto& p = report.phases;
   const double first_token = first_byte_ms - p.tokenize_ms - p.share_ms - p.provider_ms - p.handoff_ms;
-  return fmt::format("phases: tokenize {:.3f} ms, share {:.3f} ms, provider {:.3f} ms (region {:.3f} ms), {} {:.3f} ms, "
-                     "first token {:.3f} ms",
-                     p.tokenize_ms, p.share_ms, p.provider_ms, p.region_ms,
-                     report.route == HandoffRoute::shared || report.route == HandoffRoute::remote ? "adopt" : "restore",
-                     p.handoff_ms, first_token);
+  return fmt::format(
+      "phases: tokenize {:.3f} ms, share {:.3f} ms, provider {:.3f} ms (region {:.3f} ms), {} {:.3f} ms, "
+      "first token {:.3f} ms",
+      p.tokenize_ms, p.share_ms, p.provider_ms, p.region_ms,
+      report.route == HandoffRoute::shared || report.route == HandoffRoute::remote ? "adopt" : "restore", p.handoff_ms,
+      first_token);
 }
 
 std::string forwarded_line(const HandoffReport& report, double first_byte_ms) {
@@ -643,8 +644,9 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
   Result<std::vector<int32_t>> ids = fail(EPROTO, "no text prompt to tokenize");
   if (text) ids = context.decoder->tokenize(*text);
   if (context.tokenize_gate) context.tokenize_gate->release();
-  if (!text) return fall_back_unknown(text.error().errno_value() == EPROTO ? "template_failed" : "no_text_prompt",
-                                      "no text prompt: " + text.error().message());
+  if (!text)
+    return fall_back_unknown(text.error().errno_value() == EPROTO ? "template_failed" : "no_text_prompt",
+                             "no text prompt: " + text.error().message());
   if (!ids) return fall_back_unknown("tokenize_failed", ids.error().what());
   report.n_prompt_tokens = ids->size();
   report.phases.tokenize_ms =
@@ -655,7 +657,8 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
   if (ids->size() < 2) {
     report.slot_prompt_id = record.remember_prompt(*ids);
     return fall_back("prompt_too_short", fmt::format("the prompt has {} token(s): nothing to hand off before the "
-                                                     "last one", ids->size()));
+                                                     "last one",
+                                                     ids->size()));
   }
   // engine#941: the decoder evaluates the prompt's last token itself.
   const std::span<const int32_t> handoff_ids(ids->data(), ids->size() - 1);

@@ -61,15 +61,15 @@ struct HandoffReport {
   // Forwarded because a handoff was not worth it (handoff_policy.h), not because one failed:
   // `decision` is the rule's sentence for the log line.
   bool decided_forward = false;
-  uint64_t slot_prompt_id = 0;              // SlotRecord's id of this prompt (0: none recorded)
+  uint64_t slot_prompt_id = 0;  // SlotRecord's id of this prompt (0: none recorded)
   std::string decision;
   // Where a handoff's wall time went (phases_line): serve's own measurements.
   struct Phases {
-    double tokenize_ms = 0;   // the template and /tokenize on the decoder
-    double share_ms = 0;      // POST share and the fds on the socket (shared routes)
-    double provider_ms = 0;   // the provider's wall time: a process's start to its reap, or a resident's reply
-    double region_ms = 0;     // of provider_ms: sending a resident provider the region
-    double handoff_ms = 0;    // adopt, or the restore
+    double tokenize_ms = 0;  // the template and /tokenize on the decoder
+    double share_ms = 0;     // POST share and the fds on the socket (shared routes)
+    double provider_ms = 0;  // the provider's wall time: a process's start to its reap, or a resident's reply
+    double region_ms = 0;    // of provider_ms: sending a resident provider the region
+    double handoff_ms = 0;   // adopt, or the restore
   } phases;
   bool handed_off() const { return route != HandoffRoute::none; }
 };
@@ -126,7 +126,7 @@ std::string as_it_came_body(const std::string& body, int slot, int n_slots);
 struct HandoffContext {
   const ServeConfig* config = nullptr;
   const DecoderClient* decoder = nullptr;
-  std::filesystem::path slot_dir;   // the decoder's --slot-save-path, 0700 (ids, state files, share sockets)
+  std::filesystem::path slot_dir;  // the decoder's --slot-save-path, 0700 (ids, state files, share sockets)
   SlotQueue* slot = nullptr;       // the decoder's slots
   // Requests template and tokenize before they wait for a slot; this bounds how many ask the
   // decoder at once (as many as it has slots): a burst of 32 clients must not open 32

@@ -14,9 +14,7 @@ void blend(std::optional<double>& mean, double sample) {
   mean = mean ? *mean + kNewestWeight * (sample - *mean) : sample;
 }
 
-HandoffDecision forward(std::string label, std::string why) {
-  return {false, 0, std::move(label), std::move(why)};
-}
+HandoffDecision forward(std::string label, std::string why) { return {false, 0, std::move(label), std::move(why)}; }
 
 }  // namespace
 
@@ -27,18 +25,23 @@ Result<HandoffPolicy> parse_handoff_policy(std::string_view text) {
   size_t count = 0;
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), count);
   if (ec != std::errc() || end != text.data() + text.size() || count == 0)
-    return fail(EINVAL, "--handoff {:?}: give auto, always, never, or the fewest tokens worth a provider run (a "
-                        "count of 1 or more)",
+    return fail(EINVAL,
+                "--handoff {:?}: give auto, always, never, or the fewest tokens worth a provider run (a "
+                "count of 1 or more)",
                 std::string(text));
   return HandoffPolicy{HandoffMode::threshold, count};
 }
 
 std::string handoff_policy_name(const HandoffPolicy& policy) {
   switch (policy.mode) {
-    case HandoffMode::always: return "always";
-    case HandoffMode::never: return "never";
-    case HandoffMode::threshold: return std::to_string(policy.min_tokens);
-    default: return "auto";
+    case HandoffMode::always:
+      return "always";
+    case HandoffMode::never:
+      return "never";
+    case HandoffMode::threshold:
+      return std::to_string(policy.min_tokens);
+    default:
+      return "auto";
   }
 }
 
@@ -87,7 +90,8 @@ HandoffDecision decide_handoff(const HandoffPolicy& policy, const MeasuredRates&
                                            "answers it as it would alone",
                                            n_prompt, question.ctx_size));
   if (n_uncached <= 1) return forward("cached", "the decoder holds all but the last token");
-  if (policy.mode == HandoffMode::never) return forward("never", fmt::format("uncached {} tokens: --handoff never", n_uncached));
+  if (policy.mode == HandoffMode::never)
+    return forward("never", fmt::format("uncached {} tokens: --handoff never", n_uncached));
   const size_t n_to_prefill = question.provider_incremental ? n_uncached - 1 : n_prompt - 1;
   // What a handoff takes off the decoder: the uncached tokens but the last. A count rule
   // weighs that, not what the provider prefills: a provider without --cached (or the file
@@ -99,36 +103,40 @@ HandoffDecision decide_handoff(const HandoffPolicy& policy, const MeasuredRates&
   auto by_count = [&](size_t min_tokens, std::string_view rule) {
     if (n_handed_over >= min_tokens)
       return hand_off("threshold", fmt::format("{} uncached tokens to hand over, {}", n_handed_over, rule));
-    return forward("short", fmt::format("uncached {} tokens: {} to hand over, below {}", n_uncached, n_handed_over,
-                                        rule));
+    return forward("short",
+                   fmt::format("uncached {} tokens: {} to hand over, below {}", n_uncached, n_handed_over, rule));
   };
   switch (policy.mode) {
-    case HandoffMode::always: return hand_off("always", "--handoff always");
-    case HandoffMode::threshold: return by_count(policy.min_tokens, fmt::format("--handoff {}", policy.min_tokens));
-    default: break;
+    case HandoffMode::always:
+      return hand_off("always", "--handoff always");
+    case HandoffMode::threshold:
+      return by_count(policy.min_tokens, fmt::format("--handoff {}", policy.min_tokens));
+    default:
+      break;
   }
   if (!rates.provider)
-    return by_count(kDefaultMinHandoffTokens, fmt::format("{} before the provider's speed is measured",
-                                                          kDefaultMinHandoffTokens));
+    return by_count(kDefaultMinHandoffTokens,
+                    fmt::format("{} before the provider's speed is measured", kDefaultMinHandoffTokens));
   if (!rates.decoder || n_uncached > kMaxRateReach * rates.decoder_largest_sample) {
     if (n_handed_over < kDefaultMinHandoffTokens)
       return forward("short", fmt::format("uncached {} tokens: {} to hand over, below {} before the decoder's speed "
                                           "is measured",
                                           n_uncached, n_handed_over, kDefaultMinHandoffTokens));
-    return forward("measuring",
-                   rates.decoder ? fmt::format("uncached {} tokens: the decoder evaluates them, measuring its speed "
-                                               "past the {} tokens it was measured on",
-                                               n_uncached, rates.decoder_largest_sample)
-                                 : fmt::format("uncached {} tokens: the decoder evaluates them, measuring its speed",
-                                               n_uncached));
+    return forward(
+        "measuring",
+        rates.decoder ? fmt::format("uncached {} tokens: the decoder evaluates them, measuring its speed "
+                                    "past the {} tokens it was measured on",
+                                    n_uncached, rates.decoder_largest_sample)
+                      : fmt::format("uncached {} tokens: the decoder evaluates them, measuring its speed", n_uncached));
   }
   // The decoder alone evaluates every uncached token where it sits; a handoff costs the
   // provider's run (its start-up and exit, then its prefill, from the cached cells on or
   // from 0), the share or restore, and the decoder's evaluation of the last token.
   const double forward_ms = rates.decoder->ms_for(n_cached, n_uncached);
   const size_t prefill_from = question.provider_incremental ? n_cached : 0;
-  const double handoff_ms = rates.provider_overhead_ms.value_or(0) + rates.provider->ms_for(prefill_from, n_to_prefill) +
-                            rates.handoff_ms.value_or(0) + rates.decoder->ms_for(n_prompt - 1, 1);
+  const double handoff_ms = rates.provider_overhead_ms.value_or(0) +
+                            rates.provider->ms_for(prefill_from, n_to_prefill) + rates.handoff_ms.value_or(0) +
+                            rates.decoder->ms_for(n_prompt - 1, 1);
   if (handoff_ms <= kHandoffMargin * forward_ms)
     return hand_off("faster", fmt::format("uncached {} tokens: the provider is faster (about {:.1f} ms against the "
                                           "decoder's {:.1f} ms)",

@@ -14,8 +14,8 @@
 #include <string>
 #include <string_view>
 
-#include "route/token_rate.h"
 #include "layout/error.h"
+#include "route/token_rate.h"
 
 namespace kvshare::route {
 
@@ -48,11 +48,11 @@ inline constexpr double kHandoffMargin = 0.8;
 
 // What serve has measured so far; nullopt until the first sample.
 struct MeasuredRates {
-  std::optional<TokenRate> decoder;             // forwarded replies: timings.prompt_ms over prompt_n
-  size_t decoder_largest_sample = 0;            // the most tokens one of them evaluated
-  std::optional<TokenRate> provider;            // handoffs: the provider's prefill_ms over the tokens it prefilled
-  std::optional<double> provider_overhead_ms;   // handoffs: the provider's wall time less its prefill_ms (EWMA)
-  std::optional<double> handoff_ms;             // handoffs: share + adopt, or the restore (EWMA)
+  std::optional<TokenRate> decoder;            // forwarded replies: timings.prompt_ms over prompt_n
+  size_t decoder_largest_sample = 0;           // the most tokens one of them evaluated
+  std::optional<TokenRate> provider;           // handoffs: the provider's prefill_ms over the tokens it prefilled
+  std::optional<double> provider_overhead_ms;  // handoffs: the provider's wall time less its prefill_ms (EWMA)
+  std::optional<double> handoff_ms;            // handoffs: share + adopt, or the restore (EWMA)
 };
 
 // The rates, shared by every request's thread. The EWMAs weigh the newest sample 1/4.
@@ -72,9 +72,9 @@ class RateBook {
 };
 
 struct HandoffQuestion {
-  size_t n_prompt = 0;              // the whole prompt, last token included
-  size_t n_cached = 0;              // of it, what the decoder's slot holds (an estimate before the share)
-  size_t ctx_size = 0;              // the decoder's context in cells (0: unknown)
+  size_t n_prompt = 0;                // the whole prompt, last token included
+  size_t n_cached = 0;                // of it, what the decoder's slot holds (an estimate before the share)
+  size_t ctx_size = 0;                // the decoder's context in cells (0: unknown)
   bool provider_incremental = false;  // the provider can prefill from n_cached on (--cached)
 };
 

@@ -14,8 +14,8 @@ namespace kvshare::route {
 
 // Histogram buckets in milliseconds: from a sub-millisecond shared handoff to a minute-long
 // NPU prefill.
-inline constexpr std::array<double, 14> kMsBuckets = {0.25, 0.5, 1,    2.5,  5,     10,    25,
-                                                      50,   100, 250,  500,  1000,  5000,  60000};
+inline constexpr std::array<double, 14> kMsBuckets = {0.25, 0.5, 1,   2.5, 5,    10,   25,
+                                                      50,   100, 250, 500, 1000, 5000, 60000};
 
 class Histogram {
  public:

@@ -17,11 +17,11 @@
 namespace kvshare::route {
 
 struct ProviderRun {
-  bool started = false;     // false: it could not be started (start_error says why); nothing ran
-  bool timed_out = false;   // killed (with its group) at the timeout
+  bool started = false;    // false: it could not be started (start_error says why); nothing ran
+  bool timed_out = false;  // killed (with its group) at the timeout
   ExitStatus status;
-  std::string out;          // its stdout
-  std::string err;          // its stderr
+  std::string out;  // its stdout
+  std::string err;  // its stderr
   double wall_ms = 0;
   std::optional<double> reported_prefill_ms;  // its last stdout line {"prefill_ms": X}
   Error start_error;

@@ -47,7 +47,8 @@ Result<layout::ReceiverReply> RemoteReceiverProcess::call(const layout::Receiver
   if (!body) return fail(body.error());
   auto reply = layout::parse_receiver_reply(*body, kPeer);
   if (!reply)
-    return fail(process_.lose(incarnation, fmt::format("broke the protocol ({}) and was killed", reply.error().what())));
+    return fail(
+        process_.lose(incarnation, fmt::format("broke the protocol ({}) and was killed", reply.error().what())));
   if (reply->op != request.op)
     return fail(process_.lose(incarnation, fmt::format("answered a {} request with \"{}\" and was killed", op,
                                                        layout::receiver_op_name(reply->op))));

@@ -17,10 +17,10 @@
 #include <functional>
 #include <string>
 
-#include "route/metrics.h"
-#include "route/resident_process.h"
 #include "layout/error.h"
 #include "layout/receiver_message.h"
+#include "route/metrics.h"
+#include "route/resident_process.h"
 
 namespace kvshare::route {
 

@@ -12,8 +12,10 @@ std::optional<ReplyTimings> timings_of(std::string_view json_text) {
   auto timings = json.find("timings");
   if (timings == json.end() || !timings->is_object()) return std::nullopt;
   ReplyTimings found;
-  if (auto n = timings->find("prompt_n"); n != timings->end() && n->is_number_integer()) found.prompt_n = n->get<int64_t>();
-  if (auto ms = timings->find("prompt_ms"); ms != timings->end() && ms->is_number()) found.prompt_ms = ms->get<double>();
+  if (auto n = timings->find("prompt_n"); n != timings->end() && n->is_number_integer())
+    found.prompt_n = n->get<int64_t>();
+  if (auto ms = timings->find("prompt_ms"); ms != timings->end() && ms->is_number())
+    found.prompt_ms = ms->get<double>();
   if (auto n = timings->find("predicted_n"); n != timings->end() && n->is_number_integer())
     found.predicted_n = n->get<int64_t>();
   return found;

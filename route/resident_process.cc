@@ -25,7 +25,9 @@ std::string_view body_of(const handshake::ReceivedFrame& frame) {
   return {reinterpret_cast<const char*>(frame.body.data()), frame.body.size()};
 }
 
-int clamp_ms(std::chrono::milliseconds timeout) { return static_cast<int>(std::clamp<long long>(timeout.count(), 1, INT32_MAX)); }
+int clamp_ms(std::chrono::milliseconds timeout) {
+  return static_cast<int>(std::clamp<long long>(timeout.count(), 1, INT32_MAX));
+}
 
 // A pidfd is readable once its process has ended.
 bool wait_pidfd(int pidfd, std::chrono::milliseconds timeout) {
@@ -157,8 +159,8 @@ Result<void> ResidentProcess::start_locked() {
     if (!peer) {
       ++losses_in_a_row_;
       last_loss_ = Clock::now();
-      last_end_ = fmt::format("{} at {} could not be reached: {}", options_.name, options_.connect_path,
-                              peer.error().what());
+      last_end_ =
+          fmt::format("{} at {} could not be reached: {}", options_.name, options_.connect_path, peer.error().what());
       return fail(ESRCH, "{}", last_end_);
     }
     ours = std::move(*connected);
@@ -217,23 +219,24 @@ Result<std::string> ResidentProcess::call(std::string_view body, std::span<const
   const auto frame = handshake::length_prefixed(body);
   const int timeout_ms = clamp_ms(timeout);
   if (auto sent = handshake::send_frame(channel_.get(), frame, fds, timeout_ms, fmt::format("{} request", what)); !sent)
-    return fail(ESRCH, "{}", lose_locked(fmt::format("lost its channel at a {} request ({})", what,
-                                                     sent.error().what())));
-  auto received = handshake::receive_frame(channel_.get(), timeout_ms, options_.name, -1,
-                                           fmt::format("{} reply", what), options_.max_frame_bytes);
+    return fail(ESRCH, "{}",
+                lose_locked(fmt::format("lost its channel at a {} request ({})", what, sent.error().what())));
+  auto received = handshake::receive_frame(channel_.get(), timeout_ms, options_.name, -1, fmt::format("{} reply", what),
+                                           options_.max_frame_bytes);
   if (!received) {
     const bool timed_out = received.error().errno_value() == ETIMEDOUT;
     // A process that is still working on the request may be writing the decoder's cells:
     // it is killed at once, not given a grace.
-    return fail(ESRCH, "{}", lose_locked(timed_out ? fmt::format("did not answer a {} request within {} ms and was "
-                                                                 "killed", what, timeout_ms)
-                                                   : fmt::format("died during a {} request", what),
-                                         !timed_out));
+    return fail(ESRCH, "{}",
+                lose_locked(timed_out ? fmt::format("did not answer a {} request within {} ms and was "
+                                                    "killed",
+                                                    what, timeout_ms)
+                                      : fmt::format("died during a {} request", what),
+                            !timed_out));
   }
   if (!received->fds.empty())
-    return fail(ESRCH, "{}", lose_locked(fmt::format("sent {} fd(s) on its channel and was killed",
-                                                     received->fds.size()),
-                                         false));
+    return fail(ESRCH, "{}",
+                lose_locked(fmt::format("sent {} fd(s) on its channel and was killed", received->fds.size()), false));
   return std::string(body_of(*received));
 }
 

@@ -39,11 +39,11 @@ inline constexpr std::chrono::milliseconds kMaxResidentBackoff{5000};
 class ResidentProcess {
  public:
   struct Options {
-    std::string name;                    // "the remote receiver": the log's and the errors' subject
-    std::vector<std::string> argv;       // started with the channel at kFirstInheritedFd
-    std::string connect_path;            // instead of argv: a process listening here (not started by serve)
+    std::string name;               // "the remote receiver": the log's and the errors' subject
+    std::vector<std::string> argv;  // started with the channel at kFirstInheritedFd
+    std::string connect_path;       // instead of argv: a process listening here (not started by serve)
     std::function<void(const std::string&)> log;
-    std::function<void()> on_restart;    // a start (or connect) after an earlier one was lost
+    std::function<void()> on_restart;  // a start (or connect) after an earlier one was lost
     // Checks the first frame's body; an error loses the process, naming it.
     std::function<Result<void>(std::string_view hello)> check_hello;
     std::chrono::milliseconds hello_timeout{60000};  // a busy machine's start (a model load), not a measurement
@@ -91,8 +91,8 @@ class ResidentProcess {
 
   Options options_;
   mutable std::mutex mutex_;
-  ChildProcess child_;      // argv mode
-  Fd peer_pidfd_;           // connect mode: the listener's process, for SIGKILL and its end
+  ChildProcess child_;  // argv mode
+  Fd peer_pidfd_;       // connect mode: the listener's process, for SIGKILL and its end
   Fd channel_;
   pid_t pid_ = -1;
   uint64_t incarnation_ = 0;

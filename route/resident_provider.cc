@@ -28,8 +28,7 @@ std::vector<std::string> resident_provider_command(const std::string& program, c
 }
 
 ResidentProvider::ResidentProvider(Options options)
-    : log_(options.log),
-      process_([&] {
+    : log_(options.log), process_([&] {
         ResidentProcess::Options resident;
         resident.name = std::string(kName);
         resident.argv = options.argv;
@@ -82,10 +81,11 @@ Result<ProviderReply> ResidentProvider::ask(const ProviderRequest& request, std:
   if (!body) return fail(body.error());
   auto reply = parse_provider_reply(*body, kName);
   if (!reply)
-    return fail(process_.lose(incarnation, fmt::format("broke the protocol ({}) and was killed", reply.error().what())));
+    return fail(
+        process_.lose(incarnation, fmt::format("broke the protocol ({}) and was killed", reply.error().what())));
   if (reply->op != request.op)
-    return fail(process_.lose(incarnation, fmt::format("answered a {} request with \"{}\" and was killed", op,
-                                                       provider_op_name(reply->op))));
+    return fail(process_.lose(
+        incarnation, fmt::format("answered a {} request with \"{}\" and was killed", op, provider_op_name(reply->op))));
   if (reply->op == ProviderOp::region && reply->ok && reply->region_id != request.region_id)
     return fail(process_.lose(incarnation, fmt::format("answered region {} with region {} and was killed",
                                                        request.region_id, reply->region_id)));
@@ -168,16 +168,17 @@ ProviderRun ResidentProvider::prefill(const ProviderRequest& prepared, const Rec
   if (reply && !reply->ok && reply->error_errno == ESTALE && shared) {
     // It does not hold the region we think it does (it dropped it, or an earlier region
     // failed on its side): once more with the region.
-    if (log_) log_(fmt::format("kvshare-serve: {} (pid {}) holds no region {} ({}); sending it again",
-                                               kName, process_.pid(), request.region_id, reply->error));
+    if (log_)
+      log_(fmt::format("kvshare-serve: {} (pid {}) holds no region {} ({}); sending it again", kName, process_.pid(),
+                       request.region_id, reply->error));
     if (auto region = ensure_region(true); !region) return finish(region.error());
     reply = ask(request, {}, timeout);
   }
   if (!reply) return finish(reply.error());
   if (!reply->ok)
-    return finish(Error(reply->error_errno, fmt::format("{} (pid {}) answered the {} prefill with an error: {}", kName,
-                                                        process_.pid(), prefill_route_name(request.route),
-                                                        reply->error)));
+    return finish(
+        Error(reply->error_errno, fmt::format("{} (pid {}) answered the {} prefill with an error: {}", kName,
+                                              process_.pid(), prefill_route_name(request.route), reply->error)));
   run.wall_ms = ms_since(start);
   run.reported_prefill_ms = reply->prefill_ms;
   run.status = ExitStatus{true, 0, 0};

@@ -25,20 +25,20 @@
 #include <string>
 #include <vector>
 
-#include "route/metrics.h"
-#include "route/provider_run.h"
-#include "route/resident_process.h"
 #include "kvshare/share/broker.h"
 #include "kvshare/share/provider_protocol.h"
 #include "layout/error.h"
+#include "route/metrics.h"
+#include "route/provider_run.h"
+#include "route/resident_process.h"
 
 namespace kvshare::route {
 
 class ResidentProvider {
  public:
   struct Options {
-    std::vector<std::string> argv;     // started by serve, the channel at fd 3 ("--serve-fd 3" included)
-    std::string socket_path;           // instead: a provider listening here
+    std::vector<std::string> argv;  // started by serve, the channel at fd 3 ("--serve-fd 3" included)
+    std::string socket_path;        // instead: a provider listening here
     std::function<void(const std::string&)> log;
     Metrics* metrics = nullptr;
     // A model load on a busy machine (the 100M test model loads in ~2 s), not a measurement.
@@ -73,7 +73,8 @@ class ResidentProvider {
 
  private:
   // One request and its parsed reply; a reply that breaks the protocol loses the provider.
-  Result<ProviderReply> ask(const ProviderRequest& request, std::span<const int> fds, std::chrono::milliseconds timeout);
+  Result<ProviderReply> ask(const ProviderRequest& request, std::span<const int> fds,
+                            std::chrono::milliseconds timeout);
   Result<void> send_region(const ReceivedShare& share, const RegionKey& key, std::chrono::milliseconds timeout,
                            ProviderRun& run);
   ProviderRun prefill(const ProviderRequest& request, const ReceivedShare* share, std::chrono::milliseconds timeout);
@@ -81,7 +82,7 @@ class ResidentProvider {
   std::function<void(const std::string&)> log_;
   ResidentProcess process_;
   mutable std::mutex mutex_;
-  ProviderReply hello_;              // the running provider's
+  ProviderReply hello_;  // the running provider's
   bool have_hello_ = false;
   // The region the provider of `region_incarnation_` holds.
   uint64_t region_incarnation_ = 0;

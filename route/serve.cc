@@ -13,19 +13,19 @@
 #include <thread>
 
 #include "kvshare/env.h"
+#include "kvshare/stop_signals.h"
 #include "route/api_key.h"
 #include "route/decoder_client.h"
 #include "route/decoder_process.h"
 #include "route/handoff.h"
 #include "route/listen_socket.h"
 #include "route/metrics.h"
-#include "route/reply_timings_scanner.h"
 #include "route/remote_receiver_process.h"
+#include "route/reply_timings_scanner.h"
 #include "route/resident_provider.h"
 #include "route/slot_queue.h"
 #include "route/state_version_probe.h"
 #include "route/upstream_stream.h"
-#include "kvshare/stop_signals.h"
 
 namespace kvshare::route {
 namespace {
@@ -85,10 +85,9 @@ void on_first_relayed(RelayState& state) {
   } else if (state.report.decided_forward) {
     log_line(forwarded_line(state.report, first_byte_ms));
   } else {
-    log_line(fmt::format("hybrid: {} prompt tokens{}: forwarded as it came, first byte {:.3f} ms",
-                         state.report.n_prompt_tokens,
-                         state.report.n_slots > 1 ? fmt::format(", slot {}", state.report.slot) : std::string(),
-                         first_byte_ms));
+    log_line(fmt::format(
+        "hybrid: {} prompt tokens{}: forwarded as it came, first byte {:.3f} ms", state.report.n_prompt_tokens,
+        state.report.n_slots > 1 ? fmt::format(", slot {}", state.report.slot) : std::string(), first_byte_ms));
   }
 }
 
@@ -102,8 +101,7 @@ void on_relay_end(RelayState& state) {
   const ReplyTimings timings = state.scanner->finish();
   // What the decoder generated stays in its slot after the prompt: the next turn's estimate.
   if (timings.predicted_n)
-    state.context->slot_record(state.report.slot).remember_generated(state.report.slot_prompt_id,
-                                                                     *timings.predicted_n);
+    state.context->slot_record(state.report.slot).remember_generated(state.report.slot_prompt_id, *timings.predicted_n);
   if (!state.report.handed_off()) {
     // A forward is the decoder's own prompt speed over what its slot did not hold.
     if (timings.prompt_n && timings.prompt_ms)
@@ -113,9 +111,10 @@ void on_relay_end(RelayState& state) {
   state.context->rates.observe_handoff(state.report.handoff_ms);
   if (timings.prompt_n && *timings.prompt_n != 1) {
     state.metrics->count_prompt_not_reused();
-    log_line(fmt::format("hybrid: warning: the decoder evaluated {} prompt tokens, not 1: the handoff was not "
-                         "reused (timings.prompt_n)",
-                         *timings.prompt_n));
+    log_line(
+        fmt::format("hybrid: warning: the decoder evaluated {} prompt tokens, not 1: the handoff was not "
+                    "reused (timings.prompt_n)",
+                    *timings.prompt_n));
   }
 }
 
@@ -226,9 +225,8 @@ void Server::handle_completion(Endpoint endpoint, const httplib::Request& req, h
   state->start = Clock::now();
   state->report = run_handoff(context_, endpoint, req.body, [this, &state](std::span<const int32_t> ids) {
     // The free slot whose cells likely hold most of this prompt (a chat's next turn).
-    state->hold = std::make_shared<SlotQueue::Hold>(slot_.acquire([this, ids](int slot) {
-      return ids.empty() ? size_t{0} : context_.slot_record(slot).estimate_cached(ids);
-    }));
+    state->hold = std::make_shared<SlotQueue::Hold>(slot_.acquire(
+        [this, ids](int slot) { return ids.empty() ? size_t{0} : context_.slot_record(slot).estimate_cached(ids); }));
     return state->hold->slot();
   });
   state->decode = slot_.begin_decode(state->report.slot);
@@ -241,15 +239,17 @@ int Server::run() {
   ::signal(SIGPIPE, SIG_IGN);
 
   if (config_.device == Device::hybrid && !hybrid_active())
-    log_line("kvshare-serve: --device hybrid without a prefill provider (--prefill-provider or "
-             "ONEBIT_HYBRID_PREFILL): every prompt is prefilled by the decoder itself, one slot, plain relay");
+    log_line(
+        "kvshare-serve: --device hybrid without a prefill provider (--prefill-provider or "
+        "ONEBIT_HYBRID_PREFILL): every prompt is prefilled by the decoder itself, one slot, plain relay");
 
-  auto decoder = DecoderProcess::start(config_, backend_, runtime_.decoder_ready_timeout, [this](const ExitStatus& status) {
-    decoder_died_ = true;
-    log_line(fmt::format("kvshare-serve: the decoder exited ({}); it is not restarted, kvshare-serve exits",
-                         status.describe()));
-    http_.stop();
-  });
+  auto decoder =
+      DecoderProcess::start(config_, backend_, runtime_.decoder_ready_timeout, [this](const ExitStatus& status) {
+        decoder_died_ = true;
+        log_line(fmt::format("kvshare-serve: the decoder exited ({}); it is not restarted, kvshare-serve exits",
+                             status.describe()));
+        http_.stop();
+      });
   if (!decoder) {
     log_line(fmt::format("kvshare-serve: {}", decoder.error().what()));
     return 1;
@@ -296,8 +296,7 @@ int Server::run() {
     resident_provider_ = std::make_unique<ResidentProvider>(std::move(provider_options));
     if (auto up = resident_provider_->ensure_running(); up)
       log_line(fmt::format("kvshare-serve: resident provider running (pid {}{})", resident_provider_->pid(),
-                           config_.prefill_provider_socket.empty() ? ""
-                                                                   : ", at " + config_.prefill_provider_socket));
+                           config_.prefill_provider_socket.empty() ? "" : ", at " + config_.prefill_provider_socket));
     else
       log_line(fmt::format("kvshare-serve: {}", up.error().what()));
     context_.resident_provider = resident_provider_.get();
@@ -306,13 +305,15 @@ int Server::run() {
     auto version = probe_decoder_state_version(*client_, decoder_->slot_dir());
     if (version) {
       context_.decoder_state_version = *version;
-      log_line(fmt::format("kvshare-serve: the decoder restores state files of version {} (probed with a save of "
-                           "its empty slot); file-route providers get {}={}",
-                           *version, kStateVersionEnv, *version));
+      log_line(
+          fmt::format("kvshare-serve: the decoder restores state files of version {} (probed with a save of "
+                      "its empty slot); file-route providers get {}={}",
+                      *version, kStateVersionEnv, *version));
     } else {
-      log_line(fmt::format("kvshare-serve: could not learn the decoder's state-file version ({}); providers write "
-                           "their default and the restore is the check",
-                           version.error().what()));
+      log_line(
+          fmt::format("kvshare-serve: could not learn the decoder's state-file version ({}); providers write "
+                      "their default and the restore is the check",
+                      version.error().what()));
     }
   }
 
@@ -357,8 +358,10 @@ int Server::run() {
     listen_fd = fd;
   });
   int port = config_.port;
-  if (port == 0) port = http_.bind_to_any_port(config_.host);
-  else if (!http_.bind_to_port(config_.host, port)) port = -1;
+  if (port == 0)
+    port = http_.bind_to_any_port(config_.host);
+  else if (!http_.bind_to_port(config_.host, port))
+    port = -1;
   if (port <= 0) {
     log_line(fmt::format("kvshare-serve: cannot listen on {}:{} (in use, or not an address of this machine)",
                          config_.host, config_.port));
@@ -372,8 +375,8 @@ int Server::run() {
   if (reuseaddr_error.errno_value() != 0)
     listen_error = reuseaddr_error.with_context(where);
   else if (listen_fd < 0)
-    listen_error = Error(EBADF, fmt::format("no listening socket for {}:{} reached the socket options hook",
-                                            config_.host, port));
+    listen_error =
+        Error(EBADF, fmt::format("no listening socket for {}:{} reached the socket options hook", config_.host, port));
   else if (auto deep = deepen_backlog(listen_fd); !deep)
     listen_error = deep.error().with_context(where);
   if (listen_error.errno_value() != 0) {
@@ -385,16 +388,17 @@ int Server::run() {
     decoder_->stop();
     return 1;
   }
-  log_line(fmt::format("kvshare-serve: listening on http://{}:{} (device {}, decoder {} on 127.0.0.1:{}, "
-                       "provider {}, route {})",
-                       config_.host, port, device_name(config_.device), backend_kind_name(backend_.kind),
-                       decoder_->port(),
-                       !config_.prefill_remote.empty() ? config_.prefill_remote
-                       : has_local_provider(config_) ? provider_name(config_) : std::string("none"),
-                       !hybrid_active()                   ? "relay"
-                       : !config_.prefill_remote.empty() ? "remote"
-                       : config_.kv_share                 ? "shared"
-                                                          : "file"));
+  log_line(
+      fmt::format("kvshare-serve: listening on http://{}:{} (device {}, decoder {} on 127.0.0.1:{}, "
+                  "provider {}, route {})",
+                  config_.host, port, device_name(config_.device), backend_kind_name(backend_.kind), decoder_->port(),
+                  !config_.prefill_remote.empty() ? config_.prefill_remote
+                  : has_local_provider(config_)   ? provider_name(config_)
+                                                  : std::string("none"),
+                  !hybrid_active()                  ? "relay"
+                  : !config_.prefill_remote.empty() ? "remote"
+                  : config_.kv_share                ? "shared"
+                                                    : "file"));
 
   // httplib's stop() does nothing until listen_after_bind() has started its loop, so a
   // SIGTERM (or the decoder's death) that lands just before it would be lost and serve

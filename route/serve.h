@@ -6,8 +6,8 @@
 #include <filesystem>
 #include <string>
 
-#include "route/serve_config.h"
 #include "layout/error.h"
+#include "route/serve_config.h"
 
 namespace kvshare::route {
 

@@ -40,9 +40,12 @@ std::optional<std::string> parallel_in(const std::vector<std::string>& args, int
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& arg = args[i];
     std::string value;
-    if ((arg == "-np" || arg == "--parallel") && i + 1 < args.size()) value = args[i + 1];
-    else if (arg.rfind("--parallel=", 0) == 0) value = arg.substr(11);
-    else continue;
+    if ((arg == "-np" || arg == "--parallel") && i + 1 < args.size())
+      value = args[i + 1];
+    else if (arg.rfind("--parallel=", 0) == 0)
+      value = arg.substr(11);
+    else
+      continue;
     if (value != std::to_string(parallel)) return arg + " " + value;
   }
   return std::nullopt;
@@ -66,23 +69,27 @@ void apply_env(ServeConfig& config, const ServeEnv& env) {
 }
 
 const std::vector<std::string>& refused_flag_names() {
-  static const std::vector<std::string> names = {"--mtp",       "--dflash",    "--mmproj",    "--moe-slots",
-                                                 "--embedding", "--embeddings", "--reranking", "--rerank",
-                                                 "--pm"};
+  static const std::vector<std::string> names = {
+      "--mtp", "--dflash", "--mmproj", "--moe-slots", "--embedding", "--embeddings", "--reranking", "--rerank", "--pm"};
   return names;
 }
 
 Result<void> validate(const ServeConfig& config) {
   if (config.parallel < 1 || config.parallel > kMaxSlots)
-    return fail(EINVAL, "--parallel {}: expected 1..{} decoder slots (llama-server's -np; serve needs the number, so "
-                "-np -1, llama-server's auto, is not taken)", config.parallel, kMaxSlots);
+    return fail(EINVAL,
+                "--parallel {}: expected 1..{} decoder slots (llama-server's -np; serve needs the number, so "
+                "-np -1, llama-server's auto, is not taken)",
+                config.parallel, kMaxSlots);
   if (auto parallel = parallel_in(config.backend_extra, config.parallel))
     return fail(EINVAL,
                 "backend flag \"{}\" refused: serve hands prompts into the decoder's slots and must know how many; "
-                "give -np N to kvshare-serve itself (before --)", *parallel);
+                "give -np N to kvshare-serve itself (before --)",
+                *parallel);
   if (config.parallel > 1 && !config.prefill_remote.empty())
-    return fail(EINVAL, "--parallel {} with --prefill-remote refused: a remote grant covers one stream of the "
-                "decoder's cache (slot 0); run the remote route with -np 1", config.parallel);
+    return fail(EINVAL,
+                "--parallel {} with --prefill-remote refused: a remote grant covers one stream of the "
+                "decoder's cache (slot 0); run the remote route with -np 1",
+                config.parallel);
   if (config.ctx_size > 0 && config.parallel >= 1 && config.ctx_size / config.parallel < 2)
     return fail(EINVAL, "-c {} with -np {}: each slot gets {} cells, too few for a prompt; raise -c", config.ctx_size,
                 config.parallel, config.ctx_size / config.parallel);
@@ -99,17 +106,21 @@ Result<void> validate(const ServeConfig& config) {
     // serve must know the key to call the decoder's slot actions, and a key on a command
     // line is readable by every user (/proc/PID/cmdline).
     if (name == "--api-key" || name == "--api-key-file")
-      return fail(EINVAL, "backend flag {} refused: give --api-key to kvshare-serve (or set LLAMA_API_KEY); it "
-                  "checks its clients with it and passes it to the decoder through the environment", name);
+      return fail(EINVAL,
+                  "backend flag {} refused: give --api-key to kvshare-serve (or set LLAMA_API_KEY); it "
+                  "checks its clients with it and passes it to the decoder through the environment",
+                  name);
   }
   if (!config.prefill_remote.empty()) {
     if (auto url = parse_prefill_remote_url(config.prefill_remote); !url) return fail(url.error());
   }
   if (config.provider_resident && config.prefill_provider.empty())
-    return fail(EINVAL, "--provider-resident needs the provider program: give --prefill-provider PROG (or "
+    return fail(EINVAL,
+                "--provider-resident needs the provider program: give --prefill-provider PROG (or "
                 "ONEBIT_HYBRID_PREFILL)");
   if (config.provider_resident && !config.prefill_provider_socket.empty())
-    return fail(EINVAL, "--provider-resident and --prefill-provider-socket exclude each other: serve either starts "
+    return fail(EINVAL,
+                "--provider-resident and --prefill-provider-socket exclude each other: serve either starts "
                 "the resident provider itself or reaches one another supervisor runs");
   if (!config.prefill_provider_socket.empty() && config.prefill_provider_socket.front() != '/')
     return fail(EINVAL, "--prefill-provider-socket {}: expected an absolute path (in a 0700 directory of this user)",
@@ -131,7 +142,7 @@ Result<Backend> resolve_backend(const ServeConfig& config, const std::string& pa
                                 const std::filesystem::path& serve_dir) {
   auto kind_of = [](const std::filesystem::path& program) {
     return program.filename().string().find("llama-server") != std::string::npos ? BackendKind::llama_server
-                                                                                  : BackendKind::kvshare_decoder;
+                                                                                 : BackendKind::kvshare_decoder;
   };
   if (!config.backend.empty()) {
     if (!is_executable_file(config.backend))
@@ -158,14 +169,15 @@ Result<Backend> resolve_backend(const ServeConfig& config, const std::string& pa
 
 Result<void> validate_backend(const ServeConfig& config, const Backend& backend) {
   if (config.parallel > 1 && backend.kind == BackendKind::kvshare_decoder)
-    return fail(EINVAL, "--parallel {} refused: the decoder {} is kvshare-decoder, which serves one slot; give "
+    return fail(EINVAL,
+                "--parallel {} refused: the decoder {} is kvshare-decoder, which serves one slot; give "
                 "--backend PATH/llama-server (or put llama-server on PATH) for several slots, or drop -np",
                 config.parallel, backend.program.string());
   return {};
 }
 
-std::vector<std::string> backend_command(const ServeConfig& config, const Backend& backend,
-                                         const std::string& slot_dir, int port) {
+std::vector<std::string> backend_command(const ServeConfig& config, const Backend& backend, const std::string& slot_dir,
+                                         int port) {
   std::vector<std::string> argv = {backend.program.string(),
                                    "-m",
                                    config.model.string(),
@@ -206,8 +218,8 @@ std::string provider_name(const ServeConfig& config) {
 
 std::vector<std::string> file_provider_command(const ServeConfig& config, const std::string& ids_path,
                                                const std::string& state_path) {
-  std::vector<std::string> argv = {config.prefill_provider, "--tokens", ids_path, "--out", state_path,
-                                   "--model", config.model.string()};
+  std::vector<std::string> argv = {config.prefill_provider, "--tokens", ids_path, "--out", state_path, "--model",
+                                   config.model.string()};
   if (!config.elfs_dir.empty()) argv.insert(argv.end(), {"--elfs", config.elfs_dir});
   // The state file's types and V order must be the decoder's: a provider that was not told
   // writes its defaults, and the restore refuses a mismatch (then the decoder prefills).
@@ -280,7 +292,8 @@ Result<RemoteProviderUrl> parse_prefill_remote_url(const std::string& url) {
   const std::string_view port = rest.substr(colon + 1);
   int value = 0;
   for (char c : port) {
-    if (c < '0' || c > '9' || value > 65535) return fail(EINVAL, "--prefill-remote {}: port \"{}\" is not a number", url, port);
+    if (c < '0' || c > '9' || value > 65535)
+      return fail(EINVAL, "--prefill-remote {}: port \"{}\" is not a number", url, port);
     value = value * 10 + (c - '0');
   }
   if (port.empty() || value < 1 || value > 65535)

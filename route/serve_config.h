@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "route/handoff_policy.h"
 #include "layout/error.h"
+#include "route/handoff_policy.h"
 
 namespace kvshare::route {
 
@@ -20,27 +20,27 @@ enum class Device { hybrid, cpu };
 enum class BackendKind { llama_server, kvshare_decoder };
 
 struct ServeConfig {
-  std::filesystem::path model;            // -m
-  Device device = Device::hybrid;         // --device
-  std::string prefill_provider;           // --prefill-provider, else ONEBIT_HYBRID_PREFILL
-  bool provider_resident = false;         // --provider-resident: the provider starts once (--serve-fd 3)
-  std::string prefill_provider_socket;    // --prefill-provider-socket PATH: a resident provider listening there
-  std::string prefill_remote;             // --prefill-remote URL: a kvshare-provider-server (docs/remote.md)
-  std::string prefill_remote_key;         // KVSHARE_REMOTE_KEY or --prefill-remote-key-file: the provider server's key
-  std::string elfs_dir;                   // ONEBIT_HYBRID_ELFS: adds --elfs DIR to the provider
-  std::string host = "127.0.0.1";         // --host (serve's own listening address)
-  int port = 8080;                        // --port (0: any free port, printed at start)
-  int ctx_size = 4096;                    // -c
-  std::string flash_attn = "on";          // -fa on|off (on: V not transposed, as HRX runs)
-  std::string cache_type_k = "f16";       // -ctk
-  std::string cache_type_v = "f16";       // -ctv
-  bool kv_flags_given = false;            // -c/-fa/-ctk/-ctv on the command line: the provider gets them too
-  double provider_timeout_s = 120;        // --provider-timeout
-  HandoffPolicy handoff;                  // --handoff auto|always|never|N (route/handoff_policy.h)
-  std::string backend;                    // --backend PATH ("" = search)
-  bool print_backend = false;             // --print-backend
-  bool kv_share = false;                  // ONEBIT_KV_SHARE set and non-empty
-  std::vector<std::string> backend_extra; // after `--`, appended to the decoder's command
+  std::filesystem::path model;             // -m
+  Device device = Device::hybrid;          // --device
+  std::string prefill_provider;            // --prefill-provider, else ONEBIT_HYBRID_PREFILL
+  bool provider_resident = false;          // --provider-resident: the provider starts once (--serve-fd 3)
+  std::string prefill_provider_socket;     // --prefill-provider-socket PATH: a resident provider listening there
+  std::string prefill_remote;              // --prefill-remote URL: a kvshare-provider-server (docs/remote.md)
+  std::string prefill_remote_key;          // KVSHARE_REMOTE_KEY or --prefill-remote-key-file: the provider server's key
+  std::string elfs_dir;                    // ONEBIT_HYBRID_ELFS: adds --elfs DIR to the provider
+  std::string host = "127.0.0.1";          // --host (serve's own listening address)
+  int port = 8080;                         // --port (0: any free port, printed at start)
+  int ctx_size = 4096;                     // -c
+  std::string flash_attn = "on";           // -fa on|off (on: V not transposed, as HRX runs)
+  std::string cache_type_k = "f16";        // -ctk
+  std::string cache_type_v = "f16";        // -ctv
+  bool kv_flags_given = false;             // -c/-fa/-ctk/-ctv on the command line: the provider gets them too
+  double provider_timeout_s = 120;         // --provider-timeout
+  HandoffPolicy handoff;                   // --handoff auto|always|never|N (route/handoff_policy.h)
+  std::string backend;                     // --backend PATH ("" = search)
+  bool print_backend = false;              // --print-backend
+  bool kv_share = false;                   // ONEBIT_KV_SHARE set and non-empty
+  std::vector<std::string> backend_extra;  // after `--`, appended to the decoder's command
   // --api-key (LLAMA_API_KEY), comma-separated: serve's clients need one (route/api_key.h)
   // and serve sends the first to the decoder, which reads the same LLAMA_API_KEY from the
   // environment it inherits (never its command line: /proc/PID/cmdline is world-readable).
@@ -50,9 +50,8 @@ struct ServeConfig {
   // stream per slot unless the decoder runs --kv-unified).
   int parallel = 1;
   // Flags that exist only to be refused (--mtp, ...): the refusal names them.
-  std::vector<std::string> refused_flags; // each refused flag as it was given
+  std::vector<std::string> refused_flags;  // each refused flag as it was given
 };
-
 
 // The environment serve reads, captured once (tests pass their own).
 struct ServeEnv {
@@ -97,8 +96,8 @@ Result<void> validate_backend(const ServeConfig& config, const Backend& backend)
 
 // The decoder child's argv: program, -m, -np N, --slot-save-path, the KV flags, --host
 // 127.0.0.1, --port, then the extra flags.
-std::vector<std::string> backend_command(const ServeConfig& config, const Backend& backend,
-                                         const std::string& slot_dir, int port);
+std::vector<std::string> backend_command(const ServeConfig& config, const Backend& backend, const std::string& slot_dir,
+                                         int port);
 
 // Whether the decoder keeps every slot in one KV stream: -np 1, or -kvu after `--`.
 bool decoder_kv_unified(const ServeConfig& config);

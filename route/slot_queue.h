@@ -78,7 +78,7 @@ class SlotQueue {
   mutable std::mutex mutex_;
   std::condition_variable changed_;
   uint64_t next_ticket_ = 0;
-  uint64_t serving_ = 0;             // the first ticket without a slot
+  uint64_t serving_ = 0;  // the first ticket without a slot
   std::vector<bool> busy_;
   std::vector<int> decodes_in_flight_;
   uint64_t held_ = 0;

@@ -9,8 +9,8 @@
 #include <filesystem>
 #include <string>
 
-#include "route/decoder_client.h"
 #include "layout/error.h"
+#include "route/decoder_client.h"
 
 namespace kvshare::route {
 

@@ -10,7 +10,8 @@ std::shared_ptr<UpstreamStream> UpstreamStream::start(Request request, std::func
   std::shared_ptr<UpstreamStream> stream(new UpstreamStream());
   stream->on_first_byte_ = std::move(on_first_byte);
   // The thread holds a raw pointer: the destructor joins it before anything is freed.
-  stream->thread_ = std::thread([raw = stream.get(), request = std::move(request)]() mutable { raw->run(std::move(request)); });
+  stream->thread_ =
+      std::thread([raw = stream.get(), request = std::move(request)]() mutable { raw->run(std::move(request)); });
   return stream;
 }
 

@@ -35,7 +35,7 @@ class UpstreamStream {
     std::string path;
     std::string body;
     std::string content_type = "application/json";
-    std::string api_key;  // non-empty: sent as "Authorization: Bearer KEY"
+    std::string api_key;                        // non-empty: sent as "Authorization: Bearer KEY"
     std::chrono::milliseconds timeout{600000};  // per read: a long generation still streams
   };
 

@@ -13,9 +13,10 @@ int main(int argc, char** argv) {
   kvshare::refmodel::reexec_with_best_blas_kernels(argv);  // before any work: it may exec
   using kvshare::decoder::DecoderOptions;
   DecoderOptions o;
-  CLI::App app{"kvshare-decoder: a one-slot llama-server subset (completion, chat, tokenize, slots save/restore/"
-               "erase/share/adopt) over the CPU reference transformer. ONEBIT_KV_SHARE set and non-empty: the KV "
-               "cache lives in an exported region and ?action=share/adopt work."};
+  CLI::App app{
+      "kvshare-decoder: a one-slot llama-server subset (completion, chat, tokenize, slots save/restore/"
+      "erase/share/adopt) over the CPU reference transformer. ONEBIT_KV_SHARE set and non-empty: the KV "
+      "cache lives in an exported region and ?action=share/adopt work."};
   std::string model;
   app.add_option("-m,--model", model, "GGUF model to load")->required();
   app.add_option("-c,--ctx-size", o.n_ctx, "context size (0: the model's training context)");

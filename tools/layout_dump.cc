@@ -1,8 +1,8 @@
 // kvshare-layout-dump: prints the KV region a decoder would export for a model and
 // llama-server's KV flags, or its layout header (--json); --header checks a header file.
 // Exit codes: 0 ok, 1 failed (bad model, bad header, I/O), 2 bad usage.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <cstdio>
@@ -57,7 +57,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"on", "off", "auto"}))
       ->capture_default_str();
   app.add_flag("--swa-full", params.swa_full, "full-size SWA cache");
-  app.add_option("--ubatch-size", params.n_ubatch, "-ub: micro-batch size (sizes the SWA cache)")->capture_default_str();
+  app.add_option("--ubatch-size", params.n_ubatch, "-ub: micro-batch size (sizes the SWA cache)")
+      ->capture_default_str();
   app.add_flag("--json", as_json, "print the layout header (JSON) instead of the report");
 
   try {

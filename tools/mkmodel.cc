@@ -1,6 +1,6 @@
 // kvshare-mkmodel: writes a tiny random-weight GGUF model (docs/refmodel.md).
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <fstream>
@@ -10,8 +10,9 @@
 
 int main(int argc, char** argv) {
   using kvshare::refmodel::GeneratorOptions;
-  CLI::App app{"Writes a tiny random-weight GGUF model with a byte-level BPE vocabulary and a ChatML template "
-               "that llama.cpp loads and serves, one arch per memory kind. The same options give the same bytes."};
+  CLI::App app{
+      "Writes a tiny random-weight GGUF model with a byte-level BPE vocabulary and a ChatML template "
+      "that llama.cpp loads and serves, one arch per memory kind. The same options give the same bytes."};
   GeneratorOptions o;
   std::string out, wtype = "f32";
   // Options whose default depends on the arch: set only when given (std::optional there).
@@ -34,7 +35,8 @@ int main(int argc, char** argv) {
   app.add_option("--residual-gain", o.residual_gain,
                  "scale of the projections into the residual stream: 1 = a tied model (qwen3, gemma3) echoes "
                  "the last token, ~3 = replies depend on the whole prompt")
-      ->check(CLI::Range(0.01f, 100.0f))->capture_default_str();
+      ->check(CLI::Range(0.01f, 100.0f))
+      ->capture_default_str();
   app.add_flag("--shape-only", o.shape_only, "metadata and tensor infos only, no weights");
   app.add_option("--swa-window", o.n_swa, "gemma3: sliding window in tokens (even layers are SWA)")
       ->capture_default_str();
@@ -43,19 +45,25 @@ int main(int argc, char** argv) {
   app.add_option("--ssm-state", o.ssm_d_state, "mamba2, qwen35: ssm.state_size (qwen35: GDN head size)")
       ->capture_default_str();
   app.add_option("--ssm-heads", o.ssm_n_head, "mamba2: SSM heads; qwen35: GDN value heads")->capture_default_str();
-  auto* groups = app.add_option("--ssm-groups", ssm_n_group, "mamba2: SSM groups (default 1); qwen35: GDN key heads "
-                                                             "(default 2)");
-  auto* every = app.add_option("--attn-every", attn_every, "lfm2, qwen35: every Nth layer is attention, the others "
-                                                           "recurrent (default 2 for lfm2, 4 for qwen35)");
+  auto* groups = app.add_option("--ssm-groups", ssm_n_group,
+                                "mamba2: SSM groups (default 1); qwen35: GDN key heads "
+                                "(default 2)");
+  auto* every = app.add_option("--attn-every", attn_every,
+                               "lfm2, qwen35: every Nth layer is attention, the others "
+                               "recurrent (default 2 for lfm2, 4 for qwen35)");
   CLI11_PARSE(app, argc, argv);
   if (layers->count() > 0) o.n_layer = n_layer;
   if (groups->count() > 0) o.ssm_n_group = ssm_n_group;
   if (every->count() > 0) o.attn_every = attn_every;
 
-  if (wtype == "f32") o.wtype = kvshare::layout::GgmlType::F32;
-  else if (wtype == "f16") o.wtype = kvshare::layout::GgmlType::F16;
-  else if (wtype == "bf16") o.wtype = kvshare::layout::GgmlType::BF16;
-  else if (wtype == "q8_0") o.wtype = kvshare::layout::GgmlType::Q8_0;
+  if (wtype == "f32")
+    o.wtype = kvshare::layout::GgmlType::F32;
+  else if (wtype == "f16")
+    o.wtype = kvshare::layout::GgmlType::F16;
+  else if (wtype == "bf16")
+    o.wtype = kvshare::layout::GgmlType::BF16;
+  else if (wtype == "q8_0")
+    o.wtype = kvshare::layout::GgmlType::Q8_0;
   else {
     fmt::print(stderr, "kvshare-mkmodel: --wtype {}: not one of f32, f16, bf16, q8_0\n", wtype);
     return 2;

@@ -1,6 +1,6 @@
 // kvshare-prefill: the reference prefill provider (docs/refmodel.md).
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include <climits>
 #include <filesystem>
@@ -18,22 +18,29 @@
 
 int main(int argc, char** argv) {
   kvshare::refmodel::reexec_with_best_blas_kernels(argv);  // before any work: it may exec
-  CLI::App app{"The reference prefill provider: computes a prompt's KV cache on the CPU and writes a llama.cpp "
-               "sequence-state file (--out) or scatters it into a decoder's shared region (--layout/--fds). "
-               "Prints {\"prefill_ms\": X, \"n_prefilled\": N} as its last line (N: ids computed and written "
-               "here). With --serve PATH or --serve-fd N it stays up instead: the model loaded once, it takes "
-               "kvshare-serve's region and prefill requests (docs/provider.md, \"The resident provider\") until "
-               "serve closes the channel (--serve-fd) or SIGINT/SIGTERM (--serve)."};
+  CLI::App app{
+      "The reference prefill provider: computes a prompt's KV cache on the CPU and writes a llama.cpp "
+      "sequence-state file (--out) or scatters it into a decoder's shared region (--layout/--fds). "
+      "Prints {\"prefill_ms\": X, \"n_prefilled\": N} as its last line (N: ids computed and written "
+      "here). With --serve PATH or --serve-fd N it stays up instead: the model loaded once, it takes "
+      "kvshare-serve's region and prefill requests (docs/provider.md, \"The resident provider\") until "
+      "serve closes the channel (--serve-fd) or SIGINT/SIGTERM (--serve)."};
   kvshare::refmodel::PrefillRequest r;
   std::string ctk = "f16", ctv = "f16", fa = "on", fds;
-  auto* tokens = app.add_option("--tokens", r.tokens_path, "ids file: one decimal id per line, or a JSON array (required, "
-                                                             "except with --serve/--serve-fd)");
+  auto* tokens = app.add_option("--tokens", r.tokens_path,
+                                "ids file: one decimal id per line, or a JSON array (required, "
+                                "except with --serve/--serve-fd)");
   app.add_option("--model", r.model_path, "GGUF model")->required();
   auto* out = app.add_option("--out", r.out_path, "state file to write (file route)");
-  app.add_option("--elfs", r.elfs_dir, "NPU kernel directory: accepted for the provider contract and ignored (this reference provider computes on the CPU and runs no NPU kernel)");
-  auto* ctx_size = app.add_option("-c,--ctx-size", r.params.n_ctx, "context size, as llama-server's -c")->capture_default_str();
-  auto* cache_k = app.add_option("--ctk,--cache-type-k", ctk, "K cache type, as llama-server's -ctk")->capture_default_str();
-  auto* cache_v = app.add_option("--ctv,--cache-type-v", ctv, "V cache type, as llama-server's -ctv")->capture_default_str();
+  app.add_option("--elfs", r.elfs_dir,
+                 "NPU kernel directory: accepted for the provider contract and ignored (this reference provider "
+                 "computes on the CPU and runs no NPU kernel)");
+  auto* ctx_size =
+      app.add_option("-c,--ctx-size", r.params.n_ctx, "context size, as llama-server's -c")->capture_default_str();
+  auto* cache_k =
+      app.add_option("--ctk,--cache-type-k", ctk, "K cache type, as llama-server's -ctk")->capture_default_str();
+  auto* cache_v =
+      app.add_option("--ctv,--cache-type-v", ctv, "V cache type, as llama-server's -ctv")->capture_default_str();
   auto* flash = app.add_option("--fa,--flash-attn", fa, "on|off|auto, as llama-server's -fa")->capture_default_str();
   auto* parallel = app.add_option("--np,--parallel", r.params.n_seq_max,
                                   "the decoder's slots, as llama-server's -np (file route: the state file carries one "
@@ -64,10 +71,11 @@ int main(int argc, char** argv) {
                                    "(default: to the end of the stream)");
   app.add_option("-t,--threads", r.n_threads, "threads (0: all cores)")->capture_default_str();
   uint32_t state_version = 0;
-  auto* version = app.add_option("--state-version", state_version,
-                 "state-file version to write (file route): 2 (llama-server d32676d) or 3 (current); default: "
-                 "ONEBIT_HYBRID_STATE_VERSION, which kvshare-serve sets to the decoder's, else 3")
-      ->check(CLI::IsMember({2u, 3u}));
+  auto* version =
+      app.add_option("--state-version", state_version,
+                     "state-file version to write (file route): 2 (llama-server d32676d) or 3 (current); default: "
+                     "ONEBIT_HYBRID_STATE_VERSION, which kvshare-serve sets to the decoder's, else 3")
+          ->check(CLI::IsMember({2u, 3u}));
   kvshare::refmodel::ResidentOptions resident;
   auto* serve = app.add_option("--serve", resident.socket_path,
                                "resident: listen at this absolute socket path (its directory 0700, ours) and serve "
@@ -78,8 +86,8 @@ int main(int argc, char** argv) {
                        ->check(CLI::Range(3, INT_MAX));
   serve->excludes(serve_fd);
   // A resident provider takes the ids, the region, the stream and the KV params from each request.
-  for (auto* per_request : {tokens, out, layout, fd_list, cached, stream_opt, first_cell_opt, cells_opt, ctx_size, cache_k, cache_v, flash, version,
-                            parallel, unified}) {
+  for (auto* per_request : {tokens, out, layout, fd_list, cached, stream_opt, first_cell_opt, cells_opt, ctx_size,
+                            cache_k, cache_v, flash, version, parallel, unified}) {
     serve->excludes(per_request);
     serve_fd->excludes(per_request);
   }
@@ -106,8 +114,9 @@ int main(int argc, char** argv) {
     return kvshare::refmodel::run_resident_provider(resident);
   }
   if (tokens->count() == 0) {
-    fmt::print(stderr, "kvshare-prefill: --tokens is required (or --serve PATH / --serve-fd N for the resident form)\n"
-                       "Run with --help for more information.\n");
+    fmt::print(stderr,
+               "kvshare-prefill: --tokens is required (or --serve PATH / --serve-fd N for the resident form)\n"
+               "Run with --help for more information.\n");
     return 2;
   }
   if (cached->count() > 0) r.n_cached = n_cached;
@@ -131,8 +140,9 @@ int main(int argc, char** argv) {
   // llama-server's rule: one sequence is always unified; several are not unless -kvu.
   r.params.kv_unified = r.params.n_seq_max == 1 || kv_unified;
   if ((parallel->count() > 0 || unified->count() > 0) && out->count() == 0) {
-    fmt::print(stderr, "kvshare-prefill: -np/--kv-unified describe the decoder's cache for the state file (--out); "
-                       "on the shared route the layout header says it\n");
+    fmt::print(stderr,
+               "kvshare-prefill: -np/--kv-unified describe the decoder's cache for the state file (--out); "
+               "on the shared route the layout header says it\n");
     return 2;
   }
   if (state_version == 0) {

@@ -13,10 +13,11 @@
 int main(int argc, char** argv) {
   kvshare::refmodel::ProviderServerOptions o;
   kvshare::refmodel::ProviderKeySources keys;
-  CLI::App app{"kvshare-provider-server: POST /prefill {\"tokens\": [...], \"share\": <offer>} prefills with the "
-               "reference model and writes the KV into the offering decoder's cells over UCX. Every request but "
-               "GET /health needs the deployment's key (\"Authorization: Bearer KEY\"): --api-key-file, "
-               "KVSHARE_REMOTE_KEY or --api-key"};
+  CLI::App app{
+      "kvshare-provider-server: POST /prefill {\"tokens\": [...], \"share\": <offer>} prefills with the "
+      "reference model and writes the KV into the offering decoder's cells over UCX. Every request but "
+      "GET /health needs the deployment's key (\"Authorization: Bearer KEY\"): --api-key-file, "
+      "KVSHARE_REMOTE_KEY or --api-key"};
   app.add_option("-m,--model", o.model_path, "GGUF model to load")->required();
   app.add_option("--host", o.host, "address to listen on")->capture_default_str();
   app.add_option("--port", o.port, "port to listen on (0: any free port)")->capture_default_str();

@@ -11,9 +11,10 @@
 int main(int argc, char** argv) {
   kvshare::remote::ReceiverServiceOptions o;
   std::string private_dir;
-  CLI::App app{"kvshare-remote-receiver: lands a remote provider's KV writes (UCX) in the decoder's cache, every "
-               "write bounds-checked first. Started by kvshare-serve --prefill-remote with one end of a socket pair; "
-               "the decoder's region reaches it through the share handshake (docs/remote.md)."};
+  CLI::App app{
+      "kvshare-remote-receiver: lands a remote provider's KV writes (UCX) in the decoder's cache, every "
+      "write bounds-checked first. Started by kvshare-serve --prefill-remote with one end of a socket pair; "
+      "the decoder's region reaches it through the share handshake (docs/remote.md)."};
   app.add_option("--control-fd", o.control_fd, "the socket pair end kvshare-serve passed (requests and replies)")
       ->required()
       ->check(CLI::Range(3, 1 << 20));

@@ -1,11 +1,11 @@
 // kvshare-serve: an OpenAI-style server whose prompts are prefilled by a provider and
 // decoded by a llama-server child (kvshare-decoder when named) — the hybrid route. docs/hybrid.md.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 
 #include "layout/llama_flags.h"
 #include "route/api_key.h"
@@ -75,7 +75,8 @@ int main(int argc, char** argv) {
   app.add_option("backend_flags", config.backend_extra, "flags after -- go to the decoder");
   try {
     // CLI11 wants the arguments last-first.
-    std::vector<std::string> args = kvshare::layout::normalize_llama_flags(std::vector<std::string>(argv + 1, argv + argc));
+    std::vector<std::string> args =
+        kvshare::layout::normalize_llama_flags(std::vector<std::string>(argv + 1, argv + argc));
     std::reverse(args.begin(), args.end());
     app.parse(args);
   } catch (const CLI::ParseError& error) {

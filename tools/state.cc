@@ -1,7 +1,7 @@
 // kvshare-state: inspect, verify, diff and convert llama.cpp sequence-state files
 // (docs/state-file.md). Exit 0 ok, 1 failed (or a diff past the tolerance), 2 bad usage.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <string>
@@ -32,8 +32,9 @@ int report_failure(const kvshare::Error& error) {
 
 int main(int argc, char** argv) {
   namespace sf = kvshare::statefile;
-  CLI::App app{"Inspects, verifies, compares and converts llama.cpp sequence-state files (the files "
-               "llama-server's /slots/<id>?action=save writes and action=restore reads)."};
+  CLI::App app{
+      "Inspects, verifies, compares and converts llama.cpp sequence-state files (the files "
+      "llama-server's /slots/<id>?action=save writes and action=restore reads)."};
   app.name("kvshare-state");
   app.require_subcommand(1);
 
@@ -53,8 +54,9 @@ int main(int argc, char** argv) {
   verify->add_flag("--kv-unified,!--no-kv-unified", params.kv_unified, "unified KV cache across slots, -kvu");
   verify->add_option("--cache-type-k", ctk, "K cache type, -ctk")->capture_default_str();
   verify->add_option("--cache-type-v", ctv, "V cache type, -ctv")->capture_default_str();
-  verify->add_option("--flash-attn", fa, "on, off or auto, -fa")->capture_default_str()->check(
-      CLI::IsMember({"on", "off", "auto"}));
+  verify->add_option("--flash-attn", fa, "on, off or auto, -fa")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"on", "off", "auto"}));
   verify->add_flag("--swa-full", params.swa_full, "full-size SWA cache");
   verify->add_option("--ubatch-size", params.n_ubatch, "physical batch size, -ub")->capture_default_str();
 
@@ -74,8 +76,9 @@ int main(int argc, char** argv) {
   convert->add_option("OUT", out, "state file to write (atomically)")->required();
   convert->add_option("--cache-type-k,--ctk", convert_ctk, "K cache type of OUT (-ctk; default: IN's)");
   convert->add_option("--cache-type-v,--ctv", convert_ctv, "V cache type of OUT (-ctv; default: IN's)");
-  convert->add_option("--to-version", to_version,
-                      "state version of OUT: 2 (llama-server d32676d) or 3 (current llama-server); default: IN's")
+  convert
+      ->add_option("--to-version", to_version,
+                   "state version of OUT: 2 (llama-server d32676d) or 3 (current llama-server); default: IN's")
       ->check(CLI::IsMember({2, 3}));
 
   for (auto* sub : {diff, convert}) {
@@ -141,6 +144,7 @@ int main(int argc, char** argv) {
   auto info = sf::convert_state_file(file, out, options);
   if (!info) return report_failure(info.error());
   fmt::print("wrote {} ({} bytes, state version {}, -ctk {} -ctv {})\n", info->path.string(), info->size_bytes,
-             info->state_version, convert_ctk.empty() ? "as IN" : convert_ctk, convert_ctv.empty() ? "as IN" : convert_ctv);
+             info->state_version, convert_ctk.empty() ? "as IN" : convert_ctk,
+             convert_ctv.empty() ? "as IN" : convert_ctv);
   return 0;
 }

@@ -101,8 +101,8 @@ Result<ImportedBo> import_dmabuf(const XdnaDevice& device, int dmabuf_fd, uint64
                                  const std::string& what) {
   // The range must lie inside the dma-buf (its size is what lseek(SEEK_END) reports).
   const off_t buffer_bytes = ::lseek(dmabuf_fd, 0, SEEK_END);
-  if (buffer_bytes >= 0 && (offset > static_cast<uint64_t>(buffer_bytes) ||
-                            size_bytes > static_cast<uint64_t>(buffer_bytes) - offset))
+  if (buffer_bytes >= 0 &&
+      (offset > static_cast<uint64_t>(buffer_bytes) || size_bytes > static_cast<uint64_t>(buffer_bytes) - offset))
     return fail(EINVAL, "importing {} (dma-buf fd {}) into {}: bytes {}..{} pass its end at {}", what, dmabuf_fd,
                 device.path, offset, offset + size_bytes, buffer_bytes);
   // DRM_IOCTL_PRIME_FD_TO_HANDLE, what drmPrimeFDToHandle issues, through the syscall seam
@@ -173,8 +173,10 @@ struct XrtBuffer::Impl {};
 bool has_xrt() { return false; }
 
 Result<XrtBuffer> import_xrt(unsigned device_index, int dmabuf_fd, const std::string& what) {
-  return fail(ENOTSUP, "importing {} (dma-buf fd {}) as an xrt::bo on XRT device {}: this kvshare was built without XRT "
-              "(install libxrt-dev and configure with -DKVSHARE_WITH_XRT=ON)", what, dmabuf_fd, device_index);
+  return fail(ENOTSUP,
+              "importing {} (dma-buf fd {}) as an xrt::bo on XRT device {}: this kvshare was built without XRT "
+              "(install libxrt-dev and configure with -DKVSHARE_WITH_XRT=ON)",
+              what, dmabuf_fd, device_index);
 }
 #endif
 

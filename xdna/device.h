@@ -24,9 +24,9 @@ class GemHandles;
 
 // An opened amdxdna node.
 struct XdnaDevice {
-  Fd fd;              // the accel node, O_RDWR | O_CLOEXEC
-  std::string path;   // "/dev/accel/accel0"
-  std::string driver; // "amdxdna"
+  Fd fd;               // the accel node, O_RDWR | O_CLOEXEC
+  std::string path;    // "/dev/accel/accel0"
+  std::string driver;  // "amdxdna"
   // The GEM handles imported on `fd`. DRM PRIME gives one handle per dma-buf per file, so
   // two imports of one dma-buf (two chunks of one buffer, or one buffer twice) share it
   // and it must be closed once, when the last ImportedBo of it goes.

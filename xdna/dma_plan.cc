@@ -76,9 +76,12 @@ uint64_t DmaPattern::words() const {
 
 std::string_view dma_buffer_name(DmaBuffer buffer) {
   switch (buffer) {
-    case DmaBuffer::rows: return "rows";
-    case DmaBuffer::cache_k: return "cache_k";
-    case DmaBuffer::cache_v: return "cache_v";
+    case DmaBuffer::rows:
+      return "rows";
+    case DmaBuffer::cache_k:
+      return "cache_k";
+    case DmaBuffer::cache_v:
+      return "cache_v";
   }
   return "?";
 }
@@ -97,9 +100,9 @@ Result<DmaPlan> plan_layer_dma(const ScatterTarget& target, const ScatterBatch& 
   DmaPlan plan;
   // Source addressing is in words: the row stride and the K|V boundary must be whole words.
   if (stride_bytes % kWord != 0 || (rows.n_embd_k_gqa * es) % kWord != 0) {
-    plan.cpu_fallback.push_back(fmt::format(
-        "layer {}: row stride {} bytes or K part {} bytes is not a whole number of 32-bit words", rows.il,
-        stride_bytes, rows.n_embd_k_gqa * es));
+    plan.cpu_fallback.push_back(
+        fmt::format("layer {}: row stride {} bytes or K part {} bytes is not a whole number of 32-bit words", rows.il,
+                    stride_bytes, rows.n_embd_k_gqa * es));
     return plan;
   }
   const uint64_t src_stride = stride_bytes / kWord;
@@ -141,8 +144,8 @@ Result<DmaPlan> plan_layer_dma(const ScatterTarget& target, const ScatterBatch& 
   }
   // Whole words only: a V row of 66 bytes would lose its last 2 (the shim DMA moves words).
   if ((rows.n_embd_v_gqa * es) % kWord != 0) {
-    plan.cpu_fallback.push_back(fmt::format("{}: a V row of {} bytes is not a whole number of 32-bit words", v.name,
-                                            rows.n_embd_v_gqa * es));
+    plan.cpu_fallback.push_back(
+        fmt::format("{}: a V row of {} bytes is not a whole number of 32-bit words", v.name, rows.n_embd_v_gqa * es));
     return plan;
   }
   const uint64_t v_words = rows.n_embd_v_gqa * es / kWord;
@@ -167,14 +170,14 @@ Result<DmaPlan> plan_layer_dma(const ScatterTarget& target, const ScatterBatch& 
   }
   const auto v_width = static_cast<uint64_t>(v.ne[0]);
   if (v_width != rows.n_embd_v_gqa) {
-    plan.cpu_fallback.push_back(fmt::format(
-        "{}: rows {}..{} of the transposed V need the zeros llama.cpp pads with, and no source holds them", v.name,
-        rows.n_embd_v_gqa, v_width - 1));
+    plan.cpu_fallback.push_back(
+        fmt::format("{}: rows {}..{} of the transposed V need the zeros llama.cpp pads with, and no source holds them",
+                    v.name, rows.n_embd_v_gqa, v_width - 1));
     return plan;
   }
   if (cache.kv_size > Limits::kMaxStrideWords) {
-    plan.cpu_fallback.push_back(fmt::format("{}: kv_size {} passes the stride limit of {} words", v.name,
-                                            cache.kv_size, Limits::kMaxStrideWords));
+    plan.cpu_fallback.push_back(fmt::format("{}: kv_size {} passes the stride limit of {} words", v.name, cache.kv_size,
+                                            Limits::kMaxStrideWords));
     return plan;
   }
   const uint64_t stream_base = static_cast<uint64_t>(batch.stream) * v_width * cache.kv_size;
@@ -268,7 +271,8 @@ Result<void> simulate_dma(const DmaPlan& plan, std::span<const std::byte> rows, 
     for_each_word(t.read, [&](uint64_t word) { stream.push_back(word); });
     std::byte* dst = t.destination == DmaBuffer::cache_k ? cache_k.data() : cache_v.data();
     size_t n = 0;
-    for_each_word(t.write, [&](uint64_t word) { std::memcpy(dst + word * kWord, rows.data() + stream[n++] * kWord, kWord); });
+    for_each_word(t.write,
+                  [&](uint64_t word) { std::memcpy(dst + word * kWord, rows.data() + stream[n++] * kWord, kWord); });
   }
   return {};
 }

@@ -15,14 +15,14 @@
 #include <string>
 #include <vector>
 
-#include "layout/error.h"
 #include "kvshare/scatter/scatter.h"
+#include "layout/error.h"
 
 namespace kvshare::xdna {
 
 struct ShimLimits {
-  static constexpr uint32_t kMaxInnerSize = 1023;    // dims 0 and 1
-  static constexpr uint32_t kMaxRepeat = 64;         // the outer iteration count
+  static constexpr uint32_t kMaxInnerSize = 1023;  // dims 0 and 1
+  static constexpr uint32_t kMaxRepeat = 64;       // the outer iteration count
   static constexpr uint32_t kMaxStrideWords = 0xFFFFF;
   static constexpr uint32_t kWordBytes = 4;
   static constexpr uint32_t kChannelsPerDirection = 2;  // per shim tile
@@ -77,8 +77,8 @@ struct DmaPlan {
 Result<DmaPlan> plan_layer_dma(const ScatterTarget& target, const ScatterBatch& batch);
 
 // Executes `plan` with memcpy: checks every transfer against ShimLimits (the descriptors
-// per shim tile included) and every address against its buffer before copying anything, then copies word by word in stream order.
-// Fails with EINVAL naming the transfer and the limit or bound it breaks.
+// per shim tile included) and every address against its buffer before copying anything, then copies word by word in
+// stream order. Fails with EINVAL naming the transfer and the limit or bound it breaks.
 Result<void> simulate_dma(const DmaPlan& plan, std::span<const std::byte> rows, std::span<std::byte> cache_k,
                           std::span<std::byte> cache_v);
 

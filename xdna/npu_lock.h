@@ -4,8 +4,8 @@
 // can say who is in the way.
 #pragma once
 
-#include <string>
 #include <sys/types.h>
+#include <string>
 
 #include "kvshare/fd.h"
 #include "layout/error.h"

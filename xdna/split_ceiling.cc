@@ -69,12 +69,14 @@ Result<std::string> split_ceiling_report(const SplitCeilingRequest& request) {
     auto sequential = best_sequential_split(request.rates, request.rows);
     if (!sequential) return fail(sequential.error());
     speedup = concurrent->speedup;
-    out += fmt::format("rows M = {}; iGPU {:.6g} ms/row; NPU {:.6g} ms per 256 rows per tile x {} tile(s) = {:.6g} ms/row\n",
-                       request.rows, request.rates.igpu_ms_per_row, request.rates.npu_ms_per_256_rows,
-                       request.rates.npu_tiles, request.rates.npu_ms_per_row());
-    out += fmt::format("concurrent: NPU m = {} rows, iGPU {} rows; {:.3f} ms vs {:.3f} ms iGPU alone; split GEMM speed-up {:.3f}x\n",
-                       concurrent->npu_rows, concurrent->igpu_rows, concurrent->split_ms, concurrent->igpu_alone_ms,
-                       concurrent->speedup);
+    out += fmt::format(
+        "rows M = {}; iGPU {:.6g} ms/row; NPU {:.6g} ms per 256 rows per tile x {} tile(s) = {:.6g} ms/row\n",
+        request.rows, request.rates.igpu_ms_per_row, request.rates.npu_ms_per_256_rows, request.rates.npu_tiles,
+        request.rates.npu_ms_per_row());
+    out += fmt::format(
+        "concurrent: NPU m = {} rows, iGPU {} rows; {:.3f} ms vs {:.3f} ms iGPU alone; split GEMM speed-up {:.3f}x\n",
+        concurrent->npu_rows, concurrent->igpu_rows, concurrent->split_ms, concurrent->igpu_alone_ms,
+        concurrent->speedup);
     out += fmt::format("sequential (file route): best m = {} ({:.3f} ms vs {:.3f} ms decoder alone){}\n",
                        sequential->provider_rows, sequential->ms, sequential->decoder_alone_ms,
                        sequential->provider_rows == 0 ? "; a provider row costs more than a decoder row" : "");

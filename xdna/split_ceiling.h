@@ -14,20 +14,20 @@
 namespace kvshare::xdna {
 
 struct SplitRates {
-  double igpu_ms_per_row = 0;        // g: the iGPU (decoder) per GEMM row
-  double npu_ms_per_256_rows = 0;    // t: one NPU tile per 256 rows
-  uint32_t npu_tiles = 1;            // tiles working in parallel
+  double igpu_ms_per_row = 0;      // g: the iGPU (decoder) per GEMM row
+  double npu_ms_per_256_rows = 0;  // t: one NPU tile per 256 rows
+  uint32_t npu_tiles = 1;          // tiles working in parallel
   // One NPU row with every tile busy: t / 256 / tiles.
   double npu_ms_per_row() const { return npu_ms_per_256_rows / 256.0 / npu_tiles; }
 };
 
 struct ConcurrentSplit {
-  uint64_t rows = 0;        // M
-  uint64_t npu_rows = 0;    // m, integer, the better of the two around the real optimum
-  uint64_t igpu_rows = 0;   // M - m
-  double igpu_alone_ms = 0; // g * M
-  double split_ms = 0;      // max(g (M - m), m t / 256 / tiles)
-  double speedup = 0;       // igpu_alone_ms / split_ms (the split GEMMs only)
+  uint64_t rows = 0;         // M
+  uint64_t npu_rows = 0;     // m, integer, the better of the two around the real optimum
+  uint64_t igpu_rows = 0;    // M - m
+  double igpu_alone_ms = 0;  // g * M
+  double split_ms = 0;       // max(g (M - m), m t / 256 / tiles)
+  double speedup = 0;        // igpu_alone_ms / split_ms (the split GEMMs only)
 };
 
 struct SequentialSplit {
@@ -52,8 +52,8 @@ struct SplitCeilingRequest {
   bool has_rates = false;
   SplitRates rates;
   uint64_t rows = 0;
-  double speedup = 0;              // used when !has_rates
-  std::vector<double> gemm_shares; // fractions
+  double speedup = 0;               // used when !has_rates
+  std::vector<double> gemm_shares;  // fractions
 };
 Result<std::string> split_ceiling_report(const SplitCeilingRequest& request);
 

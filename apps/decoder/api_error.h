@@ -13,14 +13,14 @@ namespace kvshare::decoder {
 using Json = nlohmann::ordered_json;
 
 enum class ErrorType {
-  invalid_request,       // 400
-  authentication,        // 401
-  permission,            // 403
-  not_found,             // 404
-  server,                // 500
-  not_supported,         // 501
-  unavailable,           // 503
-  exceed_context_size,   // 400, adds n_prompt_tokens and n_ctx
+  invalid_request,      // 400
+  authentication,       // 401
+  permission,           // 403
+  not_found,            // 404
+  server,               // 500
+  not_supported,        // 501
+  unavailable,          // 503
+  exceed_context_size,  // 400, adds n_prompt_tokens and n_ctx
 };
 
 struct ApiError {

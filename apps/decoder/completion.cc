@@ -4,10 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <stdexcept>
-#include <type_traits>
 #include <functional>
 #include <limits>
+#include <stdexcept>
+#include <type_traits>
 
 namespace kvshare::decoder {
 namespace {
@@ -62,8 +62,8 @@ std::function<void(const json&)> hard_limited(T& out, T min, T max) {
   return [&out, min, max](const json& value) {
     const T v = number_as<T>(value);
     if (v < min || v > max) {
-      throw std::invalid_argument("Value must be between " + std::to_string(min) + " <= value <= " +
-                                  std::to_string(max) + ", but got " + std::to_string(v));
+      throw std::invalid_argument("Value must be between " + std::to_string(min) +
+                                  " <= value <= " + std::to_string(max) + ", but got " + std::to_string(v));
     }
     out = v;
   };
@@ -77,10 +77,14 @@ std::function<void(const json&)> boolean(bool& out) {
 
 std::string_view stop_type_name(StopType stop) {
   switch (stop) {
-    case StopType::eos: return "eos";
-    case StopType::word: return "word";
-    case StopType::limit: return "limit";
-    case StopType::none: break;
+    case StopType::eos:
+      return "eos";
+    case StopType::word:
+      return "word";
+    case StopType::limit:
+      return "limit";
+    case StopType::none:
+      break;
   }
   return "none";
 }
@@ -104,7 +108,8 @@ ApiResult<CompletionParams> parse_completion_params(const json& body) {
     // set_limits, not set_hard_limits: out-of-range temperatures are clamped.
     // Clamped in double first: a float cannot hold 1e300.
     const double t = value.get<double>();
-    p.temperature = std::isnan(t) ? 0.0f : static_cast<float>(std::clamp(t, 0.0, double(std::numeric_limits<float>::max())));
+    p.temperature =
+        std::isnan(t) ? 0.0f : static_cast<float>(std::clamp(t, 0.0, double(std::numeric_limits<float>::max())));
   }));
   results.push_back(read_field(body, {"seed"}, [&](const json& value) { p.seed = number_as<uint32_t>(value); }));
   results.push_back(read_field(body, {"ignore_eos"}, boolean(p.ignore_eos)));

@@ -28,16 +28,16 @@ std::string_view stop_type_name(StopType stop);
 
 struct CompletionParams {
   bool stream = false;
-  bool include_usage = false;      // stream_options.include_usage
+  bool include_usage = false;  // stream_options.include_usage
   bool cache_prompt = true;
   bool return_tokens = false;
   bool timings_per_token = false;
   bool ignore_eos = false;
-  int32_t n_predict = -1;          // aliases max_completion_tokens, max_tokens
+  int32_t n_predict = -1;  // aliases max_completion_tokens, max_tokens
   int32_t n_keep = 0;
-  float temperature = 0.8f;        // llama-server's default; <= 0 is greedy
+  float temperature = 0.8f;  // llama-server's default; <= 0 is greedy
   uint32_t seed = kDefaultSeed;
-  std::vector<std::string> stop;   // "stop": a string or an array of strings
+  std::vector<std::string> stop;  // "stop": a string or an array of strings
   int32_t id_slot = -1;
 
   // The subset of task_params::to_json this decoder honours, with llama-server's keys
@@ -67,22 +67,22 @@ struct Timings {
 // One sampled token as a stream chunk carries it.
 struct PartialToken {
   int32_t id = -1;
-  std::string text;                 // text_to_send: "" while a stop word may be forming
+  std::string text;  // text_to_send: "" while a stop word may be forming
   int32_t n_decoded = 0;
   int32_t n_prompt_tokens = 0;
   int32_t n_prompt_tokens_cache = 0;
-  std::optional<Timings> timings;   // on a stop-word stop, or with timings_per_token
+  std::optional<Timings> timings;  // on a stop-word stop, or with timings_per_token
 };
 
 struct CompletionResult {
   int32_t id_slot = 0;
-  std::string content;              // "" in stream mode: the chunks carried it
-  std::vector<int32_t> tokens;      // generated ids with return_tokens (and not streaming)
-  std::string prompt;               // the prompt detokenized with special tokens
-  int32_t n_decoded = 0;            // tokens_predicted
-  int32_t n_prompt_tokens = 0;      // tokens_evaluated
+  std::string content;          // "" in stream mode: the chunks carried it
+  std::vector<int32_t> tokens;  // generated ids with return_tokens (and not streaming)
+  std::string prompt;           // the prompt detokenized with special tokens
+  int32_t n_decoded = 0;        // tokens_predicted
+  int32_t n_prompt_tokens = 0;  // tokens_evaluated
   int32_t n_prompt_tokens_cache = 0;
-  int32_t n_tokens_cached = 0;      // tokens the slot holds afterwards
+  int32_t n_tokens_cached = 0;  // tokens the slot holds afterwards
   bool truncated = false;
   bool has_new_line = false;
   StopType stop = StopType::none;

@@ -14,10 +14,10 @@
 #include <thread>
 
 #include <cstdlib>
-#include "layout/tensor_type.h"
-#include "route/api_key.h"
 #include "apps/decoder/http_server.h"
 #include "apps/decoder/refmodel_engine.h"
+#include "layout/tensor_type.h"
+#include "route/api_key.h"
 
 namespace kvshare::decoder {
 
@@ -78,8 +78,7 @@ int run_decoder(const DecoderOptions& options) {
                  options.slot_save_path.c_str());
     return 2;
   }
-  if (options.state_version < 0 ||
-      !layout::is_known_state_version(static_cast<uint32_t>(options.state_version))) {
+  if (options.state_version < 0 || !layout::is_known_state_version(static_cast<uint32_t>(options.state_version))) {
     std::fprintf(stderr, "kvshare-decoder: --state-version %d: llama.cpp state files are version 2 or 3\n",
                  options.state_version);
     return 2;
@@ -139,8 +138,8 @@ int run_decoder(const DecoderOptions& options) {
     exit_code = 1;
   } else {
     server.attach(**engine);
-    std::fprintf(stderr, "kvshare-decoder: model loaded: %s, n_ctx %d, %s\n", options.model.c_str(),
-                 (*engine)->n_ctx(), layout::describe(resolved.params).c_str());
+    std::fprintf(stderr, "kvshare-decoder: model loaded: %s, n_ctx %d, %s\n", options.model.c_str(), (*engine)->n_ctx(),
+                 layout::describe(resolved.params).c_str());
     // Wait for SIGINT/SIGTERM, or for the server to end by itself.
     while (!listen_done.load()) {
       const int sig = kvshare::wait_stop_signal(std::chrono::milliseconds(200));

@@ -10,24 +10,23 @@
 namespace kvshare::decoder {
 
 struct DecoderOptions {
-  std::filesystem::path model;              // -m
-  int n_ctx = 0;                            // -c; 0: the model's training context
-  int n_parallel = 1;                       // -np; only 1 is served
-  std::string flash_attn = "auto";          // -fa on|off|auto (auto: on, as on a CPU llama-server)
-  std::string cache_type_k = "f16";         // -ctk
-  std::string cache_type_v = "f16";         // -ctv
-  int n_ubatch = 512;                       // -ub
-  std::filesystem::path slot_save_path;     // --slot-save-path
-  std::string host = "127.0.0.1";           // --host
-  int port = 8080;                          // --port (0: any free port, printed at start)
-  int n_threads = 0;                        // -t; 0: all hardware threads
-  bool endpoint_slots = true;               // --slots / --no-slots
-  int state_version = 3;                    // --state-version: the llama-server generation whose
-                                            // state files it saves and restores (2 or 3)
-  std::string api_key;                      // --api-key (LLAMA_API_KEY): comma-separated keys
-  std::filesystem::path api_key_file;       // --api-key-file (LLAMA_ARG_API_KEY_FILE)
+  std::filesystem::path model;           // -m
+  int n_ctx = 0;                         // -c; 0: the model's training context
+  int n_parallel = 1;                    // -np; only 1 is served
+  std::string flash_attn = "auto";       // -fa on|off|auto (auto: on, as on a CPU llama-server)
+  std::string cache_type_k = "f16";      // -ctk
+  std::string cache_type_v = "f16";      // -ctv
+  int n_ubatch = 512;                    // -ub
+  std::filesystem::path slot_save_path;  // --slot-save-path
+  std::string host = "127.0.0.1";        // --host
+  int port = 8080;                       // --port (0: any free port, printed at start)
+  int n_threads = 0;                     // -t; 0: all hardware threads
+  bool endpoint_slots = true;            // --slots / --no-slots
+  int state_version = 3;                 // --state-version: the llama-server generation whose
+                                         // state files it saves and restores (2 or 3)
+  std::string api_key;                   // --api-key (LLAMA_API_KEY): comma-separated keys
+  std::filesystem::path api_key_file;    // --api-key-file (LLAMA_ARG_API_KEY_FILE)
 };
-
 
 // Runs the decoder until SIGINT or SIGTERM. Returns the process exit code: 0 after a
 // clean shutdown, 1 when the model or the server failed (said on stderr), 2 for options

@@ -8,8 +8,8 @@
 #include <utility>
 #include <vector>
 
-#include "layout/error.h"
 #include "apps/decoder/api_error.h"
+#include "layout/error.h"
 
 namespace kvshare::decoder {
 

@@ -12,13 +12,13 @@
 #include <stdexcept>
 #include <thread>
 
-#include "route/api_key.h"
 #include "apps/decoder/api_error.h"
 #include "apps/decoder/completion.h"
 #include "apps/decoder/prompt.h"
 #include "apps/decoder/responses.h"
 #include "apps/decoder/slot.h"
 #include "apps/decoder/slot_request.h"
+#include "route/api_key.h"
 
 namespace kvshare::decoder {
 namespace {
@@ -42,7 +42,9 @@ void reply_json(httplib::Response& res, int status, const Json& body) {
   res.set_content(body.dump(-1, ' ', false, Json::error_handler_t::replace), kJsonType);
 }
 
-void reply_error(httplib::Response& res, const ApiError& error) { res.status = error.status(), res.set_content(error.body(), kJsonType); }
+void reply_error(httplib::Response& res, const ApiError& error) {
+  res.status = error.status(), res.set_content(error.body(), kJsonType);
+}
 
 bool is_valid_utf8(std::string_view s) {
   size_t i = 0;
@@ -139,14 +141,16 @@ void DecoderServer::Impl::routes() {
   http.Get("/health", health);
   http.Get("/v1/health", health);
   http.Get("/metrics", guarded([](const httplib::Request&, httplib::Response& res) {
-    reply_error(res, ApiError{ErrorType::not_supported,
-                              "This server does not support metrics endpoint. Start it with `--metrics`"});
-  }));
-  http.Get("/props", guarded([this](const httplib::Request&, httplib::Response& res) { reply_json(res, 200, props()); }));
+             reply_error(res, ApiError{ErrorType::not_supported,
+                                       "This server does not support metrics endpoint. Start it with `--metrics`"});
+           }));
+  http.Get("/props",
+           guarded([this](const httplib::Request&, httplib::Response& res) { reply_json(res, 200, props()); }));
   http.Post("/props", guarded([](const httplib::Request&, httplib::Response& res) {
-    reply_error(res, ApiError{ErrorType::not_supported,
-                              "This server does not support changing global properties. Start it with `--props`"});
-  }));
+              reply_error(res,
+                          ApiError{ErrorType::not_supported,
+                                   "This server does not support changing global properties. Start it with `--props`"});
+            }));
   const auto models = guarded([this](const httplib::Request&, httplib::Response& res) {
     const std::string& name = options.model_name;
     Json listing{
@@ -182,8 +186,8 @@ void DecoderServer::Impl::routes() {
   http.Post("/completion", native);
   http.Post("/completions", native);
   http.Post("/v1/completions", guarded([this](const httplib::Request& req, httplib::Response& res) {
-    handle_completion(req, res, ResponseFormat::oai_completion);
-  }));
+              handle_completion(req, res, ResponseFormat::oai_completion);
+            }));
   const auto chat = guarded([this](const httplib::Request& req, httplib::Response& res) {
     handle_completion(req, res, ResponseFormat::oai_chat);
   });
@@ -191,63 +195,63 @@ void DecoderServer::Impl::routes() {
   http.Post("/v1/chat/completions", chat);
 
   http.Post("/tokenize", guarded([this](const httplib::Request& req, httplib::Response& res) {
-    const Json body = Json::parse(req.body);
-    Json tokens = Json::array();
-    if (body.count("content") != 0) {
-      const bool add_special = json_value(body, "add_special", false);
-      const bool parse_special = json_value(body, "parse_special", true);
-      const bool with_pieces = json_value(body, "with_pieces", false);
-      auto ids = tokenize_mixed(eng(), body.at("content"), add_special, parse_special);
-      if (!ids) return reply_error(res, ids.error());
-      for (int32_t id : *ids) {
-        if (!with_pieces) {
-          tokens.push_back(id);
-          continue;
-        }
-        const std::string piece = eng().token_to_piece(id, true);
-        Json piece_json;
-        if (is_valid_utf8(piece)) {
-          piece_json = piece;
-        } else {
-          piece_json = Json::array();
-          for (unsigned char c : piece) piece_json.push_back(static_cast<int>(c));
-        }
-        tokens.push_back(Json{{"id", id}, {"piece", piece_json}});
-      }
-    }
-    reply_json(res, 200, Json{{"tokens", tokens}});
-  }));
+              const Json body = Json::parse(req.body);
+              Json tokens = Json::array();
+              if (body.count("content") != 0) {
+                const bool add_special = json_value(body, "add_special", false);
+                const bool parse_special = json_value(body, "parse_special", true);
+                const bool with_pieces = json_value(body, "with_pieces", false);
+                auto ids = tokenize_mixed(eng(), body.at("content"), add_special, parse_special);
+                if (!ids) return reply_error(res, ids.error());
+                for (int32_t id : *ids) {
+                  if (!with_pieces) {
+                    tokens.push_back(id);
+                    continue;
+                  }
+                  const std::string piece = eng().token_to_piece(id, true);
+                  Json piece_json;
+                  if (is_valid_utf8(piece)) {
+                    piece_json = piece;
+                  } else {
+                    piece_json = Json::array();
+                    for (unsigned char c : piece) piece_json.push_back(static_cast<int>(c));
+                  }
+                  tokens.push_back(Json{{"id", id}, {"piece", piece_json}});
+                }
+              }
+              reply_json(res, 200, Json{{"tokens", tokens}});
+            }));
   http.Post("/detokenize", guarded([this](const httplib::Request& req, httplib::Response& res) {
-    const Json body = Json::parse(req.body);
-    std::string content;
-    if (body.count("tokens") != 0) {
-      const auto ids = body.at("tokens").get<std::vector<int32_t>>();
-      auto text = detokenize(eng(), ids);
-      if (!text) return reply_error(res, text.error());
-      content = std::move(*text);
-    }
-    reply_json(res, 200, Json{{"content", content}});
-  }));
+              const Json body = Json::parse(req.body);
+              std::string content;
+              if (body.count("tokens") != 0) {
+                const auto ids = body.at("tokens").get<std::vector<int32_t>>();
+                auto text = detokenize(eng(), ids);
+                if (!text) return reply_error(res, text.error());
+                content = std::move(*text);
+              }
+              reply_json(res, 200, Json{{"content", content}});
+            }));
   http.Post("/apply-template", guarded([this](const httplib::Request& req, httplib::Response& res) {
-    const Json body = Json::parse(req.body);
-    auto request = chat_to_completion_request(eng(), body);
-    if (!request) return reply_error(res, request.error());
-    reply_json(res, 200, Json{{"prompt", request->at("prompt")}});
-  }));
+              const Json body = Json::parse(req.body);
+              auto request = chat_to_completion_request(eng(), body);
+              if (!request) return reply_error(res, request.error());
+              reply_json(res, 200, Json{{"prompt", request->at("prompt")}});
+            }));
 
   http.Get("/slots", guarded([this](const httplib::Request& req, httplib::Response& res) {
-    if (!options.endpoint_slots) {
-      return reply_error(res, ApiError{ErrorType::not_supported,
-                                       "This server does not support slots endpoint. Start it with `--slots`"});
-    }
-    if (!req.get_param_value("fail_on_no_slot").empty() && slot->is_processing()) {
-      return reply_error(res, ApiError{ErrorType::unavailable, "no slot available"});
-    }
-    reply_json(res, 200, Json::array({slot->to_json()}));
-  }));
-  http.Post(R"(/slots/([^/]*))", guarded([this](const httplib::Request& req, httplib::Response& res) {
-    handle_slots_action(req, res);
-  }));
+             if (!options.endpoint_slots) {
+               return reply_error(res,
+                                  ApiError{ErrorType::not_supported,
+                                           "This server does not support slots endpoint. Start it with `--slots`"});
+             }
+             if (!req.get_param_value("fail_on_no_slot").empty() && slot->is_processing()) {
+               return reply_error(res, ApiError{ErrorType::unavailable, "no slot available"});
+             }
+             reply_json(res, 200, Json::array({slot->to_json()}));
+           }));
+  http.Post(R"(/slots/([^/]*))",
+            guarded([this](const httplib::Request& req, httplib::Response& res) { handle_slots_action(req, res); }));
 }
 
 Json DecoderServer::Impl::model_info() {
@@ -300,8 +304,8 @@ void DecoderServer::Impl::handle_completion(const httplib::Request& req, httplib
   }
   // handle_completions_impl: everything from here to the task launch is a 400 on failure.
   if (!data.is_object() || !data.contains("prompt")) {
-    return reply_error(res, ApiError{ErrorType::invalid_request,
-                                     "[json.exception.out_of_range.403] key 'prompt' not found"});
+    return reply_error(
+        res, ApiError{ErrorType::invalid_request, "[json.exception.out_of_range.403] key 'prompt' not found"});
   }
   auto prompt = tokenize_completion_prompt(eng(), data.at("prompt"));
   if (!prompt) return reply_error(res, prompt.error());
@@ -319,32 +323,31 @@ void DecoderServer::Impl::handle_completion(const httplib::Request& req, httplib
   res.status = 200;
   res.set_header("X-Accel-Buffering", "no");
   auto tokens = std::make_shared<std::vector<int32_t>>(std::move(*prompt));
-  res.set_chunked_content_provider(
-      "text/event-stream", [this, context, tokens](size_t, httplib::DataSink& sink) {
-        const auto send = [&sink](const std::string& bytes) {
-          return bytes.empty() || sink.write(bytes.data(), bytes.size());
-        };
-        bool client_gone = false;
-        auto result = slot->complete(
-            *tokens, context.params,
-            [&](const PartialToken& token) {
-              const Json chunk = partial_response(context, token);
-              if (chunk.is_array() && chunk.empty()) return true;
-              if (!send(format_sse(chunk))) client_gone = true;
-              return !client_gone;
-            },
-            &stopping);
-        if (client_gone) return false;
-        if (!result) {
-          // After the headers an error can only be one more event, as llama-server sends it.
-          send(format_sse(Json{{"error", result.error().to_json()}}));
-        } else {
-          send(format_sse(final_response(context, *result)));
-          if (context.format != ResponseFormat::native) send(kSseDone);
-        }
-        sink.done();
-        return true;
-      });
+  res.set_chunked_content_provider("text/event-stream", [this, context, tokens](size_t, httplib::DataSink& sink) {
+    const auto send = [&sink](const std::string& bytes) {
+      return bytes.empty() || sink.write(bytes.data(), bytes.size());
+    };
+    bool client_gone = false;
+    auto result = slot->complete(
+        *tokens, context.params,
+        [&](const PartialToken& token) {
+          const Json chunk = partial_response(context, token);
+          if (chunk.is_array() && chunk.empty()) return true;
+          if (!send(format_sse(chunk))) client_gone = true;
+          return !client_gone;
+        },
+        &stopping);
+    if (client_gone) return false;
+    if (!result) {
+      // After the headers an error can only be one more event, as llama-server sends it.
+      send(format_sse(Json{{"error", result.error().to_json()}}));
+    } else {
+      send(format_sse(final_response(context, *result)));
+      if (context.format != ResponseFormat::native) send(kSseDone);
+    }
+    sink.done();
+    return true;
+  });
 }
 
 void DecoderServer::Impl::handle_slots_action(const httplib::Request& req, httplib::Response& res) {
@@ -394,8 +397,8 @@ void DecoderServer::Impl::handle_slots_action(const httplib::Request& req, httpl
   }
   if (action == "share" || action == "adopt") {
     if (eng().share_availability() != ShareAvailability::enabled) {
-      return reply_error(res, ApiError{ErrorType::not_supported, eng().share_refusal() +
-                                                                     ". Use the state-file route (?action=restore)."});
+      return reply_error(res, ApiError{ErrorType::not_supported,
+                                       eng().share_refusal() + ". Use the state-file route (?action=restore)."});
     }
     if (action == "share") {
       auto request = parse_share_request(req.body);
@@ -449,8 +452,8 @@ Result<void> DecoderServer::bind() {
     impl_->port = port;
   } else {
     if (!impl_->http.bind_to_port(o.host, o.port)) {
-      return fail(EADDRINUSE, "cannot bind the HTTP socket on {}:{} (in use, or not an address of this host)",
-                  o.host, o.port);
+      return fail(EADDRINUSE, "cannot bind the HTTP socket on {}:{} (in use, or not an address of this host)", o.host,
+                  o.port);
     }
     impl_->port = o.port;
   }

@@ -11,18 +11,18 @@
 #include <string>
 #include <vector>
 
-#include "layout/error.h"
 #include "apps/decoder/slot_engine.h"
+#include "layout/error.h"
 
 namespace kvshare::decoder {
 
 struct ServerOptions {
   std::string host = "127.0.0.1";
-  int port = 8080;                        // 0: any free port (see bound_port())
-  std::filesystem::path slot_save_path;   // --slot-save-path; empty: slot actions answer 501
-  int n_threads_http = -1;                // -1: max(8, hardware threads - 1)
-  std::string model_name;                 // what replies call the model (llama-server: -m as given)
-  bool endpoint_slots = true;             // GET /slots (--no-slots turns it off)
+  int port = 8080;                       // 0: any free port (see bound_port())
+  std::filesystem::path slot_save_path;  // --slot-save-path; empty: slot actions answer 501
+  int n_threads_http = -1;               // -1: max(8, hardware threads - 1)
+  std::string model_name;                // what replies call the model (llama-server: -m as given)
+  bool endpoint_slots = true;            // GET /slots (--no-slots turns it off)
   // --api-key / --api-key-file: when any is set, every route but /health needs one
   // (route/api_key.h). Slot actions above all: share hands out the KV memory.
   std::vector<std::string> api_keys;

@@ -15,8 +15,8 @@ namespace kvshare::decoder {
 
 // "content" of /tokenize or one prompt of a completion: a string, an array of ids, or an
 // array mixing strings and ids (only the first element, if a string, gets add_special).
-ApiResult<std::vector<int32_t>> tokenize_mixed(const SlotEngine& engine, const Json& content,
-                                               bool add_special, bool parse_special);
+ApiResult<std::vector<int32_t>> tokenize_mixed(const SlotEngine& engine, const Json& content, bool add_special,
+                                               bool parse_special);
 
 // The "prompt" of a completion request: a string, ids, mixed, or {"prompt_string": ...}.
 // Several prompts (an array of strings or arrays) are refused: this decoder has one slot

@@ -98,19 +98,19 @@ class RefModelEngine final : public SlotEngine {
     }
     if (share_id != sent_share_id_ || sent_share_id_ == 0) {
       // A share whose message never reached a broker has no provider: nothing to adopt.
-      return tl::unexpected(AdoptError{
-          AdoptRefusal::stale_share_id,
-          Error(ESTALE, sent_share_id_ == 0
-                            ? fmt::format("share_id {}: no share has been sent to a broker yet", share_id)
-                            : fmt::format("share_id {} is not the latest share sent to a broker ({})", share_id,
-                                          sent_share_id_))});
+      return tl::unexpected(
+          AdoptError{AdoptRefusal::stale_share_id,
+                     Error(ESTALE, sent_share_id_ == 0
+                                       ? fmt::format("share_id {}: no share has been sent to a broker yet", share_id)
+                                       : fmt::format("share_id {} is not the latest share sent to a broker ({})",
+                                                     share_id, sent_share_id_))});
     }
     auto plan = shared_->adopt(tokens.size(), share_id);
     if (!plan) {
       const int e = plan.error().errno_value();
-      const AdoptRefusal kind = e == ESTALE                    ? AdoptRefusal::stale_share_id
+      const AdoptRefusal kind = e == ESTALE                  ? AdoptRefusal::stale_share_id
                                 : e == ERANGE || e == EINVAL ? AdoptRefusal::too_many_tokens
-                                                               : AdoptRefusal::other;
+                                                             : AdoptRefusal::other;
       return tl::unexpected(AdoptError{kind, plan.error()});
     }
     return {};
@@ -142,7 +142,7 @@ class RefModelEngine final : public SlotEngine {
     return {kv_.chunks[t->chunk].data() + t->offset, t};
   }
 
-  uint32_t state_version_;                       // LLAMA_STATE_SEQ_VERSION saved and restored
+  uint32_t state_version_;  // LLAMA_STATE_SEQ_VERSION saved and restored
   std::shared_ptr<const refmodel::Model> model_;
   std::unique_ptr<refmodel::Context> context_;
   refmodel::KvMemory kv_;
@@ -150,8 +150,8 @@ class RefModelEngine final : public SlotEngine {
   std::unique_ptr<DecoderShare> shared_;         // the exported cache (null when private)
   ModelInfo info_;
   ShareAvailability share_;
-  std::string share_failure_;                    // why export failed, for the 501
-  uint64_t sent_share_id_ = 0;                   // the latest share that reached a broker
+  std::string share_failure_;   // why export failed, for the 501
+  uint64_t sent_share_id_ = 0;  // the latest share that reached a broker
   mutable std::mutex control_mutex_;
   mutable std::unordered_map<int32_t, bool> control_cache_;
 };
@@ -173,11 +173,12 @@ Result<uint64_t> RefModelEngine::save_state(const std::filesystem::path& path, s
   std::vector<std::byte> gathered;
   // An empty slot's file has no sections: llama.cpp writes the stream's cell count 0 and
   // nothing after it (serve's state-version probe saves exactly that).
-  for (const layout::KvCacheLayer& layer : n_cells == 0 ? std::span<const layout::KvCacheLayer>{}
-                                                        : std::span<const layout::KvCacheLayer>(cache.layers)) {
+  for (const layout::KvCacheLayer& layer :
+       n_cells == 0 ? std::span<const layout::KvCacheLayer>{} : std::span<const layout::KvCacheLayer>(cache.layers)) {
     const TensorPlace k = place(layer.il, layout::TensorKind::k);
     const TensorPlace v = place(layer.il, layout::TensorKind::v);
-    if (k.base == nullptr) return fail(EINVAL, "save {}: layer {} has no K tensor in the cache", path.string(), layer.il);
+    if (k.base == nullptr)
+      return fail(EINVAL, "save {}: layer {} has no K tensor in the cache", path.string(), layer.il);
     statefile::RowsView k_rows{cache.type_k, k.base, n_cells, k.tensor->tensor.row_bytes};
     statefile::RowsView v_rows;
     if (layer.has_v && v.base != nullptr) {
@@ -212,7 +213,8 @@ Result<RestoredState> RefModelEngine::restore_state(const std::filesystem::path&
   auto file = statefile::read_state_file(path, &memory);
   if (!file) return fail(file.error());
   if (file->layout().version != state_version_)
-    return fail(EINVAL, "state file {}: state version {}, this decoder reads version {} only (as "
+    return fail(EINVAL,
+                "state file {}: state version {}, this decoder reads version {} only (as "
                 "llama_state_seq_load_file: \"unknown (magic, version) for sequence state file\")",
                 path.string(), file->layout().version, state_version_);
   if (file->tokens().size() > max_tokens) {
@@ -229,14 +231,16 @@ Result<RestoredState> RefModelEngine::restore_state(const std::filesystem::path&
     for (uint32_t i = 0; i < n_cells; ++i) {
       const layout::StateCell& cell = stream->cells[i];
       if (cell.pos != static_cast<int32_t>(i) || cell.n_seq_id != 1 || cell.seq_id != 0) {
-        return fail(EINVAL, "state file {}: cell {} is at position {} (sequence {}); this decoder restores "
-                    "positions 0..n-1 of sequence 0 in order", path.string(), i, cell.pos, cell.seq_id);
+        return fail(EINVAL,
+                    "state file {}: cell {} is at position {} (sequence {}); this decoder restores "
+                    "positions 0..n-1 of sequence 0 in order",
+                    path.string(), i, cell.pos, cell.seq_id);
       }
     }
   }
   if (n_cells != file->tokens().size()) {
-    return fail(EINVAL, "state file {}: {} cells for {} tokens; this decoder needs one cell per token",
-                path.string(), n_cells, file->tokens().size());
+    return fail(EINVAL, "state file {}: {} cells for {} tokens; this decoder needs one cell per token", path.string(),
+                n_cells, file->tokens().size());
   }
   for (const layout::StateSection* section : file->sections()) {
     const TensorPlace dst = place(section->il, section->kind);
@@ -251,8 +255,8 @@ Result<RestoredState> RefModelEngine::restore_state(const std::filesystem::path&
       const uint64_t stride = static_cast<uint64_t>(cache.kv_size) * elem;  // one element of every cell
       for (uint32_t c = 0; c < section->n_rows; ++c) {
         for (uint32_t j = 0; j < section->n_embd; ++j) {
-          std::memcpy(dst.base + j * stride + c * elem, rows.data() + (static_cast<size_t>(c) * section->n_embd + j) * elem,
-                      elem);
+          std::memcpy(dst.base + j * stride + c * elem,
+                      rows.data() + (static_cast<size_t>(c) * section->n_embd + j) * elem, elem);
         }
       }
     } else {

@@ -7,17 +7,17 @@
 #include <memory>
 #include <string>
 
+#include "apps/decoder/slot_engine.h"
 #include "layout/kv_params.h"
 #include "layout/state_format.h"
-#include "apps/decoder/slot_engine.h"
 
 namespace kvshare::decoder {
 
 struct RefEngineOptions {
   std::filesystem::path model_path;
-  std::string model_name;        // how the model is named in messages (-m as given)
-  layout::KvParams params;       // n_ctx 0: the model's training context
-  int n_threads = 0;             // 0: hardware threads
+  std::string model_name;   // how the model is named in messages (-m as given)
+  layout::KvParams params;  // n_ctx 0: the model's training context
+  int n_threads = 0;        // 0: hardware threads
   // ONEBIT_KV_SHARE was set: put the cache in exported regions (memfd or dma-buf) so
   // share/adopt work. When no backend can export, the engine says so on stderr once and
   // answers share with the "cannot export" refusal.

@@ -15,9 +15,7 @@ Json usage(const CompletionResult& r) {
   };
 }
 
-const char* finish_reason(StopType stop) {
-  return stop == StopType::word || stop == StopType::eos ? "stop" : "length";
-}
+const char* finish_reason(StopType stop) { return stop == StopType::word || stop == StopType::eos ? "stop" : "length"; }
 
 Json chat_chunk(const ResponseContext& c, std::time_t t, Json choices) {
   return Json{
@@ -122,9 +120,12 @@ std::string build_info() { return "kvshare-decoder"; }
 
 Json final_response(const ResponseContext& c, const CompletionResult& r) {
   switch (c.format) {
-    case ResponseFormat::native: return native_final(c, r);
-    case ResponseFormat::oai_completion: return oai_completion_final(c, r);
-    case ResponseFormat::oai_chat: return c.params.stream ? oai_chat_stream_final(c, r) : oai_chat_final(c, r);
+    case ResponseFormat::native:
+      return native_final(c, r);
+    case ResponseFormat::oai_completion:
+      return oai_completion_final(c, r);
+    case ResponseFormat::oai_chat:
+      return c.params.stream ? oai_chat_stream_final(c, r) : oai_chat_final(c, r);
   }
   return native_final(c, r);
 }

@@ -12,8 +12,8 @@ namespace kvshare::decoder {
 
 struct ResponseContext {
   ResponseFormat format = ResponseFormat::native;
-  std::string completion_id;   // "chatcmpl-" + 32 random alphanumerics, one per request
-  std::string model;           // the model name (-m as given)
+  std::string completion_id;  // "chatcmpl-" + 32 random alphanumerics, one per request
+  std::string model;          // the model name (-m as given)
   CompletionParams params;
 };
 

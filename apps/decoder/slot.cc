@@ -374,9 +374,9 @@ ApiResult<Slot::ShareResult> Slot::share(const std::string& socket_path, const s
     const int32_t n_vocab = engine_.n_vocab();
     for (size_t i = 0; i < tokens->size(); ++i) {
       if ((*tokens)[i] >= n_vocab)
-        return api_fail(ErrorType::invalid_request,
-                        fmt::format("share: tokens[{}] is {}, outside the vocabulary (0..{})", i, (*tokens)[i],
-                                    n_vocab - 1));
+        return api_fail(
+            ErrorType::invalid_request,
+            fmt::format("share: tokens[{}] is {}, outside the vocabulary (0..{})", i, (*tokens)[i], n_vocab - 1));
     }
   }
   auto shared = engine_.share(socket_path);
@@ -404,8 +404,8 @@ ApiResult<Slot::AdoptResult> Slot::adopt(std::span<const int32_t> tokens, uint64
   const int32_t n_vocab = engine_.n_vocab();
   for (size_t i = 0; i < tokens.size(); ++i) {
     if (tokens[i] < 0 || tokens[i] >= n_vocab) {
-      return api_fail(ErrorType::invalid_request,
-                      fmt::format("adopt: tokens[{}] is {}, outside the vocabulary (0..{})", i, tokens[i], n_vocab - 1));
+      return api_fail(ErrorType::invalid_request, fmt::format("adopt: tokens[{}] is {}, outside the vocabulary (0..{})",
+                                                              i, tokens[i], n_vocab - 1));
     }
   }
   if (static_cast<int64_t>(tokens.size()) >= n_ctx()) {
@@ -435,8 +435,7 @@ ApiResult<Slot::AdoptResult> Slot::adopt(std::span<const int32_t> tokens, uint64
     // Refused before the cells were taken: what the slot held is gone either way only if
     // the engine says so; a refusal leaves the cells alone, so keep the token list.
     std::fprintf(stderr, "kvshare-decoder: slot %d: adopt refused: %s\n", id_, adopted.error().error.what().c_str());
-    const ErrorType type =
-        adopted.error().kind == AdoptRefusal::other ? ErrorType::server : ErrorType::invalid_request;
+    const ErrorType type = adopted.error().kind == AdoptRefusal::other ? ErrorType::server : ErrorType::invalid_request;
     return api_fail(type, "adopt: " + adopted.error().error.what());
   }
   set_tokens(std::vector<int32_t>(tokens.begin(), tokens.end()));

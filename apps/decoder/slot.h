@@ -92,8 +92,8 @@ class Slot {
   SlotEngine& engine_;
   const int32_t id_;
 
-  std::mutex work_;                 // held for the whole of any operation on the cells
-  std::vector<int32_t> tokens_;     // guarded by work_ (and status_ for readers)
+  std::mutex work_;              // held for the whole of any operation on the cells
+  std::vector<int32_t> tokens_;  // guarded by work_ (and status_ for readers)
 
   mutable std::mutex status_;
   bool is_processing_ = false;

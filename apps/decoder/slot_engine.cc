@@ -6,9 +6,12 @@ namespace kvshare::decoder {
 
 std::string SlotEngine::share_refusal() const {
   switch (share_availability()) {
-    case ShareAvailability::enabled: return {};
-    case ShareAvailability::flag_not_set: return share_unavailable_reason(false, "");
-    case ShareAvailability::cannot_export: return share_unavailable_reason(true, "no export backend worked");
+    case ShareAvailability::enabled:
+      return {};
+    case ShareAvailability::flag_not_set:
+      return share_unavailable_reason(false, "");
+    case ShareAvailability::cannot_export:
+      return share_unavailable_reason(true, "no export backend worked");
   }
   return {};
 }

@@ -19,10 +19,10 @@ namespace kvshare::decoder {
 
 // What /props and /v1/models report about the model.
 struct ModelInfo {
-  std::string model_path;      // as given to -m (llama-server uses it as the model name)
-  std::string chat_template;   // the template source, "" when the model has none
-  std::string bos_token;       // text of BOS, "" when none
-  std::string eos_token;       // text of EOS, "" when none
+  std::string model_path;     // as given to -m (llama-server uses it as the model name)
+  std::string chat_template;  // the template source, "" when the model has none
+  std::string bos_token;      // text of BOS, "" when none
+  std::string eos_token;      // text of EOS, "" when none
   std::string vocab_type = "bpe";
   int32_t n_vocab = 0;
   int32_t n_ctx_train = 0;
@@ -38,16 +38,16 @@ struct RestoredState {
 
 // Whether POST /slots/N?action=share can work in this process, and why not.
 enum class ShareAvailability {
-  enabled,            // ONEBIT_KV_SHARE set and the KV lives in an exported region
-  flag_not_set,       // ONEBIT_KV_SHARE unset: the KV is private
-  cannot_export,      // the flag is set but the KV backend cannot export its memory
+  enabled,        // ONEBIT_KV_SHARE set and the KV lives in an exported region
+  flag_not_set,   // ONEBIT_KV_SHARE unset: the KV is private
+  cannot_export,  // the flag is set but the KV backend cannot export its memory
 };
 
 struct ShareReply {
   uint64_t share_id = 0;
-  std::string backend;          // export backend of the region ("memfd", "udmabuf", "dmaheap")
-  uint32_t n_fds = 0;           // fds sent with the message
-  uint64_t region_bytes = 0;    // sum of the chunk sizes
+  std::string backend;        // export backend of the region ("memfd", "udmabuf", "dmaheap")
+  uint32_t n_fds = 0;         // fds sent with the message
+  uint64_t region_bytes = 0;  // sum of the chunk sizes
 };
 
 // Why an adopt was refused: the HTTP layer maps these to 400 with the message.

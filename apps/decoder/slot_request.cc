@@ -57,7 +57,8 @@ ApiResult<ShareRequest> parse_share_request(std::string_view body) {
   if (!json) return tl::unexpected(json.error());
   auto socket = json->is_object() ? json->find("socket") : json->end();
   if (!json->is_object() || socket == json->end() || !socket->is_string() || socket->get<std::string>().empty())
-    return api_fail(ErrorType::invalid_request, "share: the body must be {\"socket\": \"<path of the AF_UNIX socket>\"}");
+    return api_fail(ErrorType::invalid_request,
+                    "share: the body must be {\"socket\": \"<path of the AF_UNIX socket>\"}");
   ShareRequest request;
   request.socket = socket->get<std::string>();
   if (auto tokens = json->find("tokens"); tokens != json->end() && !tokens->is_null()) {
@@ -72,7 +73,8 @@ ApiResult<AdoptRequest> parse_adopt_request(std::string_view body) {
   auto json = parse_action_body("adopt", body);
   if (!json) return tl::unexpected(json.error());
   const bool has_tokens = json->is_object() && json->contains("tokens") && json->at("tokens").is_array();
-  const bool has_share_id = json->is_object() && json->contains("share_id") && json->at("share_id").is_number_unsigned();
+  const bool has_share_id =
+      json->is_object() && json->contains("share_id") && json->at("share_id").is_number_unsigned();
   if (!has_tokens || !has_share_id)
     return api_fail(ErrorType::invalid_request,
                     "adopt: the body must be {\"tokens\": [ids...], \"share_id\": N} with N the share_id a share "

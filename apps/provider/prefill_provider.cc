@@ -9,9 +9,9 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "apps/provider/prefill_routes.h"
 #include "kvshare/fd.h"
 #include "kvshare/share/provider_share.h"
-#include "apps/provider/prefill_routes.h"
 
 namespace kvshare::refmodel {
 namespace {
@@ -44,19 +44,22 @@ Result<Loaded> load_inputs(const PrefillRequest& r) {
 IdsSource ids_file_source(const PrefillRequest& r) { return IdsSource{fmt::format("ids file {}", r.tokens_path)}; }
 
 Error cached_on_file_route_error() {
-  return Error(EINVAL, "--cached is for the shared route (--layout/--fds), where the region already holds the cached "
-                       "cells; the file route (--out) writes a state file of every id from position 0");
+  return Error(EINVAL,
+               "--cached is for the shared route (--layout/--fds), where the region already holds the cached "
+               "cells; the file route (--out) writes a state file of every id from position 0");
 }
 
 Error stream_on_file_route_error() {
-  return Error(EINVAL, "--stream is for the shared route (--layout/--fds), where it names the decoder's KV stream "
-                       "(its slot); the file route (--out) writes one sequence's state file");
+  return Error(EINVAL,
+               "--stream is for the shared route (--layout/--fds), where it names the decoder's KV stream "
+               "(its slot); the file route (--out) writes one sequence's state file");
 }
 
 Error cells_on_file_route_error(const PrefillRequest& r) {
   return Error(EINVAL, fmt::format("{} is for the shared route (--layout/--fds), where it names the cells of the "
                                    "decoder's KV stream the share hands over; the file route (--out) writes one "
-                                   "sequence's state file", r.first_cell ? "--first-cell" : "--cells"));
+                                   "sequence's state file",
+                                   r.first_cell ? "--first-cell" : "--cells"));
 }
 
 Result<PrefillReport> run_file_route(const PrefillRequest& r) {
@@ -84,8 +87,8 @@ Result<PrefillReport> run_shared_route(const PrefillRequest& r, std::vector<Fd> 
   const uint32_t stream = r.stream.value_or(0);
   if (auto in_range = check_region_stream(*theirs, stream, n_cached, source); !in_range) return fail(in_range.error());
   // --first-cell C alone: the cells to the end of the stream.
-  const ShareCells cells_named = resolve_share_cells(theirs->memory, ShareCells{stream, r.first_cell.value_or(0),
-                                                                                r.n_cells.value_or(0)});
+  const ShareCells cells_named =
+      resolve_share_cells(theirs->memory, ShareCells{stream, r.first_cell.value_or(0), r.n_cells.value_or(0)});
   const uint32_t first_cell = cells_named.first_cell, n_cells = cells_named.n_cells;
   if (auto cells = check_region_cells(*theirs, first_cell, n_cells, in->tokens.size(), n_cached, source); !cells)
     return fail(cells.error());
@@ -97,8 +100,8 @@ Result<PrefillReport> run_shared_route(const PrefillRequest& r, std::vector<Fd> 
   auto share = ProviderShare::open(r.layout_path, fd_numbers, *ours);
   if (!share) return fail(share.error().with_context(fmt::format("model {}", r.model_path)));
   // A fresh mapping: memfd chunks are written through their descriptors (chunk_file.h).
-  const RegionTarget target{share->header(), share->imported(), share->imported().chunk_files(), stream, first_cell,
-                            n_cells};
+  const RegionTarget target{share->header(), share->imported(), share->imported().chunk_files(),
+                            stream,          first_cell,        n_cells};
   PrivateContext own;
   return prefill_region(in->model, target, in->tokens, n_cached, r.n_threads, source, own);
 }
@@ -142,7 +145,8 @@ Result<std::vector<int32_t>> parse_token_ids(std::string_view text, std::string_
       if (ec != std::errc() || ptr != line.data() + line.size() || line[0] == '+')
         return fail(EINVAL, "ids file {}: line {} is \"{}\", not a decimal token id", source, line_no,
                     line.substr(0, 40));
-      if (id < 0 || id > INT32_MAX) return fail(EINVAL, "ids file {}: line {} id {} is not a valid id", source, line_no, id);
+      if (id < 0 || id > INT32_MAX)
+        return fail(EINVAL, "ids file {}: line {} id {} is not a valid id", source, line_no, id);
       ids.push_back(static_cast<int32_t>(id));
     }
   }
@@ -184,7 +188,8 @@ Result<PrefillReport> run_prefill(const PrefillRequest& request) {
   if ((request.first_cell || request.n_cells) && request.layout_path.empty())
     return fail(cells_on_file_route_error(request));
   if (!request.layout_path.empty()) {
-    if (!request.out_path.empty()) return fail(EINVAL, "--out and --layout exclude each other: pick the file or the shared route");
+    if (!request.out_path.empty())
+      return fail(EINVAL, "--out and --layout exclude each other: pick the file or the shared route");
     return run_shared_route(request, std::move(fds));
   }
   if (!fds.empty()) return fail(EINVAL, "--fds needs --layout (the shared route)");

@@ -21,10 +21,10 @@
 #include <string_view>
 #include <vector>
 
+#include "apps/provider/prefill_routes.h"
 #include "layout/error.h"
 #include "layout/kv_params.h"
 #include "layout/state_format.h"
-#include "apps/provider/prefill_routes.h"
 
 namespace kvshare::refmodel {
 
@@ -39,13 +39,13 @@ struct PrefillRequest {
   std::string tokens_path;
   // File route.
   std::string out_path;
-  layout::KvParams params;        // -c -ctk -ctv -fa, mirroring llama-server's flags
+  layout::KvParams params;                                  // -c -ctk -ctv -fa, mirroring llama-server's flags
   uint32_t state_version = layout::kStateSeqVersionLatest;  // the decoder's LLAMA_STATE_SEQ_VERSION
-  std::string elfs_dir;           // accepted for the contract and ignored: the CPU runs no NPU kernels
+  std::string elfs_dir;  // accepted for the contract and ignored: the CPU runs no NPU kernels
   // Shared route (when layout_path is set).
   std::string layout_path;
-  std::vector<int> fds;           // inherited descriptors, one per chunk, in layout order (parsed by
-                                  // kvshare::parse_fd_list: >= 3, distinct, at most SCM_MAX_FD); taken
+  std::vector<int> fds;  // inherited descriptors, one per chunk, in layout order (parsed by
+                         // kvshare::parse_fd_list: >= 3, distinct, at most SCM_MAX_FD); taken
   // --cached P (shared route only): the region's cells 0..P-1 hold the first P ids as
   // positions 0..P-1, in the decoder's cache types; 0 <= P < the number of ids. Unset
   // and 0 are the same on the shared route; set at all on the file route is refused.
@@ -59,7 +59,7 @@ struct PrefillRequest {
   // range, cells 0.. as before. Set at all on the file route is refused.
   std::optional<uint32_t> first_cell;
   std::optional<uint32_t> n_cells;
-  int n_threads = 0;              // 0: all cores
+  int n_threads = 0;  // 0: all cores
 };
 
 // The refusals that are the caller's usage, not a failed prefill (kvshare-prefill exits 2

@@ -4,14 +4,14 @@
 
 #include <chrono>
 
+#include "apps/provider/private_kv.h"
 #include "kvshare/mapping.h"
 #include "kvshare/region/dmabuf_sync.h"
+#include "kvshare/scatter/scatter.h"
 #include "kvshare/statefile/state_file_writer.h"
 #include "layout/memory_shape.h"
 #include "layout/share_layout.h"
 #include "refmodel/model_impl.h"
-#include "apps/provider/private_kv.h"
-#include "kvshare/scatter/scatter.h"
 
 namespace kvshare::refmodel {
 namespace {
@@ -41,7 +41,8 @@ Result<PrefillReport> extend_region(const ProviderModel& model, const RegionTarg
                                     std::span<const int32_t> ids, uint32_t n_cached, int n_threads,
                                     const IdsSource& source) {
   const auto chunks = target.imported.chunk_bytes();
-  KvMemory kv{target.header.memory, target.header.layout, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end())};
+  KvMemory kv{target.header.memory, target.header.layout,
+              std::vector<std::span<std::byte>>(chunks.begin(), chunks.end())};
   // The reference transformer holds one sequence: it reads and writes the slot's stream only.
   if (auto narrowed = layout::narrow_to_stream(kv.memory, kv.layout, target.stream); !narrowed)
     return fail(narrowed.error().with_context(fmt::format("shared route, {} {}", source.stream, target.stream)));
@@ -51,8 +52,8 @@ Result<PrefillReport> extend_region(const ProviderModel& model, const RegionTarg
   const std::span<const int32_t> rest = ids.subspan(n_cached);
   auto logits = (*ctx)->decode(rest, static_cast<int32_t>(n_cached));
   if (!logits)
-    return fail(logits.error().with_context(fmt::format("shared route, {} {}: positions {}..{}", source.cached, n_cached,
-                                                        n_cached, ids.size() - 1)));
+    return fail(logits.error().with_context(
+        fmt::format("shared route, {} {}: positions {}..{}", source.cached, n_cached, n_cached, ids.size() - 1)));
   // The stores into the region are part of the forward pass: no write time of its own.
   return finished_report("shared", static_cast<uint32_t>(ids.size()), static_cast<uint32_t>(rest.size()), t0, 0);
 }
@@ -67,9 +68,13 @@ Result<PrefillReport> scatter_into_region(const ProviderModel& model, const Regi
   if (!ctx) return fail(ctx.error());
 
   const auto chunks = target.imported.chunk_bytes();
-  kvshare::ScatterTarget scatter_target{header.layout, header.memory,
-                                     std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
-                                     0, head_k(*model.model), head_v(*model.model), target.chunk_files};
+  kvshare::ScatterTarget scatter_target{header.layout,
+                                        header.memory,
+                                        std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
+                                        0,
+                                        head_k(*model.model),
+                                        head_v(*model.model),
+                                        target.chunk_files};
   const bool rotation_disabled = statefile::attn_rotation_disabled_by_env();
   double write_ms = 0;
   const auto t0 = Clock::now();
@@ -131,8 +136,8 @@ Result<void> check_region_fits(const layout::ShareHeader& header, size_t n_ids, 
   return {};
 }
 
-Result<void> check_region_cells(const layout::ShareHeader& header, uint32_t first_cell, uint32_t n_cells,
-                                size_t n_ids, uint32_t n_cached, const IdsSource& source) {
+Result<void> check_region_cells(const layout::ShareHeader& header, uint32_t first_cell, uint32_t n_cells, size_t n_ids,
+                                uint32_t n_cached, const IdsSource& source) {
   if (first_cell == 0 && n_cells == 0) return {};
   if (n_cells == 0)
     return fail(EINVAL, "{} {} without {}: a range names its cells", source.first_cell, first_cell, source.n_cells);
@@ -148,8 +153,10 @@ Result<void> check_region_cells(const layout::ShareHeader& header, uint32_t firs
     return fail(ERANGE, "{} {}: the {} holds {} ids, more than the share's cells {}..{}", source.n_cells, n_cells,
                 source.ids, n_ids, first_cell, uint64_t{first_cell} + n_cells - 1);
   if (n_cached > 0 && first_cell > 0)
-    return fail(ENOTSUP, "{} {} with {} {}: a share of a run of cells (a unified cache) never has cached cells; "
-                "prefill the whole prompt", source.cached, n_cached, source.first_cell, first_cell);
+    return fail(ENOTSUP,
+                "{} {} with {} {}: a share of a run of cells (a unified cache) never has cached cells; "
+                "prefill the whole prompt",
+                source.cached, n_cached, source.first_cell, first_cell);
   return {};
 }
 
@@ -174,8 +181,8 @@ Result<PrefillReport> prefill_region(const ProviderModel& model, const RegionTar
   if (auto in_range = check_region_stream(target.header, target.stream, n_cached, source); !in_range)
     return fail(in_range.error());
   // With cached cells the provider reads the region as well as writing it.
-  auto access = target.imported.begin_cpu_access(n_cached > 0 ? DmaBufCpuAccess::Mode::read_write
-                                                              : DmaBufCpuAccess::Mode::write);
+  auto access =
+      target.imported.begin_cpu_access(n_cached > 0 ? DmaBufCpuAccess::Mode::read_write : DmaBufCpuAccess::Mode::write);
   if (!access) return fail(access.error());
   if (n_cached > 0) return extend_region(model, target, ids, n_cached, n_threads, source);
   return scatter_into_region(model, target, ids, n_threads, own);
@@ -188,7 +195,8 @@ Result<PrefillReport> prefill_state_file(const ProviderModel& model, const State
   const layout::KvParams& params = target.params;
   if (auto ok = layout::validate(params); !ok) return fail(ok.error());
   auto memory = layout::derive_memory_shape(model.model->shape(), params);
-  if (!memory) return fail(memory.error().with_context(fmt::format("model {} with {}", model.path, layout::describe(params))));
+  if (!memory)
+    return fail(memory.error().with_context(fmt::format("model {} with {}", model.path, layout::describe(params))));
   const uint32_t kv_size = memory->kv_caches.empty() ? 0 : memory->kv_caches[0].kv_size;
   if (ids.size() > kv_size)
     return fail(ERANGE, "{}: {} tokens do not fit the context of {} cells ({} {})", source.ids, ids.size(), kv_size,

@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "apps/provider/private_kv.h"
 #include "kvshare/region/chunk_file.h"
 #include "kvshare/region/importer.h"
 #include "layout/error.h"
@@ -19,23 +20,22 @@
 #include "layout/share_header.h"
 #include "layout/state_format.h"
 #include "refmodel/engine.h"
-#include "apps/provider/private_kv.h"
 
 namespace kvshare::refmodel {
 
 struct PrefillReport {
-  uint32_t n_tokens = 0;          // ids in the ids file
-  uint32_t n_prefilled = 0;       // of them computed and written here: n_tokens less --cached
-  double prefill_ms = 0;          // forward pass + writing/scattering, model load excluded
-  double forward_ms = 0;          // the transformer alone
-  double write_ms = 0;            // state-file writes and commit, or the scatter
-  std::string route;              // "file" or "shared"
+  uint32_t n_tokens = 0;     // ids in the ids file
+  uint32_t n_prefilled = 0;  // of them computed and written here: n_tokens less --cached
+  double prefill_ms = 0;     // forward pass + writing/scattering, model load excluded
+  double forward_ms = 0;     // the transformer alone
+  double write_ms = 0;       // state-file writes and commit, or the scatter
+  std::string route;         // "file" or "shared"
 };
 
 // How errors name the ids and the numbers that bound them: the per-request tool's ids file
 // and flags ("ids file ids.txt", "--cached", "-c"), or a resident request's fields.
 struct IdsSource {
-  std::string ids;                // "ids file ids.txt"
+  std::string ids;  // "ids file ids.txt"
   std::string cached = "--cached";
   std::string n_ctx = "-c";
   std::string stream = "--stream";
@@ -46,15 +46,14 @@ struct IdsSource {
 // A model loaded for prefills: read-only mapped, the mapping kept as long as the model.
 struct ProviderModel {
   std::shared_ptr<const Model> model;
-  std::string path;               // names the model in errors
+  std::string path;  // names the model in errors
 };
 
 // Maps `model_path` read-only and loads it. Errors name the path and the key or tensor.
 Result<ProviderModel> load_provider_model(const std::string& model_path);
 
 // EINVAL naming the first id at or past the model's vocabulary, its entry and the size.
-Result<void> check_ids_in_vocabulary(const ProviderModel& model, std::span<const int32_t> ids,
-                                     const IdsSource& source);
+Result<void> check_ids_in_vocabulary(const ProviderModel& model, std::span<const int32_t> ids, const IdsSource& source);
 
 // Our own share header for the decoder's KV `params`: what the decoder's header must equal
 // in everything that changes the bytes (layout::check_compatible).
@@ -71,7 +70,7 @@ Result<void> check_region_fits(const layout::ShareHeader& header, size_t n_ids, 
 
 // The decoder's region, imported writable and checked against the model.
 struct RegionTarget {
-  const layout::ShareHeader& header;   // the decoder's
+  const layout::ShareHeader& header;  // the decoder's
   const ImportedShare& imported;
   // Per chunk, ImportedShare::chunk_files() to write memfd chunks with pwrite(): a fresh
   // mapping's first-touch faults cost more than the copy (kvshare/region/chunk_file.h).
@@ -93,8 +92,8 @@ struct RegionTarget {
 // `source.first_cell` without n_cells), ERANGE when `n_ids` do not fit n_cells, ENOTSUP
 // for n_cached > 0 with first_cell > 0 (a unified cache's share never has cached cells:
 // the decoder answers n_cached 0).
-Result<void> check_region_cells(const layout::ShareHeader& header, uint32_t first_cell, uint32_t n_cells,
-                                size_t n_ids, uint32_t n_cached, const IdsSource& source);
+Result<void> check_region_cells(const layout::ShareHeader& header, uint32_t first_cell, uint32_t n_cells, size_t n_ids,
+                                uint32_t n_cached, const IdsSource& source);
 
 // EINVAL naming `source.stream` when `stream` is past the region's n_stream; ENOTSUP for
 // n_cached > 0 on a cache of several streams (the incremental route's Context over the

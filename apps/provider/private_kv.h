@@ -9,10 +9,10 @@
 #include <memory>
 #include <vector>
 
+#include "kvshare/scatter/scatter.h"
 #include "layout/error.h"
 #include "layout/kv_params.h"
 #include "refmodel/engine.h"
-#include "kvshare/scatter/scatter.h"
 
 namespace kvshare::refmodel {
 

@@ -9,9 +9,9 @@
 #include <mutex>
 #include <thread>
 
-#include "route/api_key.h"
-#include "layout/json_depth.h"
 #include "apps/provider/remote_prefill.h"
+#include "layout/json_depth.h"
+#include "route/api_key.h"
 
 namespace kvshare::refmodel {
 namespace {
@@ -73,11 +73,13 @@ Result<std::vector<std::string>> resolve_provider_keys(const ProviderKeySources&
   }
   if (sources.no_api_key) {
     if (!keys.empty())
-      return fail(EINVAL, "--no-api-key, yet a key is given (--api-key, --api-key-file or {}): choose one", kRemoteKeyEnv);
+      return fail(EINVAL, "--no-api-key, yet a key is given (--api-key, --api-key-file or {}): choose one",
+                  kRemoteKeyEnv);
     return keys;
   }
   if (keys.empty())
-    return fail(EINVAL, "no API key: give the deployment's key with --api-key-file FILE, the environment variable {} "
+    return fail(EINVAL,
+                "no API key: give the deployment's key with --api-key-file FILE, the environment variable {} "
                 "or --api-key KEY (visible to local users in /proc), or serve without one with --no-api-key",
                 kRemoteKeyEnv);
   return keys;
@@ -119,11 +121,12 @@ int run_provider_server(const ProviderServerOptions& options) {
       return reply_error(res, 400, body.error().what());
     }
     std::lock_guard lock(one_at_a_time);
-    auto report = options.provider_command.empty()
-                      ? (*prefiller)->run(body->tokens, body->offer)
-                      : (*prefiller)->run_command(body->tokens, body->offer, options.provider_command,
-                                                  std::chrono::milliseconds(static_cast<int64_t>(
-                                                      options.provider_timeout_s * 1000)));
+    auto report =
+        options.provider_command.empty()
+            ? (*prefiller)->run(body->tokens, body->offer)
+            : (*prefiller)
+                  ->run_command(body->tokens, body->offer, options.provider_command,
+                                std::chrono::milliseconds(static_cast<int64_t>(options.provider_timeout_s * 1000)));
     if (!report) {
       // Refusals before any byte moved (EINVAL) are the request's fault; the rest the transfer's.
       const int status = report.error().errno_value() == EINVAL ? 400 : 502;
@@ -131,15 +134,17 @@ int run_provider_server(const ProviderServerOptions& options) {
                    static_cast<unsigned long long>(body->offer.share_id), report.error().what().c_str());
       return reply_error(res, status, report.error().what());
     }
-    std::fprintf(stderr, "kvshare-provider-server: share %llu: %u tokens, prefill %.3f ms (forward %.3f, transfer "
-                 "%.3f), %llu bytes sent\n", static_cast<unsigned long long>(body->offer.share_id), report->n_tokens,
-                 report->prefill_ms, report->forward_ms, report->transfer_ms,
-                 static_cast<unsigned long long>(report->bytes_sent));
-    reply(res, 200, Json{{"n_tokens", report->n_tokens},
-                         {"prefill_ms", report->prefill_ms},
-                         {"forward_ms", report->forward_ms},
-                         {"transfer_ms", report->transfer_ms},
-                         {"bytes_sent", report->bytes_sent}});
+    std::fprintf(stderr,
+                 "kvshare-provider-server: share %llu: %u tokens, prefill %.3f ms (forward %.3f, transfer "
+                 "%.3f), %llu bytes sent\n",
+                 static_cast<unsigned long long>(body->offer.share_id), report->n_tokens, report->prefill_ms,
+                 report->forward_ms, report->transfer_ms, static_cast<unsigned long long>(report->bytes_sent));
+    reply(res, 200,
+          Json{{"n_tokens", report->n_tokens},
+               {"prefill_ms", report->prefill_ms},
+               {"forward_ms", report->forward_ms},
+               {"transfer_ms", report->transfer_ms},
+               {"bytes_sent", report->bytes_sent}});
   });
   int port = options.port;
   if (port == 0) {
@@ -157,7 +162,8 @@ int run_provider_server(const ProviderServerOptions& options) {
                options.host.c_str(), port, options.model_path.c_str(),
                options.provider_command.empty() ? "the reference model" : options.provider_command.c_str());
   if (options.api_keys.empty())
-    std::fprintf(stderr, "kvshare-provider-server: warning: --no-api-key: anyone who reaches this port can make it "
+    std::fprintf(stderr,
+                 "kvshare-provider-server: warning: --no-api-key: anyone who reaches this port can make it "
                  "prefill and push KV rows into any decoder whose offer they send\n");
   std::atomic<bool> listen_done{false};
   std::thread listener([&] {

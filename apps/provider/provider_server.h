@@ -23,10 +23,10 @@
 namespace kvshare::refmodel {
 
 struct ProviderServerOptions {
-  std::string model_path;   // -m
+  std::string model_path;  // -m
   std::string host = "127.0.0.1";
-  int port = 8090;          // 0: any free port (printed)
-  int n_threads = 0;        // 0: all cores
+  int port = 8090;    // 0: any free port (printed)
+  int n_threads = 0;  // 0: all cores
   // --provider-command: prefill with this program instead (the NPU engine, or
   // kvshare-prefill), on the file route's contract; its state file's rows are sent.
   std::string provider_command;

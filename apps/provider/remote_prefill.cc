@@ -9,18 +9,18 @@
 #include <filesystem>
 #include <fstream>
 
+#include "apps/provider/private_kv.h"
 #include "kvshare/mapping.h"
 #include "kvshare/remote/remote_sender.h"
-#include "route/decoder_process.h"
-#include "route/provider_run.h"
+#include "kvshare/scatter/scatter.h"
 #include "kvshare/statefile/state_file_reader.h"
 #include "kvshare/statefile/state_file_writer.h"
 #include "layout/remote_grant.h"
 #include "layout/share_header.h"
 #include "layout/tensor_type.h"
 #include "refmodel/engine.h"
-#include "apps/provider/private_kv.h"
-#include "kvshare/scatter/scatter.h"
+#include "route/decoder_process.h"
+#include "route/provider_run.h"
 
 namespace kvshare::refmodel {
 namespace {
@@ -107,7 +107,8 @@ Result<uint64_t> finish(remote::RemoteSender& sender, const remote::RemoteOffer&
                         Clock::time_point deadline) {
   if (auto flushed = sender.flush(deadline); !flushed) return fail(flushed.error().with_context("remote route"));
   const layout::RemoteDone done{offer.share_id, offer.secret, n, sender.bytes_sent(), offer.layout_hash};
-  if (auto finished = sender.finish(done, deadline); !finished) return fail(finished.error().with_context("remote route"));
+  if (auto finished = sender.finish(done, deadline); !finished)
+    return fail(finished.error().with_context("remote route"));
   return done.bytes;
 }
 
@@ -177,11 +178,21 @@ Result<RemotePrefillReport> RemotePrefiller::run_command(std::span<const int32_t
     if (!ids) return fail(EIO, "writing the ids file {}", ids_path.string());
   }
   const layout::KvParams& p = offer.header.params;
-  const std::vector<std::string> argv = {command, "--tokens", ids_path.string(), "--out", state_path.string(),
-                                         "--model", impl_->model_path, "--ctx-size", std::to_string(p.n_ctx),
-                                         "--flash-attn", p.flash_attn ? "on" : "off",
-                                         "--cache-type-k", std::string(layout::ggml_type_name(p.type_k)),
-                                         "--cache-type-v", std::string(layout::ggml_type_name(p.type_v))};
+  const std::vector<std::string> argv = {command,
+                                         "--tokens",
+                                         ids_path.string(),
+                                         "--out",
+                                         state_path.string(),
+                                         "--model",
+                                         impl_->model_path,
+                                         "--ctx-size",
+                                         std::to_string(p.n_ctx),
+                                         "--flash-attn",
+                                         p.flash_attn ? "on" : "off",
+                                         "--cache-type-k",
+                                         std::string(layout::ggml_type_name(p.type_k)),
+                                         "--cache-type-v",
+                                         std::string(layout::ggml_type_name(p.type_v))};
   const route::ProviderRun run = route::run_provider(argv, {}, timeout);
   if (!run.err.empty()) std::fprintf(stderr, "%s", run.err.c_str());
   if (!run.ok()) return fail(EIO, "the provider command {} {}", command, run.describe());

@@ -25,8 +25,8 @@ double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std
 constexpr int kStopPollMs = 100;
 
 // A resident request's ids and bounds are its fields (provider_protocol.h).
-const IdsSource kRequestSource{"field \"tokens\"", "n_cached", "kv.n_ctx", "field \"stream\"", "field \"first_cell\"",
-                               "field \"n_cells\""};
+const IdsSource kRequestSource{"field \"tokens\"",     "n_cached",         "kv.n_ctx", "field \"stream\"",
+                               "field \"first_cell\"", "field \"n_cells\""};
 
 void log_error(const Error& error) { fmt::print(stderr, "kvshare-prefill: {}\n", error.what()); }
 
@@ -94,7 +94,8 @@ Result<ChannelEnd> ResidentProvider::serve(ProviderChannel& channel, const std::
   hello.op = ProviderOp::hello;
   hello.pid = static_cast<uint64_t>(::getpid());
   hello.takes_shared = hello.takes_file = hello.takes_cached = true;
-  if (auto said = channel.say_hello(hello); !said) return fail(said.error().with_context(fmt::format("hello to {}", who)));
+  if (auto said = channel.say_hello(hello); !said)
+    return fail(said.error().with_context(fmt::format("hello to {}", who)));
   for (;;) {
     if (stop_requested) {
       auto ready = wait_for_request(channel, stop_requested);
@@ -160,14 +161,13 @@ ProviderReply ResidentProvider::prefill(const ProviderRequest& request) {
 
 Result<PrefillReport> ResidentProvider::prefill_shared(const ProviderRequest& request) {
   // ESTALE tells serve to send the region again and ask once more (provider_protocol.h).
-  if (!region_)
-    return fail(ESTALE, "no region is held (send region {} first)", request.region_id);
+  if (!region_) return fail(ESTALE, "no region is held (send region {} first)", request.region_id);
   if (region_->region_id != request.region_id)
     return fail(ESTALE, "region {} is not the one held ({}); send it again", request.region_id, region_->region_id);
   // No chunk files: our mapping was faulted in when the region came, so writing through it
   // is the fast way now (kvshare/region/chunk_file.h: a warm mapping beats pwrite()).
-  const RegionTarget target{region_->share.header(), region_->share.imported(), {}, request.stream,
-                            request.first_cell, request.n_cells};
+  const RegionTarget target{region_->share.header(), region_->share.imported(), {},
+                            request.stream,          request.first_cell,        request.n_cells};
   return prefill_region(model_, target, request.tokens, request.n_cached, n_threads_, kRequestSource, own_);
 }
 
@@ -217,15 +217,16 @@ int run_resident_provider(const ResidentOptions& options) {
   const auto t0 = Clock::now();
   auto model = load_provider_model(options.model_path);
   if (!model) return exit_failed(model.error());
-  fmt::print(stderr, "kvshare-prefill: model {} loaded in {:.0f} ms; serving {}\n", options.model_path, ms_since(t0),
-             on_fd ? fmt::format("--serve-fd {}", options.serve_fd) : fmt::format("at {}", options.socket_path.string()));
+  fmt::print(
+      stderr, "kvshare-prefill: model {} loaded in {:.0f} ms; serving {}\n", options.model_path, ms_since(t0),
+      on_fd ? fmt::format("--serve-fd {}", options.serve_fd) : fmt::format("at {}", options.socket_path.string()));
   ResidentProvider provider(std::move(*model), options.n_threads);
 
   if (on_fd) {
     auto ended = provider.serve(*channel, stop_requested);
     if (!ended) return exit_failed(ended.error());
-    fmt::print(stderr, "kvshare-prefill: {}\n", *ended == ChannelEnd::closed ? "serve closed the channel: exiting"
-                                                                              : "stop signal: exiting");
+    fmt::print(stderr, "kvshare-prefill: {}\n",
+               *ended == ChannelEnd::closed ? "serve closed the channel: exiting" : "stop signal: exiting");
     return 0;
   }
   for (;;) {

@@ -18,12 +18,12 @@
 #include <optional>
 #include <string>
 
+#include "apps/provider/prefill_routes.h"
 #include "kvshare/region/importer.h"
 #include "kvshare/share/provider_channel.h"
 #include "kvshare/share/provider_share.h"
 #include "layout/error.h"
 #include "layout/share_header.h"
-#include "apps/provider/prefill_routes.h"
 
 namespace kvshare::refmodel {
 
@@ -58,7 +58,7 @@ class ResidentProvider {
  private:
   struct HeldRegion {
     uint64_t region_id = 0;
-    ProviderShare share;         // the decoder's header, checked against the model; our mapping, faulted in
+    ProviderShare share;  // the decoder's header, checked against the model; our mapping, faulted in
   };
 
   ProviderReply map_region(ProviderCall& call, const std::string& who);

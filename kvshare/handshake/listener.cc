@@ -39,8 +39,8 @@ Result<Listener> Listener::create(const std::filesystem::path& parent) {
 Result<Listener> Listener::create_in(const std::filesystem::path& private_dir, const std::string& socket_name) {
   if (socket_name.empty() || socket_name.find('/') != std::string::npos || socket_name == "." || socket_name == "..")
     return fail(EINVAL, "handshake socket name \"{}\" is not a plain file name", socket_name);
-  if (auto checked = check_private_directory(private_dir.string(), ::geteuid(),
-                                             fmt::format("handshake socket {}", socket_name));
+  if (auto checked =
+          check_private_directory(private_dir.string(), ::geteuid(), fmt::format("handshake socket {}", socket_name));
       !checked)
     return fail(checked.error());
   Listener listener;

@@ -108,14 +108,19 @@ Result<Message> parse_object(Json& json, std::string_view source, bool header_is
   auto version = unsigned_field(json, source, "", kVersionKey, UINT32_MAX);
   if (!version) return fail(version.error());
   if (*version == 0 || *version > kProtocolVersion)
-    return fail(EPROTO, "handshake from {}: field \"{}\" is {}, this side speaks version {}; use the same kvshare on "
-                "both sides", source, kVersionKey, *version, kProtocolVersion);
+    return fail(EPROTO,
+                "handshake from {}: field \"{}\" is {}, this side speaks version {}; use the same kvshare on "
+                "both sides",
+                source, kVersionKey, *version, kProtocolVersion);
   message.version = static_cast<uint32_t>(*version);
   auto type = string_field(json, source, "", "type");
   if (!type) return fail(type.error());
-  if (*type == "share") message.type = MessageType::share;
-  else if (*type == "refuse") message.type = MessageType::refuse;
-  else return fail(EINVAL, "handshake from {}: field \"type\" is \"{}\", expected \"share\" or \"refuse\"", source, *type);
+  if (*type == "share")
+    message.type = MessageType::share;
+  else if (*type == "refuse")
+    message.type = MessageType::refuse;
+  else
+    return fail(EINVAL, "handshake from {}: field \"type\" is \"{}\", expected \"share\" or \"refuse\"", source, *type);
   auto share_id = unsigned_field(json, source, "", "share_id", (uint64_t{1} << 53) - 1);
   if (!share_id) return fail(share_id.error());
   message.share_id = *share_id;
@@ -131,7 +136,8 @@ Result<Message> parse_object(Json& json, std::string_view source, bool header_is
     return message;
   }
 
-  if (message.share_id == 0) return fail(EINVAL, "handshake from {}: field \"share_id\" is 0; shares count from 1", source);
+  if (message.share_id == 0)
+    return fail(EINVAL, "handshake from {}: field \"share_id\" is 0; shares count from 1", source);
   // Absent: a decoder from before streams, which shared stream 0 only.
   if (json.contains("stream")) {
     auto stream = unsigned_field(json, source, "", "stream", UINT32_MAX);
@@ -209,8 +215,10 @@ std::string encode_json(const Message& message) {
   std::string text = dump(json);
   text.pop_back();  // the envelope's closing brace
   text += ",\"header\":";
-  if (!message.header_json.empty()) text += message.header_json;
-  else text += dump(message.header);
+  if (!message.header_json.empty())
+    text += message.header_json;
+  else
+    text += dump(message.header);
   text += '}';
   return text;
 }
@@ -269,8 +277,7 @@ Result<Message> parse_json(std::string_view text, std::string_view source, std::
   return parse_object(json, source, false);
 }
 
-Result<Message> parse_frame(std::span<const std::byte> frame, std::string_view source,
-                            std::string_view known_header) {
+Result<Message> parse_frame(std::span<const std::byte> frame, std::string_view source, std::string_view known_header) {
   if (frame.size() < kLengthBytes)
     return fail(EPROTO, "handshake from {}: frame is {} bytes, shorter than its 4-byte length", source, frame.size());
   uint32_t length = 0;

@@ -22,7 +22,7 @@ namespace kvshare::handshake {
 
 inline constexpr uint32_t kProtocolVersion = 1;
 inline constexpr uint32_t kMaxMessageBytes = 1u << 20;  // 1 MiB: a header is a few KiB
-inline constexpr size_t kMaxFds = 253;                   // SCM_MAX_FD (include/net/scm.h)
+inline constexpr size_t kMaxFds = 253;                  // SCM_MAX_FD (include/net/scm.h)
 inline constexpr size_t kLengthBytes = 4;
 
 enum class MessageType : uint8_t { share, refuse };
@@ -30,18 +30,18 @@ std::string_view message_type_name(MessageType type);
 
 // One fd of a share message, in fd order.
 struct FdEntry {
-  uint32_t chunk = 0;         // = its position in the fd list
-  std::string kind;           // export backend: "memfd", "udmabuf", "dmaheap", "device"
-  uint64_t offset = 0;        // where the chunk starts inside the fd (page-aligned)
-  uint64_t size_bytes = 0;    // the chunk's size (= the layout's)
-  uint64_t layout_hash = 0;   // the chunk's share_layout hash (= the layout's)
+  uint32_t chunk = 0;        // = its position in the fd list
+  std::string kind;          // export backend: "memfd", "udmabuf", "dmaheap", "device"
+  uint64_t offset = 0;       // where the chunk starts inside the fd (page-aligned)
+  uint64_t size_bytes = 0;   // the chunk's size (= the layout's)
+  uint64_t layout_hash = 0;  // the chunk's share_layout hash (= the layout's)
   friend bool operator==(const FdEntry&, const FdEntry&) = default;
 };
 
 struct Message {
   uint32_t version = kProtocolVersion;
   MessageType type = MessageType::share;
-  uint64_t share_id = 0;      // share: fresh per share; refuse: the share refused (0: none)
+  uint64_t share_id = 0;  // share: fresh per share; refuse: the share refused (0: none)
   // share only:
   // The KV stream whose cells the share hands over (slot s of llama-server -np N without
   // --kv-unified). Always written; a message without it (an older decoder) reads as 0.
@@ -52,7 +52,7 @@ struct Message {
   // 0: no range, the whole stream. Checked against the header by check_share_message.
   uint32_t first_cell = 0;
   uint32_t n_cells = 0;
-  std::vector<FdEntry> fds;   // exactly the SCM_RIGHTS fds, same order
+  std::vector<FdEntry> fds;  // exactly the SCM_RIGHTS fds, same order
   // The layout header (docs/layout.md). A sender sets `header_json` to its compact text
   // (layout::to_json), spliced into the message verbatim: a decoder serializes its header
   // once at start, not per share. A parsed message has the object in `header` (the JSON
@@ -64,8 +64,8 @@ struct Message {
   // `known_header` text the caller passed (a header it validated before).
   bool header_is_known = false;
   // refuse only:
-  std::string field;          // the JSON field that differs ("params.type_k"), "" if none
-  std::string reason;         // a sentence a human acts on
+  std::string field;   // the JSON field that differs ("params.type_k"), "" if none
+  std::string reason;  // a sentence a human acts on
 };
 
 // The JSON text of `message` (compact, keys in the documented order).

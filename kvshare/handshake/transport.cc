@@ -81,7 +81,8 @@ Result<Fd> connect_unix(const std::string& path, int timeout_ms) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.size() >= sizeof addr.sun_path)
-    return fail(ENAMETOOLONG, "socket path {} is {} bytes, the limit is {}", path, path.size(), sizeof addr.sun_path - 1);
+    return fail(ENAMETOOLONG, "socket path {} is {} bytes, the limit is {}", path, path.size(),
+                sizeof addr.sun_path - 1);
   std::memcpy(addr.sun_path, path.data(), path.size());
   Fd fd(sys::ops().socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd) return fail(errno, "socket(AF_UNIX) to connect to {}", path);
@@ -144,12 +145,15 @@ Result<void> check_private_directory(const std::string& directory, uid_t our_uid
   struct stat dir_stat {};
   if (::fstat(dir.get(), &dir_stat) != 0) return fail(errno, "{}: fstat of its directory {}", what, directory);
   if (dir_stat.st_uid != our_uid)
-    return fail(EPERM, "{}: its directory {} is owned by uid {}, not by this process's uid {}; only a directory of "
-                "our own (the broker's 0700 directory) keeps other users from the socket", what, directory,
-                dir_stat.st_uid, our_uid);
+    return fail(EPERM,
+                "{}: its directory {} is owned by uid {}, not by this process's uid {}; only a directory of "
+                "our own (the broker's 0700 directory) keeps other users from the socket",
+                what, directory, dir_stat.st_uid, our_uid);
   if ((dir_stat.st_mode & 077) != 0)
-    return fail(EPERM, "{}: its directory {} has mode {:04o}: group or others can reach the socket (the broker's "
-                "directory is 0700)", what, directory, dir_stat.st_mode & 07777);
+    return fail(EPERM,
+                "{}: its directory {} has mode {:04o}: group or others can reach the socket (the broker's "
+                "directory is 0700)",
+                what, directory, dir_stat.st_mode & 07777);
   return {};
 }
 
@@ -160,13 +164,17 @@ Result<void> check_listener_path(const std::string& path, uid_t our_uid) {
   const std::string shown = printable_path(path);
   if (path.empty()) return fail(EPERM, "share socket path is empty; give the broker's socket path");
   if (path.front() == '\0')
-    return fail(EPERM, "share socket \"{}\": a path starting with a NUL byte is in the abstract namespace, which "
-                "has no permissions (any local user could be listening); refused, nothing sent", shown);
+    return fail(EPERM,
+                "share socket \"{}\": a path starting with a NUL byte is in the abstract namespace, which "
+                "has no permissions (any local user could be listening); refused, nothing sent",
+                shown);
   if (const size_t nul = path.find('\0'); nul != std::string::npos)
     return fail(EPERM, "share socket \"{}\": holds a NUL byte at offset {}; refused, nothing sent", shown, nul);
   if (path.front() != '/')
-    return fail(EPERM, "share socket \"{}\": the path is relative; only an absolute path names one socket "
-                "whatever this process's working directory; refused, nothing sent", shown);
+    return fail(EPERM,
+                "share socket \"{}\": the path is relative; only an absolute path names one socket "
+                "whatever this process's working directory; refused, nothing sent",
+                shown);
   const size_t slash = path.rfind('/');
   const std::string name = path.substr(slash + 1);
   const std::string directory = slash == 0 ? std::string("/") : path.substr(0, slash);
@@ -176,8 +184,10 @@ Result<void> check_listener_path(const std::string& path, uid_t our_uid) {
   struct stat socket_stat {};
   if (::lstat(path.c_str(), &socket_stat) != 0) return fail(errno, "share socket {}: lstat", shown);
   if (S_ISLNK(socket_stat.st_mode))
-    return fail(EPERM, "share socket {}: is a symbolic link; a sender of KV fds connects only to the broker's own "
-                "socket, never through a link; refused, nothing sent", shown);
+    return fail(EPERM,
+                "share socket {}: is a symbolic link; a sender of KV fds connects only to the broker's own "
+                "socket, never through a link; refused, nothing sent",
+                shown);
   if (!S_ISSOCK(socket_stat.st_mode))
     return fail(ENOTSOCK, "share socket {}: is {}, not a socket; refused, nothing sent", shown,
                 file_kind_name(socket_stat.st_mode));
@@ -201,14 +211,17 @@ Result<Fd> connect_checked_listener(const std::string& path, int timeout_ms) {
   auto listener = peer_credentials(connection->get());
   if (!listener) return fail(listener.error().with_context(fmt::format("share socket {}", path)));
   if (listener->uid != our_uid && listener->uid != 0)
-    return fail(EPERM, "share socket {}: the listener (pid {}) runs as uid {}; only uid {} or root may receive this "
-                "decoder's KV; refused, nothing sent", path, listener->pid, listener->uid, our_uid);
+    return fail(EPERM,
+                "share socket {}: the listener (pid {}) runs as uid {}; only uid {} or root may receive this "
+                "decoder's KV; refused, nothing sent",
+                path, listener->pid, listener->uid, our_uid);
   return connection;
 }
 
 Result<void> send_frame(int socket_fd, std::span<const std::byte> frame, std::span<const int> fds, int timeout_ms,
                         std::string_view what) {
-  if (fds.size() > kMaxFds) return fail(EINVAL, "cannot send {} fds in one message, the limit is {}", fds.size(), kMaxFds);
+  if (fds.size() > kMaxFds)
+    return fail(EINVAL, "cannot send {} fds in one message, the limit is {}", fds.size(), kMaxFds);
   const Deadline deadline(timeout_ms);
   alignas(cmsghdr) unsigned char control[kControlBytes];
   size_t sent = 0;
@@ -245,7 +258,8 @@ Result<void> send_frame(int socket_fd, std::span<const std::byte> frame, std::sp
 }
 
 Result<void> send_message(int socket_fd, const Message& message, std::span<const int> fds, int timeout_ms) {
-  if (fds.size() > kMaxFds) return fail(EINVAL, "cannot send {} fds in one message, the limit is {}", fds.size(), kMaxFds);
+  if (fds.size() > kMaxFds)
+    return fail(EINVAL, "cannot send {} fds in one message, the limit is {}", fds.size(), kMaxFds);
   if (message.type == MessageType::share && fds.size() != message.fds.size())
     return fail(EINVAL, "share message declares {} fds, {} given", message.fds.size(), fds.size());
   if (message.type == MessageType::refuse && !fds.empty())
@@ -290,14 +304,16 @@ Result<ReceivedFrame> receive_frame(int socket_fd, int timeout_ms, std::string_v
     const size_t fds_before = received.fds.size();
     if (msg.msg_controllen > 0) take_fds(msg, received.fds);
     if (msg.msg_flags & MSG_CTRUNC)
-      return fail(EPROTO, "receiving {} from {}: recvmsg on socket fd {}: control data truncated (MSG_CTRUNC), "
-                  "{} fds closed", what, peer, socket_fd, received.fds.size());
+      return fail(EPROTO,
+                  "receiving {} from {}: recvmsg on socket fd {}: control data truncated (MSG_CTRUNC), "
+                  "{} fds closed",
+                  what, peer, socket_fd, received.fds.size());
     if (received.fds.size() > fds_before && got > 0)
-      return fail(EPROTO, "receiving {} from {}: {} fds arrived at byte {}, not with the first bytes; all closed",
-                  what, peer, received.fds.size() - fds_before, got);
+      return fail(EPROTO, "receiving {} from {}: {} fds arrived at byte {}, not with the first bytes; all closed", what,
+                  peer, received.fds.size() - fds_before, got);
     if (received.fds.size() > kMaxFds)
-      return fail(EPROTO, "receiving {} from {}: {} fds, the limit is {}; all closed", what, peer,
-                  received.fds.size(), kMaxFds);
+      return fail(EPROTO, "receiving {} from {}: {} fds, the limit is {}; all closed", what, peer, received.fds.size(),
+                  kMaxFds);
     if (n == 0)
       return fail(EPROTO, "receiving {} from {}: short read: peer closed the socket at byte {} of {}", what, peer, got,
                   got < kLengthBytes ? std::string("the length prefix") : std::to_string(total));

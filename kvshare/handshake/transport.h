@@ -70,7 +70,7 @@ Result<void> send_message(int socket_fd, const Message& message, std::span<const
 
 struct ReceivedMessage {
   Message message;
-  std::vector<Fd> fds;   // in SCM_RIGHTS order = message.fds order
+  std::vector<Fd> fds;  // in SCM_RIGHTS order = message.fds order
 };
 
 struct ReceivedFrame {

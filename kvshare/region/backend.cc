@@ -6,10 +6,14 @@ namespace kvshare {
 
 std::string_view region_backend_name(RegionBackend backend) {
   switch (backend) {
-    case RegionBackend::dma_heap: return "dmaheap";
-    case RegionBackend::udmabuf: return "udmabuf";
-    case RegionBackend::memfd: return "memfd";
-    case RegionBackend::device_dmabuf: return "device";
+    case RegionBackend::dma_heap:
+      return "dmaheap";
+    case RegionBackend::udmabuf:
+      return "udmabuf";
+    case RegionBackend::memfd:
+      return "memfd";
+    case RegionBackend::device_dmabuf:
+      return "device";
   }
   return "unknown";
 }

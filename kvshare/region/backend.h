@@ -9,10 +9,10 @@
 namespace kvshare {
 
 enum class RegionBackend : uint8_t {
-  dma_heap,        // a dma-buf allocated from /dev/dma_heap/system
-  udmabuf,         // a dma-buf made from a sealed memfd by /dev/udmabuf
-  memfd,           // a plain sealed memfd (no device can import it, every CPU process can)
-  device_dmabuf,   // a dma-buf a GPU/NPU driver made (DRM PRIME), wrapped as is
+  dma_heap,       // a dma-buf allocated from /dev/dma_heap/system
+  udmabuf,        // a dma-buf made from a sealed memfd by /dev/udmabuf
+  memfd,          // a plain sealed memfd (no device can import it, every CPU process can)
+  device_dmabuf,  // a dma-buf a GPU/NPU driver made (DRM PRIME), wrapped as is
 };
 
 // "dmaheap", "udmabuf", "memfd", "device" (the KVSHARE_EXPORT words, and the wire's "kind").

@@ -23,9 +23,12 @@ int sync_ioctl(int fd, unsigned long long flags) {
 
 unsigned long long direction(DmaBufCpuAccess::Mode mode) {
   switch (mode) {
-    case DmaBufCpuAccess::Mode::read: return DMA_BUF_SYNC_READ;
-    case DmaBufCpuAccess::Mode::write: return DMA_BUF_SYNC_WRITE;
-    case DmaBufCpuAccess::Mode::read_write: return DMA_BUF_SYNC_RW;
+    case DmaBufCpuAccess::Mode::read:
+      return DMA_BUF_SYNC_READ;
+    case DmaBufCpuAccess::Mode::write:
+      return DMA_BUF_SYNC_WRITE;
+    case DmaBufCpuAccess::Mode::read_write:
+      return DMA_BUF_SYNC_RW;
   }
   return DMA_BUF_SYNC_RW;
 }

@@ -62,8 +62,7 @@ Result<Fd> allocate_dma_heap(const ExportOptions& options, uint64_t size_bytes) 
 
 Result<Fd> allocate_udmabuf(const ExportOptions& options, uint32_t chunk_index, uint64_t size_bytes) {
   const uint64_t limit = udmabuf_limit_bytes(options);
-  if (size_bytes > limit)
-    return fail(EFBIG, "{} bytes is past udmabuf's size_limit_mb {}", size_bytes, limit >> 20);
+  if (size_bytes > limit) return fail(EFBIG, "{} bytes is past udmabuf's size_limit_mb {}", size_bytes, limit >> 20);
   const long page = ::sysconf(_SC_PAGESIZE);
   if (page > 0 && size_bytes % static_cast<uint64_t>(page) != 0)
     return fail(EINVAL, "{} bytes is not a multiple of the {}-byte page udmabuf needs", size_bytes, page);
@@ -86,10 +85,14 @@ Result<Fd> allocate_udmabuf(const ExportOptions& options, uint32_t chunk_index, 
 
 Result<Fd> allocate(RegionBackend backend, const ExportOptions& options, uint32_t chunk_index, uint64_t size_bytes) {
   switch (backend) {
-    case RegionBackend::dma_heap: return allocate_dma_heap(options, size_bytes);
-    case RegionBackend::udmabuf: return allocate_udmabuf(options, chunk_index, size_bytes);
-    case RegionBackend::memfd: return allocate_memfd(chunk_index, size_bytes);
-    case RegionBackend::device_dmabuf: break;
+    case RegionBackend::dma_heap:
+      return allocate_dma_heap(options, size_bytes);
+    case RegionBackend::udmabuf:
+      return allocate_udmabuf(options, chunk_index, size_bytes);
+    case RegionBackend::memfd:
+      return allocate_memfd(chunk_index, size_bytes);
+    case RegionBackend::device_dmabuf:
+      break;
   }
   return fail(EINVAL, "backend {} cannot allocate; wrap the driver's dma-buf instead", region_backend_name(backend));
 }
@@ -104,7 +107,8 @@ Result<ExportOptions> ExportOptions::from_env() {
   return options;
 }
 
-Result<ExportedRegion> export_chunk(const layout::ShareChunk& chunk, uint32_t chunk_index, const ExportOptions& options) {
+Result<ExportedRegion> export_chunk(const layout::ShareChunk& chunk, uint32_t chunk_index,
+                                    const ExportOptions& options) {
   if (chunk.size_bytes == 0 || chunk.size_bytes % layout::kShareAlign != 0)
     return fail(EINVAL, "chunk {}: size {} bytes is not a positive multiple of {}", chunk_index, chunk.size_bytes,
                 layout::kShareAlign);
@@ -118,9 +122,9 @@ Result<ExportedRegion> export_chunk(const layout::ShareChunk& chunk, uint32_t ch
   for (RegionBackend backend : order) {
     auto fd = allocate(backend, options, chunk_index, chunk.size_bytes);
     if (!fd && options.forced)
-      return fail(Error(fd.error().errno_value(), fmt::format("chunk {} ({} bytes), backend forced by {}: {}: {}",
-                                                              chunk_index, chunk.size_bytes, kExportBackendEnv,
-                                                              region_backend_name(backend), fd.error().message())));
+      return fail(Error(fd.error().errno_value(),
+                        fmt::format("chunk {} ({} bytes), backend forced by {}: {}: {}", chunk_index, chunk.size_bytes,
+                                    kExportBackendEnv, region_backend_name(backend), fd.error().message())));
     if (!fd) {
       if (!reasons.empty()) reasons += "; ";
       reasons += fmt::format("{}: {}", region_backend_name(backend), fd.error().what());

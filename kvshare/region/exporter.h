@@ -23,16 +23,16 @@
 namespace kvshare {
 
 struct ExportedRegion {
-  Fd fd;                          // what goes over SCM_RIGHTS
-  uint64_t offset = 0;            // where the chunk starts inside fd (0 for what we allocate)
-  uint64_t size_bytes = 0;        // the chunk's size, a multiple of 4096
-  uint64_t layout_hash = 0;       // the chunk's share_layout hash
-  uint32_t chunk = 0;             // index in the share_layout (= position in the fd list)
+  Fd fd;                     // what goes over SCM_RIGHTS
+  uint64_t offset = 0;       // where the chunk starts inside fd (0 for what we allocate)
+  uint64_t size_bytes = 0;   // the chunk's size, a multiple of 4096
+  uint64_t layout_hash = 0;  // the chunk's share_layout hash
+  uint32_t chunk = 0;        // index in the share_layout (= position in the fd list)
   RegionBackend backend = RegionBackend::memfd;
   // Why preferred backends were passed over for this chunk, "" when the first choice
   // worked: "dmaheap: /dev/dma_heap/system: No such file or directory; udmabuf: ...".
   std::string fallback_reason;
-  Mapping mapping;                // the owner's read-write mapping of [offset, offset+size)
+  Mapping mapping;  // the owner's read-write mapping of [offset, offset+size)
 };
 
 struct ExportOptions {
@@ -52,7 +52,8 @@ struct ExportOptions {
 // forced backend only), maps it read-write for the owner and zero-fills nothing (fresh
 // pages read as zero). Fails only when every allowed backend failed; the error lists why
 // each one did.
-Result<ExportedRegion> export_chunk(const layout::ShareChunk& chunk, uint32_t chunk_index, const ExportOptions& options);
+Result<ExportedRegion> export_chunk(const layout::ShareChunk& chunk, uint32_t chunk_index,
+                                    const ExportOptions& options);
 
 // Every chunk of `layout`, in fd order. Nothing leaks when a later chunk fails.
 Result<std::vector<ExportedRegion>> export_regions(const layout::ShareLayout& layout, const ExportOptions& options);

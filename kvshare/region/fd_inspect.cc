@@ -52,8 +52,10 @@ Result<FdInspection> inspect_fd(int fd, uint64_t need_bytes, const std::string& 
     inspection.kind = FdKind::memfd;
     inspection.seals = seals;
     if ((seals & F_SEAL_SHRINK) == 0)
-      return fail(EINVAL, "{}: memfd is not sealed against shrinking (seals {:#x}); its owner could truncate it "
-                  "under our mapping", what, seals);
+      return fail(EINVAL,
+                  "{}: memfd is not sealed against shrinking (seals {:#x}); its owner could truncate it "
+                  "under our mapping",
+                  what, seals);
   } else if (looks_like_dmabuf(fd)) {
     inspection.kind = FdKind::dmabuf;
     if (inspection.size_bytes == 0) {

@@ -28,7 +28,7 @@ Result<ImportedRegion> import_region(Fd fd, uint32_t chunk, uint64_t offset, uin
 }
 
 Result<ImportedShare> ImportedShare::import(const layout::ShareLayout& layout, std::vector<Fd> fds,
-                                           std::span<const uint64_t> offsets, bool writable) {
+                                            std::span<const uint64_t> offsets, bool writable) {
   if (fds.size() != layout.chunks.size())
     return fail(EINVAL, "{} fds for a layout of {} chunks (one fd per chunk, in chunk order)", fds.size(),
                 layout.chunks.size());
@@ -39,8 +39,8 @@ Result<ImportedShare> ImportedShare::import(const layout::ShareLayout& layout, s
   share.regions_.reserve(fds.size());
   for (size_t i = 0; i < fds.size(); ++i) {
     const uint64_t offset = offsets.empty() ? 0 : offsets[i];
-    auto region = import_region(std::move(fds[i]), static_cast<uint32_t>(i), offset, layout.chunks[i].size_bytes,
-                                writable);
+    auto region =
+        import_region(std::move(fds[i]), static_cast<uint32_t>(i), offset, layout.chunks[i].size_bytes, writable);
     if (!region) return fail(region.error());
     share.regions_.push_back(std::move(*region));
   }
@@ -56,9 +56,7 @@ std::vector<ChunkFile> ImportedShare::chunk_files() const {
   return files;
 }
 
-Result<TensorView> ImportedShare::view(std::string_view name) const {
-  return tensor_view(layout_, chunk_bytes_, name);
-}
+Result<TensorView> ImportedShare::view(std::string_view name) const { return tensor_view(layout_, chunk_bytes_, name); }
 
 Result<LayerDestination> ImportedShare::layer(uint32_t cache_index, uint32_t il) const {
   return layer_destination(layout_, chunk_bytes_, cache_index, il);
@@ -68,8 +66,8 @@ Result<std::vector<DmaBufCpuAccess>> ImportedShare::begin_cpu_access(DmaBufCpuAc
   std::vector<DmaBufCpuAccess> guards;
   for (const auto& region : regions_) {
     if (region.kind != FdKind::dmabuf) continue;
-    auto guard = DmaBufCpuAccess::begin(region.fd.get(), mode, fmt::format("dma-buf fd {} (chunk {})",
-                                                                           region.fd.get(), region.chunk));
+    auto guard = DmaBufCpuAccess::begin(region.fd.get(), mode,
+                                        fmt::format("dma-buf fd {} (chunk {})", region.fd.get(), region.chunk));
     if (!guard) return fail(guard.error());
     guards.push_back(std::move(*guard));
   }

@@ -15,9 +15,9 @@ namespace kvshare {
 
 struct TensorView {
   const layout::SharedTensor* placement = nullptr;  // into the layout the view came from
-  std::byte* base = nullptr;       // first byte of the tensor in this process's mapping
-  uint64_t row_bytes = 0;          // nb[1]
-  uint64_t rows = 0;               // nbytes / row_bytes: ne[1]*ne[2]*ne[3]
+  std::byte* base = nullptr;                        // first byte of the tensor in this process's mapping
+  uint64_t row_bytes = 0;                           // nb[1]
+  uint64_t rows = 0;                                // nbytes / row_bytes: ne[1]*ne[2]*ne[3]
   layout::GgmlType type = layout::GgmlType::F16;
 
   std::string_view name() const { return placement->tensor.name; }

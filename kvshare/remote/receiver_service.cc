@@ -55,7 +55,7 @@ struct Region {
   // Members go in reverse order: the CPU-access guards, then the receiver (its progress
   // thread and registrations), and only then the mappings it wrote through.
   std::unique_ptr<RemoteReceiver> receiver;
-  std::vector<DmaBufCpuAccess> cpu_access;   // held while a grant is open (dma-buf chunks only)
+  std::vector<DmaBufCpuAccess> cpu_access;  // held while a grant is open (dma-buf chunks only)
 };
 
 class Service {
@@ -73,11 +73,16 @@ class Service {
     reply.op = request.op;
     Result<void> done = [&]() -> Result<void> {
       switch (request.op) {
-        case ReceiverOp::listen: return listen(request, reply);
-        case ReceiverOp::grant: return grant(request, reply);
-        case ReceiverOp::complete: return complete(request, reply);
-        case ReceiverOp::revoke: return revoke(request);
-        case ReceiverOp::hello: break;
+        case ReceiverOp::listen:
+          return listen(request, reply);
+        case ReceiverOp::grant:
+          return grant(request, reply);
+        case ReceiverOp::complete:
+          return complete(request, reply);
+        case ReceiverOp::revoke:
+          return revoke(request);
+        case ReceiverOp::hello:
+          break;
       }
       return fail(EINVAL, "unexpected request");
     }();
@@ -121,8 +126,9 @@ class Service {
       region->header = share->header;
       region->imported = std::move(*imported);
       const auto chunks = region->imported.chunk_bytes();
-      auto receiver = RemoteReceiver::start(region->header, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
-                                            [](const std::string& line) { say(line); });
+      auto receiver =
+          RemoteReceiver::start(region->header, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
+                                [](const std::string& line) { say(line); });
       if (!receiver) return fail(receiver.error());
       region->receiver = std::move(*receiver);
       region_ = std::move(region);
@@ -143,8 +149,9 @@ class Service {
   }
 
   Result<void> complete(const ReceiverRequest& request, ReceiverReply& reply) {
-    if (!region_) return fail(ESTALE, "remote share {}: no region is mapped (no grant since this receiver started)",
-                              request.grant_id);
+    if (!region_)
+      return fail(ESTALE, "remote share {}: no region is mapped (no grant since this receiver started)",
+                  request.grant_id);
     auto completed = region_->receiver->complete(request.grant_id, request.n_tokens);
     region_->cpu_access.clear();
     if (!completed) return fail(completed.error());

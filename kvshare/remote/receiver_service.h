@@ -22,8 +22,8 @@
 namespace kvshare::remote {
 
 struct ReceiverServiceOptions {
-  int control_fd = -1;                 // the socket pair end serve passed (borrowed)
-  std::filesystem::path private_dir;   // serve's 0700 slot directory: where share sockets go
+  int control_fd = -1;                // the socket pair end serve passed (borrowed)
+  std::filesystem::path private_dir;  // serve's 0700 slot directory: where share sockets go
 };
 
 // Says hello, then serves requests until serve closes the channel: 0. 1 when the channel

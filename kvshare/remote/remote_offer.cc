@@ -108,8 +108,10 @@ Result<RemoteOffer> parse_offer(const nlohmann::json& json, std::string_view sou
   auto version = unsigned_field<uint32_t>(json, "version", source);
   if (!version) return fail(version.error());
   if (*version == 1)
-    return fail(EINVAL, "offer from {}: version 1, this side speaks version {} (version 2 carries the share's "
-                "\"secret\"; update the decoder)", source, kOfferVersion);
+    return fail(EINVAL,
+                "offer from {}: version 1, this side speaks version {} (version 2 carries the share's "
+                "\"secret\"; update the decoder)",
+                source, kOfferVersion);
   if (*version != kOfferVersion)
     return fail(EINVAL, "offer from {}: version {}, this side speaks version {}", source, *version, kOfferVersion);
   auto share_id = unsigned_field<uint64_t>(json, "share_id", source);
@@ -144,7 +146,8 @@ Result<RemoteOffer> parse_offer(const nlohmann::json& json, std::string_view sou
   offer.timeout_ms = *timeout;
   offer.header = std::move(*header);
   const layout::CellGrant grant{&offer.header.layout, &offer.header.memory, offer.n_cells};
-  if (auto ok = layout::check_grant(grant); !ok) return fail(ok.error().with_context(fmt::format("offer from {}", source)));
+  if (auto ok = layout::check_grant(grant); !ok)
+    return fail(ok.error().with_context(fmt::format("offer from {}", source)));
   const uint64_t expected_bytes = layout::granted_bytes(offer.header.layout, offer.header.memory, offer.n_cells);
   if (offer.bytes != expected_bytes)
     return fail(EINVAL, "offer from {}: \"bytes\" is {}, the header gives {} for {} cells", source, offer.bytes,

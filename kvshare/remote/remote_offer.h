@@ -29,13 +29,13 @@ inline constexpr size_t kMaxOfferBytes = size_t{16} << 20;
 
 struct RemoteOffer {
   uint32_t version = kOfferVersion;
-  uint64_t share_id = 0;                 // random: every message names the share with it
-  layout::RemoteSecret secret{};         // 128 random bits: every message must carry them
-  std::vector<std::byte> worker_address; // ucp_worker_get_address, opaque
-  uint32_t n_cells = 0;                  // cells 0..n_cells-1 of every K/V tensor are granted
-  uint64_t bytes = 0;                    // layout::granted_bytes for n_cells
-  uint64_t layout_hash = 0;              // layout::whole_layout_hash
-  uint64_t timeout_ms = 0;               // the grant ends this long after the share answered
+  uint64_t share_id = 0;                  // random: every message names the share with it
+  layout::RemoteSecret secret{};          // 128 random bits: every message must carry them
+  std::vector<std::byte> worker_address;  // ucp_worker_get_address, opaque
+  uint32_t n_cells = 0;                   // cells 0..n_cells-1 of every K/V tensor are granted
+  uint64_t bytes = 0;                     // layout::granted_bytes for n_cells
+  uint64_t layout_hash = 0;               // layout::whole_layout_hash
+  uint64_t timeout_ms = 0;                // the grant ends this long after the share answered
   layout::ShareHeader header;
 };
 

@@ -25,10 +25,14 @@ enum class ShareState { none, open, revoked, adopted };
 
 const char* state_name(ShareState s) {
   switch (s) {
-    case ShareState::open: return "open";
-    case ShareState::revoked: return "revoked";
-    case ShareState::adopted: return "adopted";
-    default: return "none";
+    case ShareState::open:
+      return "open";
+    case ShareState::revoked:
+      return "revoked";
+    case ShareState::adopted:
+      return "adopted";
+    default:
+      return "none";
   }
 }
 
@@ -57,31 +61,33 @@ struct RemoteReceiver::Impl {
   std::vector<std::span<std::byte>> chunks;
   ReceiverLog log;
   std::optional<UcxWorker> ucx;
-  std::vector<ucp_mem_h> memh;           // [chunk] one registration each, made once
+  std::vector<ucp_mem_h> memh;  // [chunk] one registration each, made once
   std::vector<std::byte> worker_address;
-  int efd = -1;                          // borrowed from the worker
+  int efd = -1;  // borrowed from the worker
   std::thread progress;
   std::atomic<bool> stopping{false};
   uint64_t whole_hash = 0;
 
-  mutable std::mutex mutex;              // guards everything below
-  std::condition_variable drained;       // in_flight reached 0
+  mutable std::mutex mutex;         // guards everything below
+  std::condition_variable drained;  // in_flight reached 0
   ShareState state = ShareState::none;
-  std::atomic<bool> is_open{false};      // state == open, for revoke's fast path
+  std::atomic<bool> is_open{false};  // state == open, for revoke's fast path
   uint64_t share_id = 0;
-  layout::RemoteSecret secret{};         // the open share's; every message must carry it
+  layout::RemoteSecret secret{};  // the open share's; every message must carry it
   uint32_t n_cells = 0;
   Clock::time_point deadline{};
   uint64_t bytes_received = 0;
   uint32_t in_flight = 0;
-  bool drain_given_up = false;           // wait_drained timed out for this share
-  std::string fault;                     // first refused write or failed receive of the open share
+  bool drain_given_up = false;  // wait_drained timed out for this share
+  std::string fault;            // first refused write or failed receive of the open share
   std::optional<layout::RemoteDone> done;
   ReceiverCounters counters;
 
   void say(const std::string& line) {
-    if (log) log(line);
-    else std::fprintf(stderr, "%s\n", line.c_str());
+    if (log)
+      log(line);
+    else
+      std::fprintf(stderr, "%s\n", line.c_str());
   }
 
   // Called with `mutex` held. Spoils the open share when the refusal names it.
@@ -102,8 +108,10 @@ struct RemoteReceiver::Impl {
     if (in_flight == 0 || drain_given_up) return;
     if (!drained.wait_for(lock, std::chrono::seconds(5), [&] { return in_flight == 0; })) {
       drain_given_up = true;
-      say(fmt::format("kvshare remote: share {}: {} receive(s) still in flight 5 s after the revoke (a peer that "
-                      "stalled mid-write); not waiting for them again", share_id, in_flight));
+      say(
+          fmt::format("kvshare remote: share {}: {} receive(s) still in flight 5 s after the revoke (a peer that "
+                      "stalled mid-write); not waiting for them again",
+                      share_id, in_flight));
     }
   }
 
@@ -137,7 +145,9 @@ struct RemoteReceiver::Impl {
       counters.bytes_accepted += length;
     } else if (status != UCS_OK) {
       refuse_locked(fmt::format("share {}: a receive of {} bytes failed mid-write ({}): the peer left or the transfer "
-                                "broke", id, length, ucs_status_string(status)), id == share_id);
+                                "broke",
+                                id, length, ucs_status_string(status)),
+                    id == share_id);
       say(counters.last_refusal);
     }
     if (in_flight == 0) drained.notify_all();
@@ -161,7 +171,9 @@ struct RemoteReceiver::Impl {
     // to make the real provider's transfer fail (the forger is refused, the share lives on).
     if (!layout::same_secret(write->secret, secret)) {
       refuse_locked(fmt::format("remote write refused: share_id {}: the secret is not the open share's (refused, the "
-                                "open share is not spoiled)", write->share_id), false);
+                                "open share is not spoiled)",
+                                write->share_id),
+                    false);
       say(counters.last_refusal);
       return refused;
     }
@@ -178,8 +190,8 @@ struct RemoteReceiver::Impl {
     } else if (write->chunk >= chunks.size()) {
       why = fmt::format("remote write refused: share {}: chunk {}, the layout has {}", write->share_id, write->chunk,
                         chunks.size());
-    } else if (auto ok = layout::check_write({&this->header.layout, &this->header.memory, n_cells}, write->chunk, write->offset,
-                                             write->size_bytes);
+    } else if (auto ok = layout::check_write({&this->header.layout, &this->header.memory, n_cells}, write->chunk,
+                                             write->offset, write->size_bytes);
                !ok) {
       why = fmt::format("remote write refused: share {}: {}", write->share_id, ok.error().message());
     }
@@ -217,11 +229,13 @@ struct RemoteReceiver::Impl {
     auto message = layout::decode_remote_done({static_cast<const std::byte*>(header), header_length});
     std::lock_guard lock(mutex);
     std::string why;
-    if (!message) why = fmt::format("remote completion refused: {}", message.error().message());
+    if (!message)
+      why = fmt::format("remote completion refused: {}", message.error().message());
     else if (!layout::same_secret(message->secret, secret))
-      why = fmt::format("remote completion refused: share_id {}: the secret is not the open share's",
-                        message->share_id);
-    else if (length != 0) why = fmt::format("remote completion refused: it carries {} payload bytes, expected none", length);
+      why =
+          fmt::format("remote completion refused: share_id {}: the secret is not the open share's", message->share_id);
+    else if (length != 0)
+      why = fmt::format("remote completion refused: it carries {} payload bytes, expected none", length);
     else if (message->share_id != share_id || state != ShareState::open)
       why = fmt::format("remote completion refused: share_id {} is not the open share", message->share_id);
     if (!why.empty()) {
@@ -252,7 +266,6 @@ struct RemoteReceiver::Impl {
       ::poll(&p, 1, 50);
     }
   }
-
 };
 
 RemoteReceiver::RemoteReceiver(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -261,7 +274,8 @@ Result<std::unique_ptr<RemoteReceiver>> RemoteReceiver::start(const layout::Shar
                                                               std::vector<std::span<std::byte>> chunks,
                                                               ReceiverLog log) {
   if (chunks.size() != header.layout.chunks.size())
-    return fail(EINVAL, "remote receiver: {} chunks given, the layout has {}", chunks.size(), header.layout.chunks.size());
+    return fail(EINVAL, "remote receiver: {} chunks given, the layout has {}", chunks.size(),
+                header.layout.chunks.size());
   for (size_t i = 0; i < chunks.size(); ++i)
     if (chunks[i].size() < header.layout.chunks[i].size_bytes)
       return fail(EINVAL, "remote receiver: chunk {} is {} bytes, the layout needs {}", i, chunks[i].size(),
@@ -295,11 +309,12 @@ Result<std::unique_ptr<RemoteReceiver>> RemoteReceiver::start(const layout::Shar
   size_t address_length = 0;
   if (ucs_status_t s = ucp_worker_get_address(in.ucx->worker(), &address, &address_length); s != UCS_OK)
     return cleanup_on_error(ucx_error(s, "remote receiver: ucp_worker_get_address"));
-  in.worker_address.assign(reinterpret_cast<std::byte*>(address), reinterpret_cast<std::byte*>(address) + address_length);
+  in.worker_address.assign(reinterpret_cast<std::byte*>(address),
+                           reinterpret_cast<std::byte*>(address) + address_length);
   ucp_worker_release_address(in.ucx->worker(), address);
   if (in.worker_address.size() > kMaxWorkerAddressBytes)
     return cleanup_on_error(Error(E2BIG, fmt::format("remote receiver: the worker address is {} bytes, past {}",
-                                                      in.worker_address.size(), kMaxWorkerAddressBytes)));
+                                                     in.worker_address.size(), kMaxWorkerAddressBytes)));
   for (auto [id, cb] : {std::pair{kAmWrite, &Impl::on_write}, std::pair{kAmDone, &Impl::on_done}}) {
     ucp_am_handler_param_t handler{};
     handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
@@ -387,7 +402,8 @@ Result<void> RemoteReceiver::complete(uint64_t share_id, uint32_t n_tokens) {
   if (share_id != in.share_id || in.share_id == 0)
     return fail(ESTALE, "remote share {}: not the latest remote share", share_id);
   if (!in.fault.empty()) return refuse(EIO, in.fault);
-  if (in.state != ShareState::open) return fail(ESTALE, "remote share {}: {}, not open", share_id, state_name(in.state));
+  if (in.state != ShareState::open)
+    return fail(ESTALE, "remote share {}: {}, not open", share_id, state_name(in.state));
   if (Clock::now() > in.deadline) return refuse(ETIMEDOUT, "passed its deadline before the adopt");
   // The completion may still sit in the worker's queue when the provider's HTTP answer
   // (which follows its endpoint flush) reaches the router first: give it a moment.
@@ -395,18 +411,20 @@ Result<void> RemoteReceiver::complete(uint64_t share_id, uint32_t n_tokens) {
     in.drained.wait_for(lock, std::chrono::seconds(2), [&] { return in.done.has_value() || !in.fault.empty(); });
   if (!in.fault.empty()) return refuse(EIO, in.fault);
   if (!in.done)
-    return refuse(EIO, fmt::format("no completion message from the provider: partial transfer ({} of {} bytes "
-                                   "received)", in.bytes_received,
-                                   layout::granted_bytes(in.header.layout, in.header.memory, in.n_cells)));
+    return refuse(
+        EIO, fmt::format("no completion message from the provider: partial transfer ({} of {} bytes "
+                         "received)",
+                         in.bytes_received, layout::granted_bytes(in.header.layout, in.header.memory, in.n_cells)));
   const layout::RemoteDone d = *in.done;
-  const uint64_t expected = n_tokens <= in.n_cells ? layout::granted_bytes(in.header.layout, in.header.memory, n_tokens) : 0;
+  const uint64_t expected =
+      n_tokens <= in.n_cells ? layout::granted_bytes(in.header.layout, in.header.memory, n_tokens) : 0;
   if (n_tokens > in.n_cells)
     return refuse(ERANGE, fmt::format("adopt of {} tokens, the share granted {} cells", n_tokens, in.n_cells));
   if (d.n_tokens != n_tokens)
     return refuse(EIO, fmt::format("the completion says {} tokens, the adopt {}", d.n_tokens, n_tokens));
   if (d.layout_hash != in.whole_hash)
-    return refuse(EIO, fmt::format("the completion's layout hash {:#x} is not this cache's {:#x}", d.layout_hash,
-                                   in.whole_hash));
+    return refuse(
+        EIO, fmt::format("the completion's layout hash {:#x} is not this cache's {:#x}", d.layout_hash, in.whole_hash));
   if (in.in_flight != 0) return refuse(EIO, fmt::format("{} receive(s) still in flight", in.in_flight));
   if (d.bytes != in.bytes_received || in.bytes_received != expected)
     return refuse(EIO, fmt::format("byte count mismatch: the completion says {}, {} were received, {} tokens take {}",

@@ -36,7 +36,7 @@ struct ReceiverCounters {
   uint64_t writes_accepted = 0;
   uint64_t writes_refused = 0;
   uint64_t bytes_accepted = 0;
-  std::string last_refusal;   // the message of the latest refused write or completion
+  std::string last_refusal;  // the message of the latest refused write or completion
 };
 
 // One line for stderr (the decoder prefixes nothing: the text names the share).

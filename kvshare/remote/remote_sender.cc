@@ -11,10 +11,10 @@ namespace kvshare::remote {
 namespace {
 
 struct Posted {
-  ucs_status_ptr_t request = nullptr;      // null once completed
+  ucs_status_ptr_t request = nullptr;  // null once completed
   uint64_t payload_bytes = 0;
-  std::string what;                        // names the write in errors
-  layout::RemoteHeaderBytes header{};      // kept until the send completes
+  std::string what;                    // names the write in errors
+  layout::RemoteHeaderBytes header{};  // kept until the send completes
 };
 
 }  // namespace
@@ -22,10 +22,10 @@ struct Posted {
 struct RemoteSender::Impl {
   std::optional<UcxWorker> ucx;
   ucp_ep_h ep = nullptr;
-  std::deque<Posted> posted;               // deque: headers keep their address
+  std::deque<Posted> posted;  // deque: headers keep their address
   uint64_t bytes_sent = 0;
   std::optional<Error> first_error;
-  ucs_status_t peer_status = UCS_OK;       // set by the endpoint's error handler
+  ucs_status_t peer_status = UCS_OK;  // set by the endpoint's error handler
 
   static void on_peer_error(void* arg, ucp_ep_h, ucs_status_t status) { static_cast<Impl*>(arg)->peer_status = status; }
 
@@ -39,9 +39,8 @@ struct RemoteSender::Impl {
         ucp_request_free(p.request);
         p.request = nullptr;
         if (status != UCS_OK && !first_error) {
-          first_error = status == UCS_ERR_REJECTED
-                            ? Error(ECONNREFUSED, fmt::format("the decoder refused {}", p.what))
-                            : ucx_error(status, p.what);
+          first_error = status == UCS_ERR_REJECTED ? Error(ECONNREFUSED, fmt::format("the decoder refused {}", p.what))
+                                                   : ucx_error(status, p.what);
         } else if (status == UCS_OK) {
           bytes_sent += p.payload_bytes;
         }
@@ -91,14 +90,15 @@ Result<std::unique_ptr<RemoteSender>> RemoteSender::connect(std::span<const std:
   if (!ucx) return fail(ucx.error());
   impl->ucx.emplace(std::move(*ucx));
   ucp_ep_params_t params{};
-  params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  params.field_mask =
+      UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
   params.address = reinterpret_cast<const ucp_address_t*>(worker_address.data());
   params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
   params.err_handler.cb = &Impl::on_peer_error;
   params.err_handler.arg = impl.get();
   if (ucs_status_t s = ucp_ep_create(impl->ucx->worker(), &params, &impl->ep); s != UCS_OK)
-    return fail(ucx_error(s, fmt::format("connecting to the decoder's worker ({}-byte address)", worker_address.size())));
+    return fail(
+        ucx_error(s, fmt::format("connecting to the decoder's worker ({}-byte address)", worker_address.size())));
   return std::unique_ptr<RemoteSender>(new RemoteSender(std::move(impl)));
 }
 
@@ -131,7 +131,8 @@ Result<void> RemoteSender::write(const layout::RemoteWrite& header, std::span<co
                                  header.chunk, header.offset, header.share_id));
 }
 
-Result<void> RemoteSender::send_raw(unsigned am_id, std::span<const std::byte> header, std::span<const std::byte> payload) {
+Result<void> RemoteSender::send_raw(unsigned am_id, std::span<const std::byte> header,
+                                    std::span<const std::byte> payload) {
   layout::RemoteHeaderBytes bytes{};
   const bool fits = header.size() == bytes.size();
   if (fits) std::copy(header.begin(), header.end(), bytes.begin());
@@ -153,7 +154,8 @@ Result<void> RemoteSender::flush(std::chrono::steady_clock::time_point deadline)
 Result<void> RemoteSender::finish(const layout::RemoteDone& done, std::chrono::steady_clock::time_point deadline) {
   if (auto flushed = flush(deadline); !flushed) return flushed;
   const layout::RemoteHeaderBytes bytes = layout::encode(done);
-  if (auto sent = impl_->post(kAmDone, &bytes, bytes, {}, fmt::format("the completion of share {}", done.share_id)); !sent)
+  if (auto sent = impl_->post(kAmDone, &bytes, bytes, {}, fmt::format("the completion of share {}", done.share_id));
+      !sent)
     return sent;
   if (auto flushed = flush(deadline); !flushed) return flushed;
   ucp_request_param_t params{};

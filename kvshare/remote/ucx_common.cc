@@ -7,18 +7,28 @@ namespace kvshare::remote {
 
 int errno_of(ucs_status_t status) {
   switch (status) {
-    case UCS_OK: return 0;
-    case UCS_ERR_TIMED_OUT: return ETIMEDOUT;
+    case UCS_OK:
+      return 0;
+    case UCS_ERR_TIMED_OUT:
+      return ETIMEDOUT;
     case UCS_ERR_CONNECTION_RESET:
-    case UCS_ERR_ENDPOINT_TIMEOUT: return ECONNRESET;
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+      return ECONNRESET;
     case UCS_ERR_UNREACHABLE:
-    case UCS_ERR_REJECTED: return ECONNREFUSED;
-    case UCS_ERR_NO_MEMORY: return ENOMEM;
-    case UCS_ERR_CANCELED: return ECANCELED;
-    case UCS_ERR_INVALID_PARAM: return EINVAL;
-    case UCS_ERR_INVALID_ADDR: return EFAULT;
-    case UCS_ERR_UNSUPPORTED: return ENOTSUP;
-    default: return EIO;
+    case UCS_ERR_REJECTED:
+      return ECONNREFUSED;
+    case UCS_ERR_NO_MEMORY:
+      return ENOMEM;
+    case UCS_ERR_CANCELED:
+      return ECANCELED;
+    case UCS_ERR_INVALID_PARAM:
+      return EINVAL;
+    case UCS_ERR_INVALID_ADDR:
+      return EFAULT;
+    case UCS_ERR_UNSUPPORTED:
+      return ENOTSUP;
+    default:
+      return EIO;
   }
 }
 

@@ -28,7 +28,9 @@ RemoteSender::~RemoteSender() = default;
 Result<std::unique_ptr<RemoteSender>> RemoteSender::connect(std::span<const std::byte>) {
   return fail(ENOTSUP, "{}", kNoUcx);
 }
-Result<void> RemoteSender::write(const layout::RemoteWrite&, std::span<const std::byte>) { return fail(ENOTSUP, "{}", kNoUcx); }
+Result<void> RemoteSender::write(const layout::RemoteWrite&, std::span<const std::byte>) {
+  return fail(ENOTSUP, "{}", kNoUcx);
+}
 Result<void> RemoteSender::send_raw(unsigned, std::span<const std::byte>, std::span<const std::byte>) {
   return fail(ENOTSUP, "{}", kNoUcx);
 }

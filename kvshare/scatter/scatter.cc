@@ -24,12 +24,12 @@ using layout::TensorKind;
 // Everything one layer's writes need, resolved and checked before any byte is written.
 struct LayerPlan {
   uint32_t il = 0;
-  const std::byte* src = nullptr;   // token 0's row
+  const std::byte* src = nullptr;  // token 0's row
   uint32_t n_embd_k = 0;
   uint32_t n_embd_v = 0;
   const CacheTensor* k = nullptr;
-  std::byte* k_stream = nullptr;    // cell 0 of the stream in cache_k_l<il>
-  const CacheTensor* v = nullptr;   // nullptr for a K-only layer
+  std::byte* k_stream = nullptr;   // cell 0 of the stream in cache_k_l<il>
+  const CacheTensor* v = nullptr;  // nullptr for a K-only layer
   std::byte* v_stream = nullptr;
   // Set when the tensor's chunk is written through its descriptor: where cell 0 of the
   // stream sits inside the chunk.
@@ -184,7 +184,8 @@ Result<CachePlan> plan_scatter(const ScatterTarget& target, const ScatterBatch& 
     if (rows.data == nullptr && batch.n_tokens > 0) return fail(EINVAL, "scatter: layer {} has no row data", rows.il);
     const uint64_t row_bytes = (static_cast<uint64_t>(rows.n_embd_k_gqa) + rows.n_embd_v_gqa) * element_bytes;
     if (batch.n_tokens > 1 && batch.row_stride < row_bytes)
-      return fail(EINVAL, "scatter: layer {}: row stride {} bytes is shorter than one {} row of {} + {} values ({} bytes)",
+      return fail(EINVAL,
+                  "scatter: layer {}: row stride {} bytes is shorter than one {} row of {} + {} values ({} bytes)",
                   rows.il, batch.row_stride, layout::ggml_type_name(batch.src_type), rows.n_embd_k_gqa,
                   rows.n_embd_v_gqa, row_bytes);
     auto layer = plan_layer(target, *plan.cache, rows.il, rows.n_embd_k_gqa, rows.n_embd_v_gqa, batch.pos0,
@@ -211,11 +212,11 @@ Result<void> write_rows_through_file(const LayerPlan& layer, const CacheTensor& 
   staging.resize(static_cast<size_t>(t1 - t0) * tensor.row_bytes);
   for (uint32_t t = t0; t < t1; ++t) {
     const std::byte* row = layer.src + static_cast<uint64_t>(t) * batch.row_stride + src_offset;
-    layout::convert_row(batch.src_type, row, tensor.type, staging.data() + static_cast<size_t>(t - t0) * tensor.row_bytes,
-                        n_embd, rotation);
+    layout::convert_row(batch.src_type, row, tensor.type,
+                        staging.data() + static_cast<size_t>(t - t0) * tensor.row_bytes, n_embd, rotation);
   }
-  auto written = write_chunk_file(file, stream_offset + static_cast<uint64_t>(batch.pos0 + t0) * tensor.row_bytes,
-                                  staging);
+  auto written =
+      write_chunk_file(file, stream_offset + static_cast<uint64_t>(batch.pos0 + t0) * tensor.row_bytes, staging);
   if (!written) return fail(written.error().with_context(fmt::format("scatter of layer {} {}", layer.il, tensor.name)));
   return {};
 }
@@ -287,8 +288,8 @@ Result<void> scatter_range(const CachePlan& plan, const LayerPlan& layer, const 
 // The cache_r_l<il> or cache_s_l<il> placement, or an error with `missing_errno` when the
 // layer has no recurrent state (state_width's ENOENT, write_state's EINVAL).
 Result<const layout::SharedTensor*> find_state_tensor(const layout::ShareLayout& layout,
-                                                      const layout::MemoryShape& memory, uint32_t il,
-                                                      TensorKind kind, int missing_errno) {
+                                                      const layout::MemoryShape& memory, uint32_t il, TensorKind kind,
+                                                      int missing_errno) {
   if (kind != TensorKind::r && kind != TensorKind::s)
     return fail(EINVAL, "layer {}: state kind {} is not r (conv history) or s (SSM state)", il,
                 layout::tensor_kind_name(kind));
@@ -336,7 +337,8 @@ Result<void> write_state(const ScatterTarget& target, const StateRow& row) {
                 tensor.name, row.cell, rs_size);
   const auto width = static_cast<uint64_t>(tensor.ne[0]);
   if (row.values.size() != width)
-    return fail(EINVAL, "write_state: layer {} {} cell {}: the provider's row carries {} values, the tensor's row "
+    return fail(EINVAL,
+                "write_state: layer {} {} cell {}: the provider's row carries {} values, the tensor's row "
                 "holds {} (n_embd_{})",
                 row.il, tensor.name, row.cell, row.values.size(), width, layout::tensor_kind_name(row.kind));
   auto base = tensor_base(target, placed);
@@ -349,8 +351,8 @@ Result<void> write_state(const ScatterTarget& target, const StateRow& row) {
   if (*file != nullptr) {
     auto written = write_chunk_file(**file, placed.offset + row_offset, std::as_bytes(row.values));
     if (!written)
-      return fail(written.error().with_context(fmt::format("write_state of layer {} {} cell {}", row.il, tensor.name,
-                                                           row.cell)));
+      return fail(written.error().with_context(
+          fmt::format("write_state of layer {} {} cell {}", row.il, tensor.name, row.cell)));
     return {};
   }
   // f32 to f32 is a copy; streaming stores for the reason scatter_range gives.

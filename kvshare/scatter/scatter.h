@@ -57,21 +57,21 @@ struct ScatterTarget {
 // One layer's rows in the provider's buffer: token t's row starts at
 // data + t * ScatterBatch::row_stride bytes, K first then V.
 struct LayerRows {
-  uint32_t il = 0;            // model layer index (the L of cache_k_l<L>)
+  uint32_t il = 0;  // model layer index (the L of cache_k_l<L>)
   const void* data = nullptr;
   uint32_t n_embd_k_gqa = 0;  // what the provider produced; checked against the cache
   uint32_t n_embd_v_gqa = 0;  // 0 for a K-only (MLA) layer
 };
 
 struct ScatterBatch {
-  std::vector<LayerRows> layers;       // any subset of the cache's layers, any order
-  uint32_t pos0 = 0;                   // first cell written
-  uint32_t n_tokens = 0;               // cells pos0 .. pos0 + n_tokens - 1
-  uint32_t stream = 0;                 // which stream (non-unified multi-sequence caches)
+  std::vector<LayerRows> layers;  // any subset of the cache's layers, any order
+  uint32_t pos0 = 0;              // first cell written
+  uint32_t n_tokens = 0;          // cells pos0 .. pos0 + n_tokens - 1
+  uint32_t stream = 0;            // which stream (non-unified multi-sequence caches)
   layout::GgmlType src_type = layout::GgmlType::F32;
-  uint64_t row_stride = 0;             // bytes between consecutive tokens' rows, >= row size
-  bool rotation_disabled = false;      // the decoder runs with LLAMA_ATTN_ROT_DISABLE=1
-  unsigned n_threads = 0;              // 0: std::thread::hardware_concurrency()
+  uint64_t row_stride = 0;         // bytes between consecutive tokens' rows, >= row size
+  bool rotation_disabled = false;  // the decoder runs with LLAMA_ATTN_ROT_DISABLE=1
+  unsigned n_threads = 0;          // 0: std::thread::hardware_concurrency()
 };
 
 // Converts and writes every row of `batch` into `target`. Blocks until done; splits the
@@ -89,10 +89,10 @@ Result<void> validate_scatter(const ScatterTarget& target, const ScatterBatch& b
 
 // One recurrent layer's state row for one cell, as the provider computed it.
 struct StateRow {
-  uint32_t il = 0;                                   // model layer index (the L of cache_r_l<L>)
+  uint32_t il = 0;                                  // model layer index (the L of cache_r_l<L>)
   layout::TensorKind kind = layout::TensorKind::r;  // r: conv history, s: SSM / delta state
-  uint32_t cell = 0;                                 // the row of the tensor; 0 with one sequence
-  std::span<const float> values;                     // n_embd_r or n_embd_s f32 values
+  uint32_t cell = 0;                                // the row of the tensor; 0 with one sequence
+  std::span<const float> values;                    // n_embd_r or n_embd_s f32 values
 };
 
 // The width in f32 values of layer il's R or S row (n_embd_r / n_embd_s; 0 for LFM2's S).

@@ -1,8 +1,8 @@
 #include "kvshare/share/broker.h"
 
 #include <fcntl.h>
-#include <sys/stat.h>
 #include <sys/eventfd.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -16,8 +16,8 @@
 #include <thread>
 
 #include "kvshare/region/fd_inspect.h"
-#include "layout/remote_grant.h"
 #include "kvshare/sys.h"
+#include "layout/remote_grant.h"
 
 namespace kvshare {
 namespace {
@@ -43,18 +43,24 @@ Result<void> check_entries(const ReceivedShare& share, std::string_view peer) {
     return fail(EINVAL, "handshake from {}: field \"stream\" is {}, the header's memory has no KV cache (one stream)",
                 peer, share.stream);
   if (share.n_cells == 0 && share.first_cell > 0)
-    return fail(EINVAL, "handshake from {}: field \"n_cells\" is 0 with field \"first_cell\" {}: a range names "
-                "its cells", peer, share.first_cell);
+    return fail(EINVAL,
+                "handshake from {}: field \"n_cells\" is 0 with field \"first_cell\" {}: a range names "
+                "its cells",
+                peer, share.first_cell);
   if (share.n_cells > 0 && share.header.memory.kv_caches.empty())
     return fail(EINVAL, "handshake from {}: field \"n_cells\" is {}, the header's memory has no KV cache", peer,
                 share.n_cells);
   for (const auto& cache : share.header.memory.kv_caches) {
     if (share.first_cell >= cache.kv_size && share.n_cells > 0)
-      return fail(EINVAL, "handshake from {}: field \"first_cell\" is {}, past the header's \"{}\" KV cache's "
-                  "kv_size {}", peer, share.first_cell, cache.role, cache.kv_size);
+      return fail(EINVAL,
+                  "handshake from {}: field \"first_cell\" is {}, past the header's \"{}\" KV cache's "
+                  "kv_size {}",
+                  peer, share.first_cell, cache.role, cache.kv_size);
     if (uint64_t{share.first_cell} + share.n_cells > cache.kv_size)
-      return fail(EINVAL, "handshake from {}: field \"n_cells\" is {} from first_cell {}, past the header's \"{}\" "
-                  "KV cache's kv_size {}", peer, share.n_cells, share.first_cell, cache.role, cache.kv_size);
+      return fail(EINVAL,
+                  "handshake from {}: field \"n_cells\" is {} from first_cell {}, past the header's \"{}\" "
+                  "KV cache's kv_size {}",
+                  peer, share.n_cells, share.first_cell, cache.role, cache.kv_size);
   }
   const auto& chunks = share.header.layout.chunks;
   if (share.entries.size() != chunks.size())
@@ -66,8 +72,8 @@ Result<void> check_entries(const ReceivedShare& share, std::string_view peer) {
       return fail(EINVAL, "handshake from {}: field \"fds[{}].size_bytes\" is {}, the header says {}", peer, i,
                   entry.size_bytes, chunks[i].size_bytes);
     if (entry.layout_hash != chunks[i].layout_hash)
-      return fail(EINVAL, "handshake from {}: field \"fds[{}].layout_hash\" is {:#018x}, the header says {:#018x}", peer,
-                  i, entry.layout_hash, chunks[i].layout_hash);
+      return fail(EINVAL, "handshake from {}: field \"fds[{}].layout_hash\" is {:#018x}, the header says {:#018x}",
+                  peer, i, entry.layout_hash, chunks[i].layout_hash);
     auto inspection = inspect_fd(share.fds[i].get(), entry.offset + entry.size_bytes,
                                  fmt::format("handshake from {}: fd {} (chunk {})", peer, share.fds[i].get(), i));
     if (!inspection) return fail(inspection.error());
@@ -95,11 +101,14 @@ Result<std::vector<std::string>> expand_provider_argv(const std::vector<std::str
     has_offsets = replace_all(arg, "{fd_offsets}", offsets) || has_offsets;
   }
   if (argv.empty() || !has_layout || !has_fds)
-    return fail(EINVAL, "provider command template must contain {{layout}} and {{fds}} (e.g. --layout {{layout}} "
+    return fail(EINVAL,
+                "provider command template must contain {{layout}} and {{fds}} (e.g. --layout {{layout}} "
                 "--fds {{fds}})");
   if (any_offset && !has_offsets)
-    return fail(EINVAL, "the decoder's regions start at offsets {} inside their fds, and the provider command "
-                "template has no {{fd_offsets}} to pass them", offsets);
+    return fail(EINVAL,
+                "the decoder's regions start at offsets {} inside their fds, and the provider command "
+                "template has no {{fd_offsets}} to pass them",
+                offsets);
   return argv;
 }
 
@@ -137,8 +146,7 @@ Result<ReceivedShare> receive_share(handshake::Listener& listener, int timeout_m
     known = known_header;
   }
   handshake::PeerCredentials peer;
-  auto received =
-      listener.accept_and_receive(timeout_ms, &peer, known ? std::string_view(known->text) : "", cancel_fd);
+  auto received = listener.accept_and_receive(timeout_ms, &peer, known ? std::string_view(known->text) : "", cancel_fd);
   if (!received) return fail(received.error());
   const std::string who = fmt::format("pid {}", peer.pid);
   if (received->message.type == handshake::MessageType::refuse) {
@@ -187,7 +195,8 @@ Result<ReceivedShare> check_share_message(handshake::Message message, std::vecto
   share.entries = std::move(message.fds);
   share.fds = std::move(fds);
   if (share.fds.size() != share.entries.size())
-    return fail(EPROTO, "handshake from {}: {} fd(s) arrived, field \"fds\" lists {}", what, share.fds.size(), share.entries.size());
+    return fail(EPROTO, "handshake from {}: {} fd(s) arrived, field \"fds\" lists {}", what, share.fds.size(),
+                share.entries.size());
   auto header = layout::parse_share_header_document(message.header, fmt::format("handshake from {}", what));
   if (!header) return fail(header.error());
   share.header = std::move(*header);
@@ -301,8 +310,7 @@ Result<std::filesystem::path> ShareBroker::write_header_file(const ReceivedShare
     if (n <= 0) {
       const int error = n < 0 ? errno : EIO;
       sys::ops().unlink(path.c_str());
-      return fail(error, "writing the provider's header file {} at byte {} of {}", path.string(), written,
-                  text.size());
+      return fail(error, "writing the provider's header file {} at byte {} of {}", path.string(), written, text.size());
     }
     written += static_cast<size_t>(n);
   }

@@ -28,17 +28,17 @@ namespace kvshare {
 
 struct ReceivedShare {
   uint64_t share_id = 0;
-  uint32_t stream = 0;                     // the KV stream handed over (checked: < n_stream)
+  uint32_t stream = 0;  // the KV stream handed over (checked: < n_stream)
   // The cells of `stream` handed over: prompt position p goes into cell first_cell + p,
   // p < n_cells (checked: within every KV cache's kv_size). n_cells 0 (first_cell then 0):
   // the message named no range, the whole stream.
   uint32_t first_cell = 0;
   uint32_t n_cells = 0;
   handshake::PeerCredentials peer;
-  layout::ShareHeader header;              // parsed and validated
-  bool header_was_known = false;           // its bytes were the last validated header's: not parsed again
-  std::vector<handshake::FdEntry> entries; // one per fd
-  std::vector<Fd> fds;                     // checked: kind and size match the layout
+  layout::ShareHeader header;               // parsed and validated
+  bool header_was_known = false;            // its bytes were the last validated header's: not parsed again
+  std::vector<handshake::FdEntry> entries;  // one per fd
+  std::vector<Fd> fds;                      // checked: kind and size match the layout
 };
 
 // Substitutes "{layout}" and "{fds}" (and "{fd_offsets}") in `argv_template`, e.g.
@@ -55,7 +55,8 @@ Result<std::vector<std::string>> expand_provider_argv(const std::vector<std::str
 // cache's kv_size (EINVAL naming field "first_cell" or "n_cells"), the fds exactly the layout's
 // chunks (count, sizes, hashes, fd kind and size). A resident provider checks the
 // region serve forwards to it so (kvshare/share/provider_channel.h). `what` names the
-// sender in errors ("kvshare-serve (pid 4121)": "handshake from kvshare-serve (pid 4121): ..."). Every fd is closed on a failure.
+// sender in errors ("kvshare-serve (pid 4121)": "handshake from kvshare-serve (pid 4121): ..."). Every fd is closed on
+// a failure.
 Result<ReceivedShare> check_share_message(handshake::Message message, std::vector<Fd> fds,
                                           const handshake::PeerCredentials& peer, std::string_view what);
 

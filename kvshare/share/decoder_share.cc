@@ -9,8 +9,10 @@ namespace kvshare {
 
 std::string share_degrade_warning(bool flag_set, std::string_view backend_reason) {
   if (!flag_set) return {};
-  return fmt::format("share_degrade: this decoder cannot export its KV memory ({}); share requests are refused and "
-                     "prompts take the state-file route", backend_reason);
+  return fmt::format(
+      "share_degrade: this decoder cannot export its KV memory ({}); share requests are refused and "
+      "prompts take the state-file route",
+      backend_reason);
 }
 
 std::string share_unavailable_reason(bool flag_set, std::string_view backend_reason) {
@@ -85,20 +87,25 @@ Result<void> check_share_cells(const layout::ShareHeader& header, const ShareCel
   const uint32_t stream = cells.stream;
   const bool range = cells.names_range();
   if (header.memory.recurrent && header.memory.recurrent->rs_size > 1)
-    return fail(ENOTSUP, "share of stream {}: the shared route hands over a recurrent state only with one sequence "
+    return fail(ENOTSUP,
+                "share of stream {}: the shared route hands over a recurrent state only with one sequence "
                 "(-np 1), this decoder has rs_size {} (-np {}): llama.cpp assigns recurrent cells at decode time; the "
-                "file route serves this slot", stream, header.memory.recurrent->rs_size, header.params.n_seq_max);
-  const bool unified_slots = !header.memory.kv_caches.empty() && header.memory.kv_caches.front().n_stream == 1 &&
-                             header.params.n_seq_max > 1;
+                "file route serves this slot",
+                stream, header.memory.recurrent->rs_size, header.params.n_seq_max);
+  const bool unified_slots =
+      !header.memory.kv_caches.empty() && header.memory.kv_caches.front().n_stream == 1 && header.params.n_seq_max > 1;
   if (unified_slots && !range)
-    return fail(ENOTSUP, "share of stream {}: a unified KV cache (--kv-unified, or llama-server's -np auto) keeps "
+    return fail(ENOTSUP,
+                "share of stream {}: a unified KV cache (--kv-unified, or llama-server's -np auto) keeps "
                 "every slot's cells in one stream (-np {}, n_stream 1): name the cells reserved for the sequence "
-                "(first_cell, n_cells), or run -np N without --kv-unified; the file route serves this slot", stream,
-                header.params.n_seq_max);
+                "(first_cell, n_cells), or run -np N without --kv-unified; the file route serves this slot",
+                stream, header.params.n_seq_max);
   if (unified_slots && header.memory.kv_caches.size() > 1)
-    return fail(ENOTSUP, "share of cells first_cell {} n_cells {}: an iSWA memory's unified caches (-np {}) place "
+    return fail(ENOTSUP,
+                "share of cells first_cell {} n_cells {}: an iSWA memory's unified caches (-np {}) place "
                 "the SWA cache's cells independently of the base cache's, so one range cannot name both; the file "
-                "route serves this slot", cells.first_cell, cells.n_cells, header.params.n_seq_max);
+                "route serves this slot",
+                cells.first_cell, cells.n_cells, header.params.n_seq_max);
   return {};
 }
 
@@ -108,12 +115,17 @@ Result<void> check_share_stream(const layout::ShareHeader& header, uint32_t stre
 
 int http_status_for(const Error& error) {
   switch (error.errno_value()) {
-    case ENOTSUP: return 501;
-    case EPERM: return 403;
-    case ESTALE: return 409;
+    case ENOTSUP:
+      return 501;
+    case EPERM:
+      return 403;
+    case ESTALE:
+      return 409;
     case ERANGE:
-    case EINVAL: return 400;
-    default: return 500;
+    case EINVAL:
+      return 400;
+    default:
+      return 500;
   }
 }
 
@@ -169,9 +181,8 @@ uint64_t DecoderShare::latest_share_id(uint32_t stream) const {
 
 size_t DecoderShare::n_pending_shares() const {
   std::lock_guard lock(mutex_);
-  return static_cast<size_t>(std::count_if(shares_.begin(), shares_.end(), [](const auto& entry) {
-    return entry.second.state == ShareState::pending;
-  }));
+  return static_cast<size_t>(std::count_if(
+      shares_.begin(), shares_.end(), [](const auto& entry) { return entry.second.state == ShareState::pending; }));
 }
 
 namespace {
@@ -301,15 +312,19 @@ Result<AdoptPlan> DecoderShare::adopt(uint64_t n_tokens, uint64_t share_id, uint
     return fail(EINVAL, "adopt of share_id {} into stream {}: that share was made for stream {}", share_id, stream,
                 share.stream);
   switch (share.state) {
-    case ShareState::pending: break;
-    case ShareState::adopted: return fail(ESTALE, "adopt of share_id {}: it was already adopted", share_id);
+    case ShareState::pending:
+      break;
+    case ShareState::adopted:
+      return fail(ESTALE, "adopt of share_id {}: it was already adopted", share_id);
     case ShareState::unsent:
       return fail(ESTALE, "adopt of share_id {}: its message never reached a broker (no provider wrote it)", share_id);
     case ShareState::stale: {
       const auto later = shares_.find(share.staled_by);
-      const std::string later_cells =
-          later == shares_.end() ? std::string("cells not remembered") : describe_cells(later->second.first_cell, later->second.n_cells);
-      return fail(ESTALE, "adopt of share_id {}: it is stale, the later share {} of stream {} ({}) overlaps its own ({})",
+      const std::string later_cells = later == shares_.end()
+                                          ? std::string("cells not remembered")
+                                          : describe_cells(later->second.first_cell, later->second.n_cells);
+      return fail(ESTALE,
+                  "adopt of share_id {}: it is stale, the later share {} of stream {} ({}) overlaps its own ({})",
                   share_id, share.staled_by, stream, later_cells, describe_cells(share.first_cell, share.n_cells));
     }
   }

@@ -186,12 +186,12 @@ class DecoderShare {
     uint32_t first_cell = 0;  // the share's range (resolved; 0, 0: the whole stream)
     uint32_t n_cells = 0;
     ShareState state = ShareState::pending;
-    uint64_t staled_by = 0;   // the later overlapping share (state stale)
+    uint64_t staled_by = 0;  // the later overlapping share (state stale)
   };
   static constexpr size_t kShareHistory = 1024;
-  void forget_old_shares();  // under mutex_
-  mutable std::mutex mutex_;   // share and adopt may come from different HTTP threads
-  uint64_t latest_share_id_ = 0;          // of any stream: ids increase across streams
+  void forget_old_shares();                 // under mutex_
+  mutable std::mutex mutex_;                // share and adopt may come from different HTTP threads
+  uint64_t latest_share_id_ = 0;            // of any stream: ids increase across streams
   std::vector<uint64_t> latest_of_stream_;  // [n_stream]
   std::map<uint64_t, ShareRecord> shares_;  // by share_id
 };

@@ -1,7 +1,7 @@
 #include "kvshare/share/provider_channel.h"
 
-#include <fmt/format.h>
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -81,8 +81,8 @@ Result<ProviderCall> ProviderChannel::next(int timeout_ms) {
   ProviderCall call;
   if (request->op != ProviderOp::region) {
     if (!frame->fds.empty())
-      return fail(EPROTO, "{}: a {} request carried {} fd(s); only a region does", who_,
-                  provider_op_name(request->op), frame->fds.size());
+      return fail(EPROTO, "{}: a {} request carried {} fd(s); only a region does", who_, provider_op_name(request->op),
+                  frame->fds.size());
     call.request = std::move(*request);
     return call;
   }

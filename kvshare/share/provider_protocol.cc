@@ -120,7 +120,8 @@ std::string_view prefill_route_name(PrefillRoute route) { return route == Prefil
 std::string encode_provider_request(const ProviderRequest& request) {
   Json json{{kVersionKey, kProviderProtocolVersion}, {"op", provider_op_name(request.op)}};
   switch (request.op) {
-    case ProviderOp::hello: break;
+    case ProviderOp::hello:
+      break;
     case ProviderOp::region: {
       json["region_id"] = request.region_id;
       // The share message goes in as the handshake encodes it (its header text spliced, not
@@ -198,7 +199,8 @@ Result<ProviderRequest> parse_provider_request(std::string_view text, std::strin
   ProviderRequest request;
   request.op = envelope->second;
   switch (request.op) {
-    case ProviderOp::hello: return fail(EINVAL, "{}: \"hello\" is the provider's word, not a request", source);
+    case ProviderOp::hello:
+      return fail(EINVAL, "{}: \"hello\" is the provider's word, not a request", source);
     case ProviderOp::region: {
       auto region_id = id_field(read, "region_id");
       if (!region_id) return fail(region_id.error());
@@ -267,8 +269,8 @@ Result<ProviderRequest> parse_provider_request(std::string_view text, std::strin
       if (!tokens) return fail(tokens.error());
       request.tokens = std::move(*tokens);
       if (request.n_cached >= request.tokens.size())
-        return fail(EINVAL, "{}: \"n_cached\" is {}, expected below the {} tokens (at least one id to prefill)",
-                    source, request.n_cached, request.tokens.size());
+        return fail(EINVAL, "{}: \"n_cached\" is {}, expected below the {} tokens (at least one id to prefill)", source,
+                    request.n_cached, request.tokens.size());
       break;
     }
   }
@@ -300,9 +302,12 @@ Result<ProviderReply> parse_provider_reply(std::string_view text, std::string_vi
         return fail(EINVAL, "{}: \"routes\" is not an array of route names", source);
       reply.takes_shared = reply.takes_file = false;
       for (const Json& route : *routes) {
-        if (route == "shared") reply.takes_shared = true;
-        else if (route == "file") reply.takes_file = true;
-        else return fail(EINVAL, "{}: \"routes\" holds {}, not \"shared\" or \"file\"", source, dump(route));
+        if (route == "shared")
+          reply.takes_shared = true;
+        else if (route == "file")
+          reply.takes_file = true;
+        else
+          return fail(EINVAL, "{}: \"routes\" holds {}, not \"shared\" or \"file\"", source, dump(route));
       }
       if (!reply.takes_shared && !reply.takes_file) return fail(EINVAL, "{}: \"routes\" names no route", source);
       auto cached = read.boolean("cached");
@@ -341,10 +346,11 @@ Result<void> check_prefill_admitted(const ProviderReply& hello, uint64_t held_re
                 prefill_route_name(request.route), hello.takes_shared ? "shared" : "file");
   if (!shared) return {};
   if (held_region_id == 0 || request.region_id != held_region_id)
-    return fail(ESTALE, "{}", held_region_id == 0
-                                  ? fmt::format("region {}: this provider holds no region; send it", request.region_id)
-                                  : fmt::format("region {}: this provider holds region {}; send region {} again",
-                                                request.region_id, held_region_id, request.region_id));
+    return fail(ESTALE, "{}",
+                held_region_id == 0
+                    ? fmt::format("region {}: this provider holds no region; send it", request.region_id)
+                    : fmt::format("region {}: this provider holds region {}; send region {} again", request.region_id,
+                                  held_region_id, request.region_id));
   if (request.n_cached > 0 && !hello.takes_cached)
     return fail(ENOTSUP, "n_cached {}: this provider prefills whole prompts only (its hello said \"cached\": false)",
                 request.n_cached);

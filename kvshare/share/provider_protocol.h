@@ -70,14 +70,14 @@ struct ProviderKvParams {
 
 struct ProviderRequest {
   ProviderOp op = ProviderOp::prefill;
-  uint64_t region_id = 0;              // region, prefill(shared): serve's number for the region, from 1
+  uint64_t region_id = 0;  // region, prefill(shared): serve's number for the region, from 1
   // region: the decoder's share message as the broker received and checked it (its fds ride
   // in SCM_RIGHTS, in its "fds" order). encode_provider_request splices `share.header_json`
   // when set, else dumps `share.header`.
   handshake::Message share;
   // prefill
   PrefillRoute route = PrefillRoute::shared;
-  uint64_t share_id = 0;               // shared: the decoder's share the cells are written for
+  uint64_t share_id = 0;  // shared: the decoder's share the cells are written for
   // shared: the KV stream (the decoder's slot) whose cells are written; always encoded,
   // absent parses as 0. Checked against the region's n_stream by the provider, not here.
   uint32_t stream = 0;
@@ -86,29 +86,29 @@ struct ProviderRequest {
   // absent parses as 0, 0: the whole stream. Checked against the region by the provider.
   uint32_t first_cell = 0;
   uint32_t n_cells = 0;
-  uint32_t n_cached = 0;               // shared: cells 0..P-1 already hold ids 0..P-1 (docs/provider.md --cached)
-  std::vector<int32_t> tokens;         // the handoff's ids (the prompt less its last token), at least 1
-  std::string state_file;              // file: the absolute path to write (serve removes it after the restore)
-  uint32_t state_version = 0;          // file: the decoder's LLAMA_STATE_SEQ_VERSION (0: the provider's latest)
-  ProviderKvParams kv;                 // file
+  uint32_t n_cached = 0;        // shared: cells 0..P-1 already hold ids 0..P-1 (docs/provider.md --cached)
+  std::vector<int32_t> tokens;  // the handoff's ids (the prompt less its last token), at least 1
+  std::string state_file;       // file: the absolute path to write (serve removes it after the restore)
+  uint32_t state_version = 0;   // file: the decoder's LLAMA_STATE_SEQ_VERSION (0: the provider's latest)
+  ProviderKvParams kv;          // file
 };
 
 struct ProviderReply {
   ProviderOp op = ProviderOp::hello;
   bool ok = true;
-  int error_errno = 0;                 // !ok: what failed, as errno (ESTALE: not the region held)
-  std::string error;                   // !ok: a sentence naming what failed
+  int error_errno = 0;  // !ok: what failed, as errno (ESTALE: not the region held)
+  std::string error;    // !ok: a sentence naming what failed
   // hello
   uint64_t pid = 0;
-  bool takes_shared = true;            // "routes" holds "shared"
-  bool takes_file = true;              // "routes" holds "file"
-  bool takes_cached = true;            // n_cached > 0 is understood
+  bool takes_shared = true;  // "routes" holds "shared"
+  bool takes_file = true;    // "routes" holds "file"
+  bool takes_cached = true;  // n_cached > 0 is understood
   // region
   uint64_t region_id = 0;
-  double region_ms = 0;                // mapping (and for an NPU, importing) the region
+  double region_ms = 0;  // mapping (and for an NPU, importing) the region
   // prefill
-  double prefill_ms = 0;               // the provider's own figure: the forward pass and the writes
-  uint32_t n_prefilled = 0;            // ids computed and written (tokens less n_cached)
+  double prefill_ms = 0;     // the provider's own figure: the forward pass and the writes
+  uint32_t n_prefilled = 0;  // ids computed and written (tokens less n_cached)
 };
 
 // The compact JSON of a request or reply (keys in the documented order).

@@ -23,7 +23,8 @@ Result<std::vector<T>> parse_list(std::string_view text, std::string_view flag) 
   size_t start = 0;
   for (;;) {
     const size_t comma = text.find(',', start);
-    const std::string_view item = text.substr(start, comma == std::string_view::npos ? text.size() - start : comma - start);
+    const std::string_view item =
+        text.substr(start, comma == std::string_view::npos ? text.size() - start : comma - start);
     T value{};
     const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), value);
     if (item.empty() || ec != std::errc() || end != item.data() + item.size())
@@ -41,7 +42,8 @@ Result<std::vector<int>> parse_fd_list(std::string_view text) {
   auto fds = parse_list<int>(text, "--fds");
   if (!fds) return fail(fds.error());
   if (fds->empty()) return fail(EINVAL, "--fds is empty: the broker passes at least one descriptor");
-  if (fds->size() > handshake::kMaxFds) return fail(EINVAL, "--fds lists {} descriptors, the limit is {}", fds->size(), handshake::kMaxFds);
+  if (fds->size() > handshake::kMaxFds)
+    return fail(EINVAL, "--fds lists {} descriptors, the limit is {}", fds->size(), handshake::kMaxFds);
   std::set<int> seen;
   for (int fd : *fds) {
     if (fd < 3) return fail(EINVAL, "--fds \"{}\": {} is stdin, stdout or stderr, not a shared region", text, fd);
@@ -50,7 +52,9 @@ Result<std::vector<int>> parse_fd_list(std::string_view text) {
   return fds;
 }
 
-Result<std::vector<uint64_t>> parse_offset_list(std::string_view text) { return parse_list<uint64_t>(text, "--fd-offsets"); }
+Result<std::vector<uint64_t>> parse_offset_list(std::string_view text) {
+  return parse_list<uint64_t>(text, "--fd-offsets");
+}
 
 Result<layout::ShareHeader> read_header_file(const std::string& path) {
   Fd fd(sys::ops().open(path.c_str(), O_RDONLY | O_CLOEXEC, 0));
@@ -97,7 +101,8 @@ Result<ProviderShare> ProviderShare::open_impl(const std::string& layout_path, s
     fds.emplace_back(number);
   }
   if (!bad.empty())
-    return fail(EBADF, "--fds: descriptor(s) {} are not open in this process (the broker passes them at 3, 4, ...)", bad);
+    return fail(EBADF, "--fds: descriptor(s) {} are not open in this process (the broker passes them at 3, 4, ...)",
+                bad);
   auto header = read_header_file(layout_path);
   if (!header) return fail(header.error());
   return import(std::move(*header), std::move(fds), fd_offsets, ours, layout_path);

@@ -39,16 +39,24 @@ struct ChildFailure {
 
 std::string describe_step(const ChildFailure& failure) {
   switch (failure.step) {
-    case ChildStep::setpgid: return "setpgid (a process group of its own)";
-    case ChildStep::pdeathsig: return "prctl(PR_SET_PDEATHSIG)";
-    case ChildStep::lift: return fmt::format("moving fd {} out of the way of the inherited numbers", failure.fd);
-    case ChildStep::stdin: return "dup2 of /dev/null to its stdin";
-    case ChildStep::stdout: return "dup2 to its stdout";
-    case ChildStep::stderr: return "dup2 to its stderr";
-    case ChildStep::inherit: return fmt::format("dup2 to inherited fd {}", failure.fd);
+    case ChildStep::setpgid:
+      return "setpgid (a process group of its own)";
+    case ChildStep::pdeathsig:
+      return "prctl(PR_SET_PDEATHSIG)";
+    case ChildStep::lift:
+      return fmt::format("moving fd {} out of the way of the inherited numbers", failure.fd);
+    case ChildStep::stdin:
+      return "dup2 of /dev/null to its stdin";
+    case ChildStep::stdout:
+      return "dup2 to its stdout";
+    case ChildStep::stderr:
+      return "dup2 to its stderr";
+    case ChildStep::inherit:
+      return fmt::format("dup2 to inherited fd {}", failure.fd);
     case ChildStep::close_range:
       return "close_range(CLOSE_RANGE_CLOEXEC) on every other descriptor (Linux 5.11 or later)";
-    case ChildStep::exec: return "exec";
+    case ChildStep::exec:
+      return "exec";
   }
   return "an unknown step";
 }
@@ -98,8 +106,8 @@ struct ExecPlan {
   int stdout_fd = -1;  // the capture pipe's write end, or -1
   int stderr_fd = -1;  // the capture pipe's write end or the stderr file, or -1
   int status_fd = -1;
-  int floor = 3;                 // above every target number: where sources are lifted to
-  int* lifted = nullptr;         // [n inherit] scratch
+  int floor = 3;                        // above every target number: where sources are lifted to
+  int* lifted = nullptr;                // [n inherit] scratch
   const int* sorted_targets = nullptr;  // [n inherit] ascending
 };
 
@@ -193,8 +201,8 @@ pid_t clone_and_exec(ExecPlan& plan) {
   ::pthread_sigmask(SIG_BLOCK, &all, &old);
   // CLONE_VFORK: this thread waits until the child has exec'd or exited, so the plan and
   // the stack outlive every use.
-  const pid_t pid = ::clone(clone_entry, static_cast<char*>(stack) + kChildStack, CLONE_VM | CLONE_VFORK | SIGCHLD,
-                            &plan);
+  const pid_t pid =
+      ::clone(clone_entry, static_cast<char*>(stack) + kChildStack, CLONE_VM | CLONE_VFORK | SIGCHLD, &plan);
   const int clone_errno = errno;
   ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
   ::munmap(stack, kChildStack);
@@ -241,7 +249,8 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
                 kMaxInheritedFds);
   std::vector<int> targets;
   for (const auto& [fd, target] : options.inherit_fds) {
-    if (fd < 0) return fail(EBADF, "spawn {}: inherited descriptor {} (for number {}) is not open", argv[0], fd, target);
+    if (fd < 0)
+      return fail(EBADF, "spawn {}: inherited descriptor {} (for number {}) is not open", argv[0], fd, target);
     if (target < kFirstInheritedFd)
       return fail(EINVAL, "spawn {}: an inherited descriptor cannot take number {} (0-2 are stdin, stdout, stderr)",
                   argv[0], target);
@@ -406,8 +415,10 @@ void ChildProcess::drain(int timeout_ms) {
     if (fds[i].fd < 0 || fds[i].revents == 0) continue;
     Fd& pipe = i == 0 ? stdout_ : stderr_;
     const ssize_t got = ::read(pipe.get(), buffer, sizeof buffer);
-    if (got > 0) append_capped(i == 0 ? out_ : err_, buffer, static_cast<size_t>(got));
-    else if (got == 0 || (errno != EINTR && errno != EAGAIN)) pipe.reset();  // EOF: nobody writes any more
+    if (got > 0)
+      append_capped(i == 0 ? out_ : err_, buffer, static_cast<size_t>(got));
+    else if (got == 0 || (errno != EINTR && errno != EAGAIN))
+      pipe.reset();  // EOF: nobody writes any more
   }
 }
 

@@ -118,8 +118,8 @@ Result<void> IoQueue::transfer_sync(IoRequest& request) {
     const uint64_t left = request.length - request.done;
     std::byte* data = request.data + request.done;
     const auto offset = static_cast<off_t>(request.offset + request.done);
-    const ssize_t n = request.is_write ? sys::ops().pwrite(fd_, data, left, offset)
-                                       : sys::ops().pread(fd_, data, left, offset);
+    const ssize_t n =
+        request.is_write ? sys::ops().pwrite(fd_, data, left, offset) : sys::ops().pread(fd_, data, left, offset);
     if (n < 0) {
       const int error = errno;
       if (error == EINTR) {

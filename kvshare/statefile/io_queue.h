@@ -58,7 +58,8 @@ class AlignedBuffer {
 // first byte, as much as writing or reading a small state file (kvshare-bench statefile).
 class AlignedBufferPool {
  public:
-  AlignedBufferPool(size_t max_kept, size_t max_buffer_bytes) : max_kept_(max_kept), max_buffer_bytes_(max_buffer_bytes) {}
+  AlignedBufferPool(size_t max_kept, size_t max_buffer_bytes)
+      : max_kept_(max_kept), max_buffer_bytes_(max_buffer_bytes) {}
   // The smallest kept buffer that holds `size_bytes` (resized to it), else a new one.
   Result<AlignedBuffer> take(size_t size_bytes);
   // Keeps `buffer` unless it is over the size limit (then frees it); when the pool is full
@@ -73,15 +74,15 @@ class AlignedBufferPool {
 };
 
 struct IoRequest {
-  std::byte* data = nullptr;   // borrowed; must stay valid until the request completes
-  uint64_t length = 0;         // bytes asked for
-  uint64_t offset = 0;         // file offset
+  std::byte* data = nullptr;  // borrowed; must stay valid until the request completes
+  uint64_t length = 0;        // bytes asked for
+  uint64_t offset = 0;        // file offset
   bool is_write = true;
-  uint64_t tag = 0;            // caller's id, handed back on completion
+  uint64_t tag = 0;  // caller's id, handed back on completion
   // Reads: the request is complete once this many bytes arrived (the file's end may lie
   // inside an aligned O_DIRECT read). 0 means `length`.
   uint64_t min_bytes = 0;
-  uint64_t done = 0;           // bytes transferred so far (set by the queue)
+  uint64_t done = 0;  // bytes transferred so far (set by the queue)
 };
 
 // Counts a test (or the benchmark) can check.

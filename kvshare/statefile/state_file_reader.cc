@@ -93,7 +93,8 @@ Result<StateFile> read_state_file(const std::filesystem::path& path, const layou
   bool is_direct = false;
   int raw = -1;
   struct stat before {};
-  const bool large = ::stat(path.c_str(), &before) == 0 && static_cast<uint64_t>(before.st_size) >= options.direct_min_bytes;
+  const bool large =
+      ::stat(path.c_str(), &before) == 0 && static_cast<uint64_t>(before.st_size) >= options.direct_min_bytes;
   if (options.allow_direct && large) {
     raw = sys::ops().open(path.c_str(), base_flags | O_DIRECT, 0);
     is_direct = raw >= 0;

@@ -16,12 +16,12 @@
 namespace kvshare::statefile {
 
 struct StateFileReadOptions {
-  bool allow_io_uring = true;    // false: pread only (also KVSHARE_NO_IO_URING=1)
-  bool allow_direct = true;      // try O_DIRECT, fall back to buffered on EINVAL
+  bool allow_io_uring = true;  // false: pread only (also KVSHARE_NO_IO_URING=1)
+  bool allow_direct = true;    // try O_DIRECT, fall back to buffered on EINVAL
   // O_DIRECT only for files of at least this size: a smaller one is likely still in the page
   // cache (just written), where a buffered read is the fast one.
   uint64_t direct_min_bytes = uint64_t{1} << 30;
-  size_t chunk_bytes = 8u << 20; // bytes per read, a multiple of kIoAlign
+  size_t chunk_bytes = 8u << 20;  // bytes per read, a multiple of kIoAlign
   unsigned queue_depth = 4;
 };
 

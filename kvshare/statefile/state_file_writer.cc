@@ -57,18 +57,18 @@ struct StateFileWriter::Impl {
     const StateSection* section = nullptr;
     size_t region = 0;
     bool is_written = false;
-    int rotation_group = 0;        // -1: quantized and the head size is unknown
+    int rotation_group = 0;  // -1: quantized and the head size is unknown
   };
   struct Region {
     uint64_t start = 0;
     uint64_t end = 0;
     std::vector<size_t> sections;  // ascending offset
     size_t next_section = 0;
-    std::vector<size_t> pieces;    // ascending offset
+    std::vector<size_t> pieces;  // ascending offset
     size_t next_piece = 0;
-    int buffer = -1;               // pool index of the staging buffer, -1 none
-    uint64_t buffer_start = 0;     // file offset of the staging buffer's first byte (aligned)
-    uint64_t pos = 0;              // next file offset to fill
+    int buffer = -1;            // pool index of the staging buffer, -1 none
+    uint64_t buffer_start = 0;  // file offset of the staging buffer's first byte (aligned)
+    uint64_t pos = 0;           // next file offset to fill
   };
 
   std::filesystem::path path;
@@ -212,7 +212,8 @@ struct StateFileWriter::Impl {
       const auto& piece = pieces[region.pieces[region.next_piece]];
       if (piece.offset >= offset) break;
       if (piece.offset != region.pos)
-        return fail(EFAULT, "{}: metadata at offset {} but the region is at {}", file_label(), piece.offset, region.pos);
+        return fail(EFAULT, "{}: metadata at offset {} but the region is at {}", file_label(), piece.offset,
+                    region.pos);
       if (auto rc = put_bytes(region, piece.bytes.data(), piece.bytes.size()); !rc) return rc;
       ++region.next_piece;
     }
@@ -286,9 +287,8 @@ struct StateFileWriter::Impl {
 
   Result<void> write_section(TensorKind kind, uint32_t il, const RowsView& rows) {
     if (is_spent) return fail(EINVAL, "{}: the writer already committed or failed", file_label());
-    auto it = std::find_if(sections.begin(), sections.end(), [&](const Section& s) {
-      return s.section->kind == kind && s.section->il == il;
-    });
+    auto it = std::find_if(sections.begin(), sections.end(),
+                           [&](const Section& s) { return s.section->kind == kind && s.section->il == il; });
     if (it == sections.end())
       return fail(EINVAL, "{}: {} is not in this file's layout (not an owned layer of that kind)", file_label(),
                   section_name(kind, il));
@@ -299,8 +299,8 @@ struct StateFileWriter::Impl {
     const size_t index = static_cast<size_t>(it - sections.begin());
     if (region.sections[region.next_section] != index && region.sections[region.next_section] != SIZE_MAX) {
       const StateSection& due = *sections[region.sections[region.next_section]].section;
-      return fail(EINVAL, "{}: {} handed before {}: each of K, V, R and S goes in ascending layer order",
-                  file_label(), section_name(kind, il), section_name(due.kind, due.il));
+      return fail(EINVAL, "{}: {} handed before {}: each of K, V, R and S goes in ascending layer order", file_label(),
+                  section_name(kind, il), section_name(due.kind, due.il));
     }
     if (rows.type != section.type && !layout::is_source_type(rows.type))
       return fail(EINVAL, "{}: {} rows are {}, the writer takes f32, f16, bf16 or the cache type {}", file_label(),
@@ -437,8 +437,9 @@ struct StateFileWriter::Impl {
           entry.is_written = section.data_bytes() == 0;
           if (layout::is_quantized(section.type) && (section.kind == TensorKind::k || section.kind == TensorKind::v)) {
             const uint32_t head = section.kind == TensorKind::k ? options.n_embd_head_k : options.n_embd_head_v;
-            entry.rotation_group =
-                head == 0 && !rotation_off ? -1 : layout::kv_rotation_group(section.kind, section.type, head, rotation_off);
+            entry.rotation_group = head == 0 && !rotation_off
+                                       ? -1
+                                       : layout::kv_rotation_group(section.kind, section.type, head, rotation_off);
           }
           sections.push_back(entry);
         }
@@ -506,8 +507,8 @@ Result<StateFileWriter> StateFileWriter::create(const std::filesystem::path& pat
   return create_for_layout(path, std::move(*planned), tokens, options);
 }
 
-Result<StateFileWriter> StateFileWriter::create_for_layout(const std::filesystem::path& path, layout::StateLayout layout,
-                                                           std::span<const int32_t> tokens,
+Result<StateFileWriter> StateFileWriter::create_for_layout(const std::filesystem::path& path,
+                                                           layout::StateLayout layout, std::span<const int32_t> tokens,
                                                            const StateFileWriterOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->path = path;
@@ -545,8 +546,6 @@ Result<void> StateFileWriter::write_section(TensorKind kind, uint32_t il, const 
 Result<CommitInfo> StateFileWriter::commit() { return impl_->commit(); }
 const StateLayout& StateFileWriter::layout() const { return impl_->layout; }
 const std::filesystem::path& StateFileWriter::path() const { return impl_->path; }
-const IoStats& StateFileWriter::io_stats() const {
-  return impl_->queue ? impl_->queue->stats() : impl_->final_stats;
-}
+const IoStats& StateFileWriter::io_stats() const { return impl_->queue ? impl_->queue->stats() : impl_->final_stats; }
 
 }  // namespace kvshare::statefile

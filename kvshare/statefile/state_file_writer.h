@@ -34,7 +34,7 @@ struct RowsView {
                                                   // (then copied unchanged: already rotated)
   const void* data = nullptr;                     // borrowed for the call
   uint32_t n_rows = 0;
-  uint64_t row_stride_bytes = 0;                  // 0: rows packed back to back
+  uint64_t row_stride_bytes = 0;  // 0: rows packed back to back
 };
 
 // When the temporary file is flushed to stable storage before the rename.
@@ -53,8 +53,8 @@ struct StateFileWriterOptions {
   // reads only its own (docs/state-file.md, "Which version to write").
   uint32_t state_version = layout::kStateSeqVersionLatest;
   FsyncPolicy fsync = FsyncPolicy::none;
-  bool allow_io_uring = true;     // false: pwrite only (also KVSHARE_NO_IO_URING=1)
-  bool allow_direct = true;       // try O_DIRECT, fall back to buffered on EINVAL
+  bool allow_io_uring = true;  // false: pwrite only (also KVSHARE_NO_IO_URING=1)
+  bool allow_direct = true;    // try O_DIRECT, fall back to buffered on EINVAL
   // O_DIRECT only for files of at least this size. A smaller file goes through the page
   // cache: the write is faster there than to the device, and the decoder's restore, which
   // reads it moments later with buffered reads, finds it in memory. A larger one would
@@ -65,21 +65,21 @@ struct StateFileWriterOptions {
   // file in the page cache (it stays in L2 between conversion and copy-out),
   // kDirectChunkBytes with O_DIRECT (large device transfers).
   size_t chunk_bytes = 0;
-  unsigned queue_depth = 4;       // writes in flight
+  unsigned queue_depth = 4;  // writes in flight
   // Head sizes, for the Hadamard rotation llama.cpp applies to quantized caches
   // (layout::kv_rotation_group). 0 = unknown: quantizing a cache from f32/f16/bf16 rows then
   // fails instead of writing rows llama.cpp would misread.
   uint32_t n_embd_head_k = 0;
   uint32_t n_embd_head_v = 0;
-  bool rotation_disabled = false; // mirrors LLAMA_ATTN_ROT_DISABLE on the decoder
+  bool rotation_disabled = false;  // mirrors LLAMA_ATTN_ROT_DISABLE on the decoder
 };
 
 struct CommitInfo {
   std::filesystem::path path;
   uint64_t size_bytes = 0;
-  uint32_t state_version = 0;     // the version word written
-  const char* io_backend = "";    // "io_uring" or "pread/pwrite"
-  bool is_direct = false;         // O_DIRECT was used for the whole file
+  uint32_t state_version = 0;   // the version word written
+  const char* io_backend = "";  // "io_uring" or "pread/pwrite"
+  bool is_direct = false;       // O_DIRECT was used for the whole file
 };
 
 class StateFileWriter {

@@ -109,12 +109,13 @@ Result<std::string> inspect_state_file(const std::filesystem::path& path, bool j
       if (stream.cell_count > 0) {
         js["pos_first"] = stream.cells.front().pos;
         js["pos_last"] = stream.cells.back().pos;
-        text += fmt::format("    stream {}: {} cells, positions {}..{}{}\n", stream.index, stream.cell_count,
-                            stream.cells.front().pos, stream.cells.back().pos,
-                            stream.has_data ? fmt::format(", {} {}, n_layer {}",
-                                                          block.kind == layout::StateBlockKind::kv ? "v_trans" : "s_trans",
-                                                          stream.is_transposed ? 1 : 0, stream.n_layer)
-                                            : std::string());
+        text +=
+            fmt::format("    stream {}: {} cells, positions {}..{}{}\n", stream.index, stream.cell_count,
+                        stream.cells.front().pos, stream.cells.back().pos,
+                        stream.has_data ? fmt::format(", {} {}, n_layer {}",
+                                                      block.kind == layout::StateBlockKind::kv ? "v_trans" : "s_trans",
+                                                      stream.is_transposed ? 1 : 0, stream.n_layer)
+                                        : std::string());
       } else if (stream.has_data) {
         text += fmt::format("    stream {}: no cells, n_layer {}\n", stream.index, stream.n_layer);
       }
@@ -124,9 +125,10 @@ Result<std::string> inspect_state_file(const std::filesystem::path& path, bool j
         js["n_recurrent_layers"] = n_r;
         // Without the model the file does not say which layers are recurrent (hybrid models).
         if (static_cast<uint64_t>(n_r) < stream.n_layer)
-          text += fmt::format("    {} of the {} layers are recurrent; which ones is not in the file, so their "
-                              "sections are numbered 0..{}\n",
-                              n_r, stream.n_layer, n_r > 0 ? n_r - 1 : 0);
+          text += fmt::format(
+              "    {} of the {} layers are recurrent; which ones is not in the file, so their "
+              "sections are numbered 0..{}\n",
+              n_r, stream.n_layer, n_r > 0 ? n_r - 1 : 0);
       }
       js["transposed"] = stream.is_transposed;
       js["n_layer"] = stream.n_layer;
@@ -168,8 +170,8 @@ Result<std::string> inspect_state_file(const std::filesystem::path& path, bool j
   return text;
 }
 
-Result<std::string> verify_state_file(const std::filesystem::path& state_path,
-                                      const std::filesystem::path& model_path, const layout::KvParams& params) {
+Result<std::string> verify_state_file(const std::filesystem::path& state_path, const std::filesystem::path& model_path,
+                                      const layout::KvParams& params) {
   if (auto valid = layout::validate(params); !valid) return fail(valid.error());
   auto mapping = Mapping::map_file_readonly(model_path.string());
   if (!mapping) return fail(mapping.error());
@@ -208,8 +210,8 @@ Result<DiffReport> diff_state_files(const std::filesystem::path& a_path, const s
     const auto* sb = lb.blocks[i].filled_stream();
     const bool same = (sa == nullptr) == (sb == nullptr) && (!sa || sa->cells == sb->cells);
     if (!same)
-      return fail(EINVAL, "state files {} and {}: the {} block holds different cells", a_path.string(),
-                  b_path.string(), la.blocks[i].role);
+      return fail(EINVAL, "state files {} and {}: the {} block holds different cells", a_path.string(), b_path.string(),
+                  la.blocks[i].role);
   }
 
   DiffReport report;
@@ -238,9 +240,9 @@ Result<DiffReport> diff_state_files(const std::filesystem::path& a_path, const s
       max_rel = std::max(max_rel, d / scale);
     }
     report.max_abs = std::max(report.max_abs, max_abs);
-    report.text += fmt::format("{:24} {:5} vs {:5}  max abs {:.6g}  max rel {:.6g}{}\n", label,
-                               layout::ggml_type_name(sa.type), layout::ggml_type_name(sb.type), max_abs, max_rel,
-                               max_abs > tolerance ? "  EXCEEDS" : "");
+    report.text +=
+        fmt::format("{:24} {:5} vs {:5}  max abs {:.6g}  max rel {:.6g}{}\n", label, layout::ggml_type_name(sa.type),
+                    layout::ggml_type_name(sb.type), max_abs, max_rel, max_abs > tolerance ? "  EXCEEDS" : "");
   }
   report.within_tolerance = report.max_abs <= tolerance;
   report.text += fmt::format("max abs difference {:.6g}, tolerance {:.6g}: {}\n", report.max_abs, tolerance,
@@ -255,8 +257,10 @@ Result<CommitInfo> convert_state_file(const std::filesystem::path& in, const std
   layout::StateLayout target = source->layout();
   target.trailing_bytes = 0;
   if (target.n_media > 0)
-    return fail(EINVAL, "convert {}: the prompt holds {} media chunks (images or audio); only text prompts are "
-                "converted", in.string(), target.n_media);
+    return fail(EINVAL,
+                "convert {}: the prompt holds {} media chunks (images or audio); only text prompts are "
+                "converted",
+                in.string(), target.n_media);
   // The tokens go out as plain ids, which every llama-server generation restores.
   target.token_form = layout::StateTokenForm::ids;
   target.n_token = target.n_prompt_ids;
@@ -275,8 +279,10 @@ Result<CommitInfo> convert_state_file(const std::filesystem::path& in, const std
           return fail(EINVAL, "convert {}: layer {} {} has {} elements, not whole {} blocks", in.string(), section.il,
                       kind_upper(section.kind), section.n_embd, layout::ggml_type_name(type));
         if (section.is_transposed && layout::is_quantized(type))
-          return fail(EINVAL, "convert {}: V is transposed (written with -fa off) and a quantized V needs flash "
-                      "attention", in.string());
+          return fail(EINVAL,
+                      "convert {}: V is transposed (written with -fa off) and a quantized V needs flash "
+                      "attention",
+                      in.string());
         section.type = type;
         section.row_bytes = section.is_transposed
                                 ? static_cast<uint64_t>(layout::ggml_traits(type).type_size) * section.n_embd

@@ -29,8 +29,8 @@ Result<std::string> inspect_state_file(const std::filesystem::path& path, bool j
 // Checks `state_path` against the memory llama.cpp would build for the model at `model_path`
 // (GGUF metadata) with `params`: everything llama_state_seq_load_file checks, plus that the
 // tokens fit the context. Returns a one-line summary; the error names the first mismatch.
-Result<std::string> verify_state_file(const std::filesystem::path& state_path,
-                                      const std::filesystem::path& model_path, const layout::KvParams& params);
+Result<std::string> verify_state_file(const std::filesystem::path& state_path, const std::filesystem::path& model_path,
+                                      const layout::KvParams& params);
 
 // Head sizes for undoing / applying llama.cpp's rotation of quantized K/V caches.
 struct RotationInfo {
@@ -40,8 +40,8 @@ struct RotationInfo {
 };
 
 struct DiffReport {
-  std::string text;            // one line per section pair, then a summary
-  double max_abs = 0;          // over every section, after dequantization
+  std::string text;    // one line per section pair, then a summary
+  double max_abs = 0;  // over every section, after dequantization
   bool within_tolerance = true;
 };
 
@@ -62,8 +62,8 @@ struct ConvertOptions {
 };
 
 // Rewrites `in` with other K/V cache types and/or another state version into `out`
-// (atomically), keeping tokens, cells and recurrent state. Fails on a quantized transposed V (llama.cpp needs flash attention for a
-// quantized V) and on quantized types without head sizes.
+// (atomically), keeping tokens, cells and recurrent state. Fails on a quantized transposed V (llama.cpp needs flash
+// attention for a quantized V) and on quantized types without head sizes.
 Result<CommitInfo> convert_state_file(const std::filesystem::path& in, const std::filesystem::path& out,
                                       const ConvertOptions& options);
 

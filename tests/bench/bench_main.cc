@@ -3,11 +3,11 @@
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 
+#include <unistd.h>
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <unistd.h>
 #include <map>
 #include <string>
 #include <vector>
@@ -54,12 +54,14 @@ std::string flag_usage(const GroupFlag& flag) { return flag.value.empty() ? flag
 
 // To stdout for --help, to stderr after a bad argument.
 void print_usage(std::FILE* to = stderr) {
-  std::fprintf(to,
-               "usage: kvshare-bench GROUP [--json] [--smoke] [--tokens N[,N...]] [--benchmark_* flags] [-- group flags]\n"
-               "       kvshare-bench route|conversation [--backend PATH] [--provider PATH] ...   (another decoder, e.g. llama-server)\n"
-               "       kvshare-bench load [--tokens T] [--json] [group flags]   (a group's flags may also come before --)\n"
-               "       kvshare-bench all --smoke   (every group, tiny sizes: a check that they run)\n\n"
-               "groups:\n");
+  std::fprintf(
+      to,
+      "usage: kvshare-bench GROUP [--json] [--smoke] [--tokens N[,N...]] [--benchmark_* flags] [-- group flags]\n"
+      "       kvshare-bench route|conversation [--backend PATH] [--provider PATH] ...   (another decoder, e.g. "
+      "llama-server)\n"
+      "       kvshare-bench load [--tokens T] [--json] [group flags]   (a group's flags may also come before --)\n"
+      "       kvshare-bench all --smoke   (every group, tiny sizes: a check that they run)\n\n"
+      "groups:\n");
   for (const auto& [name, group] : groups()) std::fprintf(to, "  %-10s %s\n", name.c_str(), group.help.c_str());
   std::fprintf(to, "\ngroup flags (after --, or before it):\n");
   for (const auto& [name, group] : groups())
@@ -221,7 +223,8 @@ int main(int argc, char** argv) {
 
   if (group_name == "all") {
     if (!args.rest.empty()) {
-      std::fprintf(stderr, "kvshare-bench all: group flags (\"%s\") go to one group, not to all\n", args.rest[0].c_str());
+      std::fprintf(stderr, "kvshare-bench all: group flags (\"%s\") go to one group, not to all\n",
+                   args.rest[0].c_str());
       return 2;
     }
     int rc = 0;

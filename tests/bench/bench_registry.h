@@ -11,24 +11,24 @@
 namespace kvshare::bench {
 
 struct BenchArgs {
-  bool json = false;            // one JSON object per case on stdout, nothing else
-  bool smoke = false;           // tiny sizes and one iteration: proves the code runs
-  std::vector<int> tokens;      // --tokens 307,4096; empty = the group's defaults
+  bool json = false;              // one JSON object per case on stdout, nothing else
+  bool smoke = false;             // tiny sizes and one iteration: proves the code runs
+  std::vector<int> tokens;        // --tokens 307,4096; empty = the group's defaults
   std::vector<std::string> rest;  // flags for the group (after --)
 };
 
 // One finished benchmark case, as the reporter saw it.
 struct RunResult {
-  std::string name;                       // "statefile/write/4096"
-  double seconds_per_iteration = 0;       // wall time
+  std::string name;                  // "statefile/write/4096"
+  double seconds_per_iteration = 0;  // wall time
   long long iterations = 0;
   std::map<std::string, double> counters;  // user counters, already finalised (rates per second)
 };
 
 // A flag a group takes after "--" (or, for route's --backend/--provider, before it).
 struct GroupFlag {
-  std::string name;     // "--rows"
-  std::string value;    // "" for a switch; else what follows, "PATH", "N", or choices "f16|f32"
+  std::string name;   // "--rows"
+  std::string value;  // "" for a switch; else what follows, "PATH", "N", or choices "f16|f32"
   std::string help;
 };
 

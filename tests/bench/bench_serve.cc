@@ -30,8 +30,10 @@ std::unique_ptr<ServeUnderTest> start_serve(const ServeLaunch& launch, const fs:
   std::vector<std::string> argv = {bin("kvshare-serve").string(), "--port", std::to_string(serve->port)};
   argv.insert(argv.end(), launch.args.begin(), launch.args.end());
   // The child takes serve's environment: ONEBIT_KV_SHARE only where asked for.
-  if (launch.kv_share) ::setenv("ONEBIT_KV_SHARE", "1", 1);
-  else ::unsetenv("ONEBIT_KV_SHARE");
+  if (launch.kv_share)
+    ::setenv("ONEBIT_KV_SHARE", "1", 1);
+  else
+    ::unsetenv("ONEBIT_KV_SHARE");
   SpawnOptions options;
   options.stderr_path = serve->stderr_path.string();
   options.die_with_parent = true;
@@ -59,8 +61,7 @@ std::unique_ptr<ServeUnderTest> start_serve(const ServeLaunch& launch, const fs:
 }
 
 std::optional<BenchModel> make_bench_model(const std::string& dir_prefix, const std::vector<fs::path>& programs,
-                                           std::string& why, const std::vector<std::string>& mkmodel_args,
-                                           int n_ctx) {
+                                           std::string& why, const std::vector<std::string>& mkmodel_args, int n_ctx) {
   for (const char* tool : {"kvshare-serve", "kvshare-mkmodel"})
     if (!fs::exists(bin(tool))) {
       why = fmt::format("{} not built", tool);
@@ -77,9 +78,9 @@ std::optional<BenchModel> make_bench_model(const std::string& dir_prefix, const 
     return std::nullopt;
   }
   BenchModel made{*dir, *dir / "tiny.gguf"};
-  const std::string command = fmt::format("{} {} --ctx {} --seed 3 {} > /dev/null 2>&1",
-                                          bin("kvshare-mkmodel").string(), made.model.string(), n_ctx,
-                                          fmt::join(mkmodel_args, " "));
+  const std::string command =
+      fmt::format("{} {} --ctx {} --seed 3 {} > /dev/null 2>&1", bin("kvshare-mkmodel").string(), made.model.string(),
+                  n_ctx, fmt::join(mkmodel_args, " "));
   if (std::system(command.c_str()) != 0) {
     why = "kvshare-mkmodel failed";
     return std::nullopt;

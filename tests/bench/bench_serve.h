@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "route/decoder_client.h"
 #include "kvshare/share/spawn.h"
+#include "route/decoder_client.h"
 
 namespace kvshare::bench {
 

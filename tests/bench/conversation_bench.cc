@@ -79,8 +79,13 @@ Setup& setup() {
     for (const char* name : kRoutes) {
       ServeLaunch launch;
       launch.name = name;
-      launch.args = {"-m", made.model.string(), "--device", name == std::string("cpu") ? "cpu" : "hybrid",
-                     "--backend", settings().backend.string(), "-c", "8192", "-fa", "on", "-ctk", "f16", "-ctv", "f16"};
+      launch.args = {"-m",        made.model.string(),
+                     "--device",  name == std::string("cpu") ? "cpu" : "hybrid",
+                     "--backend", settings().backend.string(),
+                     "-c",        "8192",
+                     "-fa",       "on",
+                     "-ctk",      "f16",
+                     "-ctv",      "f16"};
       if (name != std::string("cpu"))
         launch.args.insert(launch.args.end(), {"--prefill-provider", settings().provider.string()});
       launch.kv_share = name == std::string("shared");
@@ -173,8 +178,8 @@ std::string message_of(const route::DecoderClient& decoder, int turn, int salt) 
 struct TurnSamples {
   std::map<std::string, std::vector<double>> first_byte_ms;
   std::map<std::string, std::vector<double>> ratio;  // route / cpu, per round
-  std::map<std::string, int> handed_off;   // rounds in which the route handed the turn off
-  std::map<std::string, int> cached;       // tokens cached in the last of them
+  std::map<std::string, int> handed_off;             // rounds in which the route handed the turn off
+  std::map<std::string, int> cached;                 // tokens cached in the last of them
   int n_prompt = 0;
 };
 std::vector<TurnSamples> g_turns;
@@ -229,11 +234,16 @@ void register_all(const BenchArgs& args) {
   s.provider = bin("kvshare-prefill");
   bool provider_given = false;
   for (size_t i = 0; i + 1 < args.rest.size(); ++i) {
-    if (args.rest[i] == "--backend") s.backend = args.rest[++i];
-    else if (args.rest[i] == "--provider") s.provider = args.rest[++i], provider_given = true;
-    else if (args.rest[i] == "--rounds") s.rounds = std::max(1, std::atoi(args.rest[++i].c_str()));
-    else if (args.rest[i] == "--turns") s.turns = std::max(1, std::atoi(args.rest[++i].c_str()));
-    else if (args.rest[i] == "--layers") s.layers = std::max(1, std::atoi(args.rest[++i].c_str()));
+    if (args.rest[i] == "--backend")
+      s.backend = args.rest[++i];
+    else if (args.rest[i] == "--provider")
+      s.provider = args.rest[++i], provider_given = true;
+    else if (args.rest[i] == "--rounds")
+      s.rounds = std::max(1, std::atoi(args.rest[++i].c_str()));
+    else if (args.rest[i] == "--turns")
+      s.turns = std::max(1, std::atoi(args.rest[++i].c_str()));
+    else if (args.rest[i] == "--layers")
+      s.layers = std::max(1, std::atoi(args.rest[++i].c_str()));
   }
   if (s.backend.filename() != "kvshare-decoder" && !provider_given)
     s.provider = s.backend.parent_path() / "llama-kvshare-prefill";
@@ -259,23 +269,25 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
   const bool measured = !runs_with_prefix(runs, "conversation/").empty() && !g_turns.empty() &&
                         !g_turns.front().first_byte_ms["cpu"].empty();
   if (measured && !args.json)
-    fmt::print("\nconversation (decoder {}, provider {}; generated model of {} layers, -c 8192 -fa on f16; --handoff auto; {} "
-               "rounds, the order of cpu, shared, file rotating)\n{:>4} {:>7} {:>24} {:>24} {:>7} {:>38} {:>24} {:>7} "
-               "{:>38}\n",
-               s.backend.filename().string(), s.provider.filename().string(), s.layers,
-               g_turns.front().first_byte_ms["cpu"].size(), "turn", "tokens", "cpu first_byte_ms", "shared", "x cpu",
-               "shared decided", "file", "x cpu", "file decided");
+    fmt::print(
+        "\nconversation (decoder {}, provider {}; generated model of {} layers, -c 8192 -fa on f16; --handoff auto; {} "
+        "rounds, the order of cpu, shared, file rotating)\n{:>4} {:>7} {:>24} {:>24} {:>7} {:>38} {:>24} {:>7} "
+        "{:>38}\n",
+        s.backend.filename().string(), s.provider.filename().string(), s.layers,
+        g_turns.front().first_byte_ms["cpu"].size(), "turn", "tokens", "cpu first_byte_ms", "shared", "x cpu",
+        "shared decided", "file", "x cpu", "file decided");
   for (size_t t = 0; measured && t < g_turns.size(); ++t) {
     TurnSamples& samples = g_turns[t];
     if (args.json) {
       for (const char* name : kRoutes) {
         const Spread fb = spread_of(samples.first_byte_ms[name]);
         const Spread ratio = spread_of(samples.ratio[name]);
-        fmt::print("{{\"bench\":\"conversation\",\"decoder\":\"{}\",\"turn\":{},\"tokens\":{},\"route\":\"{}\","
-                   "\"first_byte_ms\":{:.3f},\"first_byte_ms_p25\":{:.3f},\"first_byte_ms_p75\":{:.3f},"
-                   "\"ratio\":{:.3f},\"ratio_p25\":{:.3f},\"ratio_p75\":{:.3f},\"handed_off_rounds\":{},\"cached\":{}}}\n",
-                   s.backend.filename().string(), t + 1, samples.n_prompt, name, fb.median, fb.p25, fb.p75,
-                   ratio.median, ratio.p25, ratio.p75, samples.handed_off[name], samples.cached[name]);
+        fmt::print(
+            "{{\"bench\":\"conversation\",\"decoder\":\"{}\",\"turn\":{},\"tokens\":{},\"route\":\"{}\","
+            "\"first_byte_ms\":{:.3f},\"first_byte_ms_p25\":{:.3f},\"first_byte_ms_p75\":{:.3f},"
+            "\"ratio\":{:.3f},\"ratio_p25\":{:.3f},\"ratio_p75\":{:.3f},\"handed_off_rounds\":{},\"cached\":{}}}\n",
+            s.backend.filename().string(), t + 1, samples.n_prompt, name, fb.median, fb.p25, fb.p75, ratio.median,
+            ratio.p25, ratio.p75, samples.handed_off[name], samples.cached[name]);
       }
       continue;
     }
@@ -284,15 +296,15 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
       return fmt::format("{:.1f} [{:.1f}..{:.1f}]", fb.median, fb.p25, fb.p75);
     };
     fmt::print("{:>4} {:>7} {:>24} {:>24} {:>7.2f} {:>38} {:>24} {:>7.2f} {:>38}\n", t + 1, samples.n_prompt,
-               cell("cpu"), cell("shared"), median(samples.ratio["shared"]),
-               decision_words(samples, "shared"), cell("file"), median(samples.ratio["file"]),
-               decision_words(samples, "file"));
+               cell("cpu"), cell("shared"), median(samples.ratio["shared"]), decision_words(samples, "shared"),
+               cell("file"), median(samples.ratio["file"]), decision_words(samples, "file"));
   }
   if (measured && !args.json && g_turns.size() >= 2) {
     const double turn2 = median(g_turns[1].ratio["shared"]);
-    fmt::print("turn 2 (a short message after the first): shared / cpu first byte, median of paired rounds {:.2f}x; "
-               "target <= 1.25: {}\n",
-               turn2, turn2 <= 1.25 ? "met" : "missed");
+    fmt::print(
+        "turn 2 (a short message after the first): shared / cpu first byte, median of paired rounds {:.2f}x; "
+        "target <= 1.25: {}\n",
+        turn2, turn2 <= 1.25 ? "met" : "missed");
     double worst = 0;
     size_t worst_turn = 0;
     for (size_t t = 1; t < g_turns.size(); ++t)

@@ -24,15 +24,13 @@
 // A route's added cost is its time less the floor's in the same round: what the handoff
 // itself adds to writing the bytes. The floor has no first look (below); it is timed after
 // the floor, apart (look_ms), since on warm pages it still reads one line of every 4 KiB page
-// (~80 ms at 32768 tokens): a resident provider's added cost less it is the handoff's own. Every side ends with the decoder's own first look at its cells (one byte per 4 KiB page
-// of the written rows, through its long-lived mapping), which is where a page the provider
-// put in place but the decoder never mapped would show. The sides run in rounds (one of
-// each per iteration), the order rotating each time, so a slow moment of a busy machine
-// lands on every side alike; the report gives medians and quartiles of each side and of
-// the per-round ratios of the added costs, shared / file and resident / file.
-// Prompt lengths: --tokens N[,N...] (default 307, 4096, 32768; the decoder's -c is the
-// longest of them, at least 32768).
-// Group flags (after --): --dir PATH for the state files (default $TMPDIR or /tmp); --rounds N
+// (~80 ms at 32768 tokens): a resident provider's added cost less it is the handoff's own. Every side ends with the
+// decoder's own first look at its cells (one byte per 4 KiB page of the written rows, through its long-lived mapping),
+// which is where a page the provider put in place but the decoder never mapped would show. The sides run in rounds (one
+// of each per iteration), the order rotating each time, so a slow moment of a busy machine lands on every side alike;
+// the report gives medians and quartiles of each side and of the per-round ratios of the added costs, shared / file and
+// resident / file. Prompt lengths: --tokens N[,N...] (default 307, 4096, 32768; the decoder's -c is the longest of
+// them, at least 32768). Group flags (after --): --dir PATH for the state files (default $TMPDIR or /tmp); --rounds N
 // per length (default 15 up to 512 tokens, 9 up to 8192, 5 beyond: a 32768-token round
 // writes and reads a 3 GiB state file).
 #include <benchmark/benchmark.h>
@@ -55,12 +53,12 @@
 #include "bench_stats.h"
 #include "kvshare/region/importer.h"
 #include "kvshare/region/populate.h"
+#include "kvshare/scatter/scatter.h"
 #include "kvshare/share/broker.h"
 #include "kvshare/share/decoder_share.h"
 #include "kvshare/statefile/state_file_reader.h"
 #include "kvshare/statefile/state_file_writer.h"
 #include "qwen3_coder_shape.h"
-#include "kvshare/scatter/scatter.h"
 
 namespace kvshare::bench {
 namespace {
@@ -109,7 +107,8 @@ DecoderShare& decoder() {
 // standing in for every layer (the bytes written are the same; the memory is 48x less).
 struct ProviderRows {
   explicit ProviderRows(uint32_t n_tokens) : values(uint64_t{n_tokens} * 2 * kEmbdGqa) {
-    for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>((i * 2654435761u) % 2001) / 1000.0f - 1.0f;
+    for (size_t i = 0; i < values.size(); ++i)
+      values[i] = static_cast<float>((i * 2654435761u) % 2001) / 1000.0f - 1.0f;
   }
   uint64_t row_stride() const { return 2 * kEmbdGqa * sizeof(float); }
   std::vector<float> values;
@@ -133,11 +132,16 @@ constexpr Side kSides[] = {Side::shared, Side::shared_map, Side::resident, Side:
 constexpr size_t kSideCount = std::size(kSides);
 const char* side_name(Side side) {
   switch (side) {
-    case Side::shared: return "shared";
-    case Side::shared_map: return "shared_map";
-    case Side::resident: return "resident";
-    case Side::file: return "file";
-    case Side::floor: return "floor";
+    case Side::shared:
+      return "shared";
+    case Side::shared_map:
+      return "shared_map";
+    case Side::resident:
+      return "resident";
+    case Side::file:
+      return "file";
+    case Side::floor:
+      return "floor";
   }
   return "";
 }
@@ -156,8 +160,8 @@ Result<double> floor_side(const ProviderRows& rows, uint32_t n_tokens, double& l
   const layout::ShareHeader& header = decoder().header();
   const auto chunks = decoder().chunk_bytes();
   const auto start = Clock::now();
-  kvshare::ScatterTarget target{header.layout, header.memory, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
-                             0, 128, 128};
+  kvshare::ScatterTarget target{
+      header.layout, header.memory, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()), 0, 128, 128};
   if (auto scattered = kvshare::scatter(target, all_layers(rows, n_tokens)); !scattered) return fail(scattered.error());
   const double ms = ms_since(start);
   const auto look_start = Clock::now();
@@ -183,8 +187,9 @@ Result<double> shared_side(const ProviderRows& rows, uint32_t n_tokens, bool thr
   if (!imported) return fail(imported.error());
   const auto chunks = imported->chunk_bytes();
   const layout::ShareHeader& header = share.header();
-  kvshare::ScatterTarget target{header.layout, header.memory, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
-                             0, 128, 128, through_files ? imported->chunk_files() : std::vector<ChunkFile>{}};
+  kvshare::ScatterTarget target{
+      header.layout, header.memory, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),   0,
+      128,           128,           through_files ? imported->chunk_files() : std::vector<ChunkFile>{}};
   if (auto scattered = kvshare::scatter(target, all_layers(rows, n_tokens)); !scattered) return fail(scattered.error());
   if (auto plan = share.adopt(n_tokens, *id); !plan) return fail(plan.error());
   if (auto looked = decoder_first_look(n_tokens); !looked) return fail(looked.error());
@@ -246,8 +251,8 @@ Result<double> resident_side(const ProviderRows& rows, uint32_t n_tokens, const 
   received->fds.clear();
   const auto chunks = held.imported.chunk_bytes();
   const layout::ShareHeader& header = share.header();
-  kvshare::ScatterTarget target{header.layout, header.memory, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
-                             0, 128, 128};
+  kvshare::ScatterTarget target{
+      header.layout, header.memory, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()), 0, 128, 128};
   if (auto scattered = kvshare::scatter(target, all_layers(rows, n_tokens)); !scattered) return fail(scattered.error());
   if (auto plan = share.adopt(n_tokens, *id); !plan) return fail(plan.error());
   if (auto looked = decoder_first_look(n_tokens); !looked) return fail(looked.error());
@@ -352,7 +357,10 @@ void register_all(const BenchArgs& args) {
   for (int n : tokens) {
     const int rounds = args.smoke ? 1 : s.rounds > 0 ? s.rounds : n <= 512 ? 15 : n <= 8192 ? 9 : 5;
     benchmark::RegisterBenchmark(fmt::format("equal/{}", n).c_str(), bm_equal)
-        ->Arg(n)->Iterations(rounds)->UseManualTime()->Unit(benchmark::kMillisecond);
+        ->Arg(n)
+        ->Iterations(rounds)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
   }
 }
 
@@ -362,10 +370,10 @@ double counter(const RunResult& run, const std::string& name) {
 
 int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
   const uint64_t per_token = layout::kv_bytes_per_token(decoder().header().memory);
-  const char* keys[] = {"shared_ms",           "shared_map_ms",     "resident_ms",   "file_ms",
-                        "floor_ms",            "shared_added_ms",   "shared_map_added_ms",
-                        "resident_added_ms",   "file_added_ms",     "added_ratio",   "resident_added_ratio",
-                        "look_ms",             "resident_own_ms"};
+  const char* keys[] = {"shared_ms",      "shared_map_ms",   "resident_ms",          "file_ms",
+                        "floor_ms",       "shared_added_ms", "shared_map_added_ms",  "resident_added_ms",
+                        "file_added_ms",  "added_ratio",     "resident_added_ratio", "look_ms",
+                        "resident_own_ms"};
   const std::vector<const RunResult*> measured = runs_with_prefix(runs, "equal/");
   auto tokens_of = [](const RunResult& run) { return std::stoi(run.name.substr(std::string("equal/").size())); };
   if (args.json) {
@@ -377,42 +385,46 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
       for (const char* key : keys)
         fmt::print(",\"{0}\":{1:.4f},\"{0}_p25\":{2:.4f},\"{0}_p75\":{3:.4f}", key, c(key),
                    c(std::string(key) + "_p25"), c(std::string(key) + "_p75"));
-      for (Side side : kSides) fmt::print(",\"{}_faults\":{:.0f}", side_name(side), c(std::string(side_name(side)) + "_faults"));
+      for (Side side : kSides)
+        fmt::print(",\"{}_faults\":{:.0f}", side_name(side), c(std::string(side_name(side)) + "_faults"));
       fmt::print(",\"resident_region_ms\":{:.3f}}}\n", c("resident_region_ms"));
     }
     return 0;
   }
-  fmt::print("\nequal work: provider's rows in its buffers -> decoder can evaluate the next token (Qwen3-Coder-30B-A3B "
-             "shape, f16, FA on, -c {}; share backend {}; state files in {})\n{:>6} {:>10} {:>22} {:>22} {:>22} "
-             "{:>22} {:>22} {:>22} {:>20} {:>6}\n",
-             settings().n_ctx, decoder().backend_description(), settings().dir.string(), "tokens", "kv_bytes",
-             "shared_ms", "shared_map_ms", "file_ms", "floor_ms", "shared_added_ms", "file_added_ms",
-             "added shared/file", "rounds");
+  fmt::print(
+      "\nequal work: provider's rows in its buffers -> decoder can evaluate the next token (Qwen3-Coder-30B-A3B "
+      "shape, f16, FA on, -c {}; share backend {}; state files in {})\n{:>6} {:>10} {:>22} {:>22} {:>22} "
+      "{:>22} {:>22} {:>22} {:>20} {:>6}\n",
+      settings().n_ctx, decoder().backend_description(), settings().dir.string(), "tokens", "kv_bytes", "shared_ms",
+      "shared_map_ms", "file_ms", "floor_ms", "shared_added_ms", "file_added_ms", "added shared/file", "rounds");
   for (const RunResult* run : measured) {
     auto c = [&](const std::string& key) { return counter(*run, key); };
     auto cell = [&](const std::string& key, int digits) {
-      return fmt::format("{:.{}f} [{:.{}f}..{:.{}f}]", c(key), digits, c(key + "_p25"), digits, c(key + "_p75"), digits);
+      return fmt::format("{:.{}f} [{:.{}f}..{:.{}f}]", c(key), digits, c(key + "_p25"), digits, c(key + "_p75"),
+                         digits);
     };
     const int n = tokens_of(*run);
     fmt::print("{:>6} {:>10} {:>22} {:>22} {:>22} {:>22} {:>22} {:>22} {:>20} {:>6}\n", n,
                per_token * static_cast<uint64_t>(n), cell("shared_ms", 1), cell("shared_map_ms", 1), cell("file_ms", 1),
                cell("floor_ms", 1), cell("shared_added_ms", 1), cell("file_added_ms", 1), cell("added_ratio", 3),
                c("rounds"));
-    fmt::print("{:>17} minor page faults (median per side): shared {:.0f}, shared_map {:.0f}, resident {:.0f}, file "
-               "{:.0f}, floor {:.0f}\n",
-               "", c("shared_faults"), c("shared_map_faults"), c("resident_faults"), c("file_faults"), c("floor_faults"));
+    fmt::print(
+        "{:>17} minor page faults (median per side): shared {:.0f}, shared_map {:.0f}, resident {:.0f}, file "
+        "{:.0f}, floor {:.0f}\n",
+        "", c("shared_faults"), c("shared_map_faults"), c("resident_faults"), c("file_faults"), c("floor_faults"));
   }
   // The resident provider's side (issue 24), from the same rounds.
-  fmt::print("\nresident provider: the region mapped and pre-faulted once ({:.1f} ms, before the rounds), per round "
-             "share + receive + region check + scatter through the held mapping + adopt (same rounds as above)\n"
-             "{:>6} {:>22} {:>22} {:>22} {:>22} {:>24} {:>22} {:>26} {:>14}\n",
-             measured.empty() ? 0.0 : counter(*measured.front(), "resident_region_ms"), "tokens", "resident_ms",
-             "floor_ms", "look_ms", "resident_added_ms", "resident_added - look", "file_added_ms", "added resident/file",
-             "resident/file");
+  fmt::print(
+      "\nresident provider: the region mapped and pre-faulted once ({:.1f} ms, before the rounds), per round "
+      "share + receive + region check + scatter through the held mapping + adopt (same rounds as above)\n"
+      "{:>6} {:>22} {:>22} {:>22} {:>22} {:>24} {:>22} {:>26} {:>14}\n",
+      measured.empty() ? 0.0 : counter(*measured.front(), "resident_region_ms"), "tokens", "resident_ms", "floor_ms",
+      "look_ms", "resident_added_ms", "resident_added - look", "file_added_ms", "added resident/file", "resident/file");
   for (const RunResult* run : measured) {
     auto c = [&](const std::string& key) { return counter(*run, key); };
     auto cell = [&](const std::string& key, int digits) {
-      return fmt::format("{:.{}f} [{:.{}f}..{:.{}f}]", c(key), digits, c(key + "_p25"), digits, c(key + "_p75"), digits);
+      return fmt::format("{:.{}f} [{:.{}f}..{:.{}f}]", c(key), digits, c(key + "_p25"), digits, c(key + "_p75"),
+                         digits);
     };
     fmt::print("{:>6} {:>22} {:>22} {:>22} {:>22} {:>24} {:>22} {:>26} {:>14.3f}\n", tokens_of(*run),
                cell("resident_ms", 1), cell("floor_ms", 1), cell("look_ms", 1), cell("resident_added_ms", 2),
@@ -425,29 +437,33 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
   const RunResult* at_4096 = nullptr;
   for (const RunResult* run : measured)
     if (tokens_of(*run) == 4096) at_4096 = run;
-  fmt::print("(ms, median [p25..p75] over rounds with the sides' order rotating; added = side - floor in the same "
-             "round; look = the decoder's first look after the floor, in no side's floor; resident/file = ratio of the "
-             "medians of the whole times)\n");
+  fmt::print(
+      "(ms, median [p25..p75] over rounds with the sides' order rotating; added = side - floor in the same "
+      "round; look = the decoder's first look after the floor, in no side's floor; resident/file = ratio of the "
+      "medians of the whole times)\n");
   // A ratio of two medians of which the first is at or below zero (the added cost is within
   // the noise of the floor) says nothing: the figures themselves are printed instead.
   auto growth = [&](const std::string& key, int digits) {
     const double from = counter(first, key), to = counter(last, key);
-    if (from <= 0) return fmt::format("n/a: {:.{}f} ms at {} tokens, {:.{}f} ms at {}", from, digits, tokens_of(first),
-                                      to, digits, tokens_of(last));
+    if (from <= 0)
+      return fmt::format("n/a: {:.{}f} ms at {} tokens, {:.{}f} ms at {}", from, digits, tokens_of(first), to, digits,
+                         tokens_of(last));
     return fmt::format("{:.2f}x", to / from);
   };
-  fmt::print("targets: added shared/file <= 0.25 at 4096 (here {}), shared added flat within 1.5x from {} to {} tokens "
-             "(here {})\n",
-             at_4096 ? fmt::format("{:.3f}", counter(*at_4096, "added_ratio")) : std::string("not run"),
-             tokens_of(first), tokens_of(last), growth("shared_added_ms", 1));
-  fmt::print("issue 24: resident added / file added <= 0.1 at 4096 (here {}; whole times {}), resident flat within 1.5x "
-             "from {} to {} tokens (added {}; added less the look {}; whole times {}, the floor's share of it growing "
-             "with the prompt)\n",
-             at_4096 ? fmt::format("{:.4f}", counter(*at_4096, "resident_added_ratio")) : std::string("not run"),
-             at_4096 ? fmt::format("{:.3f}", counter(*at_4096, "resident_ms") / counter(*at_4096, "file_ms"))
-                     : std::string("not run"),
-             tokens_of(first), tokens_of(last), growth("resident_added_ms", 2), growth("resident_own_ms", 2),
-             growth("resident_ms", 1));
+  fmt::print(
+      "targets: added shared/file <= 0.25 at 4096 (here {}), shared added flat within 1.5x from {} to {} tokens "
+      "(here {})\n",
+      at_4096 ? fmt::format("{:.3f}", counter(*at_4096, "added_ratio")) : std::string("not run"), tokens_of(first),
+      tokens_of(last), growth("shared_added_ms", 1));
+  fmt::print(
+      "issue 24: resident added / file added <= 0.1 at 4096 (here {}; whole times {}), resident flat within 1.5x "
+      "from {} to {} tokens (added {}; added less the look {}; whole times {}, the floor's share of it growing "
+      "with the prompt)\n",
+      at_4096 ? fmt::format("{:.4f}", counter(*at_4096, "resident_added_ratio")) : std::string("not run"),
+      at_4096 ? fmt::format("{:.3f}", counter(*at_4096, "resident_ms") / counter(*at_4096, "file_ms"))
+              : std::string("not run"),
+      tokens_of(first), tokens_of(last), growth("resident_added_ms", 2), growth("resident_own_ms", 2),
+      growth("resident_ms", 1));
   return 0;
 }
 

@@ -19,13 +19,13 @@
 #include "bench_files.h"
 #include "bench_registry.h"
 #include "bench_stats.h"
-#include "qwen3_coder_shape.h"
 #include "kvshare/region/importer.h"
 #include "kvshare/share/broker.h"
 #include "kvshare/share/decoder_share.h"
 #include "kvshare/statefile/state_file_reader.h"
 #include "kvshare/statefile/state_file_writer.h"
 #include "layout/share_header.h"
+#include "qwen3_coder_shape.h"
 
 namespace kvshare::bench {
 namespace {
@@ -52,15 +52,12 @@ DecoderShare& decoder() {
   return share;
 }
 
-void record_median(benchmark::State& state, const std::vector<double>& ms) {
-  state.counters["median_ms"] = median(ms);
-}
+void record_median(benchmark::State& state, const std::vector<double>& ms) { state.counters["median_ms"] = median(ms); }
 
 // One handoff by the share route. `route_ms` is share .. adopt (what the issue prices);
 // `setup_ms` is the broker's listen before it and its cleanup (close, unlink, rmdir)
 // after it, reported beside it so nothing is hidden.
-Result<void> one_share_handoff(DecoderShare& share, uint64_t n_tokens, bool first, double& route_ms,
-                               double& setup_ms) {
+Result<void> one_share_handoff(DecoderShare& share, uint64_t n_tokens, bool first, double& route_ms, double& setup_ms) {
   // `first`: the broker has not seen this decoder's header yet and parses it in full; after
   // that it recognises the same bytes and skips it (ShareBroker::receive).
   if (first) ShareBroker::forget_known_header();
@@ -149,12 +146,21 @@ void register_all(const BenchArgs& args) {
     const int file_iters = args.smoke ? 1 : n <= 512 ? 21 : n <= 8192 ? 7 : 3;
     benchmark::RegisterBenchmark(fmt::format("handoff/shared/{}", n).c_str(),
                                  [](benchmark::State& state) { bm_shared(state, false); })
-        ->Arg(n)->Iterations(shared_iters)->UseManualTime()->Unit(benchmark::kMillisecond);
+        ->Arg(n)
+        ->Iterations(shared_iters)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark(fmt::format("handoff/shared_first/{}", n).c_str(),
                                  [](benchmark::State& state) { bm_shared(state, true); })
-        ->Arg(n)->Iterations(shared_iters)->UseManualTime()->Unit(benchmark::kMillisecond);
+        ->Arg(n)
+        ->Iterations(shared_iters)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark(fmt::format("handoff/file/{}", n).c_str(), bm_file)
-        ->Arg(n)->Iterations(file_iters)->UseManualTime()->Unit(benchmark::kMillisecond);
+        ->Arg(n)
+        ->Iterations(file_iters)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
   }
 }
 
@@ -170,10 +176,11 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
     tokens.push_back(std::stoi(run->name.substr(std::string("handoff/shared/").size())));
   const uint64_t per_token = layout::kv_bytes_per_token(decoder().header().memory);
   if (!args.json)
-    fmt::print("\nhandoff (Qwen3-Coder-30B-A3B shape: 48 layers, 4 KV heads x 128, f16, FA on, -c {}; share "
-               "backend {}; state files in {})\n{:>7} {:>12} {:>11} {:>11} {:>11} {:>9} {:>15}\n",
-               settings().n_ctx, decoder().backend_description(), settings().dir.string(), "tokens", "kv_bytes",
-               "shared_ms", "first_ms", "file_ms", "file/shr", "listen+cleanup");
+    fmt::print(
+        "\nhandoff (Qwen3-Coder-30B-A3B shape: 48 layers, 4 KV heads x 128, f16, FA on, -c {}; share "
+        "backend {}; state files in {})\n{:>7} {:>12} {:>11} {:>11} {:>11} {:>9} {:>15}\n",
+        settings().n_ctx, decoder().backend_description(), settings().dir.string(), "tokens", "kv_bytes", "shared_ms",
+        "first_ms", "file_ms", "file/shr", "listen+cleanup");
   double first_shared = 0, last_shared = 0;
   for (int n : tokens) {
     const double shared = counter(runs, fmt::format("handoff/shared/{}/", n));
@@ -184,16 +191,20 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
     last_shared = shared;
     const uint64_t kv_bytes = per_token * static_cast<uint64_t>(n);
     if (args.json)
-      fmt::print("{{\"bench\":\"handoff\",\"tokens\":{},\"kv_bytes\":{},\"shared_ms\":{:.4f},\"shared_first_ms\":{:.4f},"
-                 "\"file_ms\":{:.3f},\"listen_cleanup_ms\":{:.4f}}}\n", n, kv_bytes, shared, first, file, setup);
+      fmt::print(
+          "{{\"bench\":\"handoff\",\"tokens\":{},\"kv_bytes\":{},\"shared_ms\":{:.4f},\"shared_first_ms\":{:.4f},"
+          "\"file_ms\":{:.3f},\"listen_cleanup_ms\":{:.4f}}}\n",
+          n, kv_bytes, shared, first, file, setup);
     else
       fmt::print("{:>7} {:>12} {:>11.4f} {:>11.4f} {:>11.2f} {:>8.0f}x {:>15.3f}\n", n, kv_bytes, shared, first, file,
                  shared > 0 ? file / shared : 0, setup);
   }
   if (!args.json && first_shared > 0)
-    fmt::print("(medians; shared: a decoder's header already known to the broker, first_ms: parsed in full, as on "
-               "a decoder's first handoff; targets: both < 1 ms at every length, last/first {:.2f} <= 1.5, "
-               "file/shared >= 50 at 4096)\n", last_shared / first_shared);
+    fmt::print(
+        "(medians; shared: a decoder's header already known to the broker, first_ms: parsed in full, as on "
+        "a decoder's first handoff; targets: both < 1 ms at every length, last/first {:.2f} <= 1.5, "
+        "file/shared >= 50 at 4096)\n",
+        last_shared / first_shared);
   return 0;
 }
 

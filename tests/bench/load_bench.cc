@@ -71,8 +71,8 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 // --configs choices, in the order the report prints them.
-const char* const kConfigChoices[] = {"cpu-np1", "cpu-np4", "hybrid-np1", "hybrid-np4", "hybrid-np4-kvu",
-                                      "decoder-np1"};
+const char* const kConfigChoices[] = {"cpu-np1",    "cpu-np4",        "hybrid-np1",
+                                      "hybrid-np4", "hybrid-np4-kvu", "decoder-np1"};
 const char* const kDefaultConfigs[] = {"cpu-np4", "hybrid-np1", "hybrid-np4", "decoder-np1"};
 const char* const kRouteChoices[] = {"shared", "file", "shared_resident", "file_resident"};
 
@@ -83,7 +83,7 @@ struct Config {
   bool hybrid = false;
   int np = 1;
   bool kv_unified = false;  // -- -kvu: every slot's cells in one stream
-  std::string route;   // "" for cpu
+  std::string route;        // "" for cpu
   std::string decoder_name() const { return kvshare_decoder ? "kvshare-decoder" : "llama-server"; }
   // "hybrid -np 4 shared (llama-server)"
   std::string label() const {
@@ -98,9 +98,9 @@ std::string handoff_of(const std::string& route) {
 }
 
 struct Settings {
-  fs::path backend;        // the patched llama-server; empty when none was found
-  std::string backend_why;  // why there is none
-  fs::path provider;       // llama-server's provider
+  fs::path backend;                  // the patched llama-server; empty when none was found
+  std::string backend_why;           // why there is none
+  fs::path provider;                 // llama-server's provider
   std::string resident_why;          // llama-kvshare-prefill without --serve-fd
   std::string decoder_resident_why;  // kvshare-prefill without --serve-fd
   std::vector<int> clients;
@@ -109,7 +109,7 @@ struct Settings {
   int tokens = 300;
   int rounds = 3;
   int n_ctx = 8192;
-  std::vector<Config> configs;  // everything asked for, in report order
+  std::vector<Config> configs;    // everything asked for, in report order
   std::vector<int> extra_tokens;  // --tokens values past the first (not run)
 };
 
@@ -161,7 +161,7 @@ struct Setup {
   fs::path model;
   std::map<std::string, std::unique_ptr<ServeUnderTest>> serves;  // by Config::key
   std::map<std::string, std::string> not_run;                     // by Config::key: why
-  std::string why;  // non-empty: nothing runs
+  std::string why;                                                // non-empty: nothing runs
   int tokenizer_port = 0;
   int salt = 0;
   size_t turn = 0;  // the rotation, across rounds and client counts
@@ -190,12 +190,17 @@ std::unique_ptr<ServeUnderTest> start_config(const Config& config, const Setup& 
   launch.name = config.key;
   std::replace(launch.name.begin(), launch.name.end(), '/', '-');
   if (config.kvshare_decoder) launch.name = "kvshare-decoder-" + launch.name;
-  launch.args = {"-m", made.model.string(), "--device", config.hybrid ? "hybrid" : "cpu", "--backend",
-                 backend.string(), "-c", std::to_string(s.n_ctx), "-fa", "on", "-ctk", "f16", "-ctv", "f16",
-                 "-np", std::to_string(config.np)};
+  launch.args = {"-m",        made.model.string(),
+                 "--device",  config.hybrid ? "hybrid" : "cpu",
+                 "--backend", backend.string(),
+                 "-c",        std::to_string(s.n_ctx),
+                 "-fa",       "on",
+                 "-ctk",      "f16",
+                 "-ctv",      "f16",
+                 "-np",       std::to_string(config.np)};
   if (config.hybrid) {
-    launch.args.insert(launch.args.end(), {"--prefill-provider", provider.string(), "--handoff", "always",
-                                           "--provider-timeout", "1800"});
+    launch.args.insert(launch.args.end(),
+                       {"--prefill-provider", provider.string(), "--handoff", "always", "--provider-timeout", "1800"});
     if (is_resident(config.route)) launch.args.push_back("--provider-resident");
   }
   if (config.kv_unified) launch.args.insert(launch.args.end(), {"--", "-kvu"});
@@ -234,9 +239,10 @@ Result<Reply> one_request(int port, const std::string& prompt, int n_predict) {
   request.port = port;
   request.method = "POST";
   request.path = "/v1/completions";
-  request.body = nlohmann::json{{"prompt", prompt},      {"max_tokens", n_predict}, {"temperature", 0},
-                                {"ignore_eos", true},    {"stream", true}}
-                     .dump();
+  request.body =
+      nlohmann::json{
+          {"prompt", prompt}, {"max_tokens", n_predict}, {"temperature", 0}, {"ignore_eos", true}, {"stream", true}}
+          .dump();
   const auto start = Clock::now();
   auto stream = route::UpstreamStream::start(request, nullptr);
   auto head = stream->wait_head();
@@ -251,8 +257,7 @@ Result<Reply> one_request(int port, const std::string& prompt, int n_predict) {
   reply.total_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   if (auto cut = stream->transport_error()) return fail(*cut);
   stream.reset();
-  if (head->status != 200)
-    return fail(EPROTO, "HTTP {}: {}", head->status, body.substr(0, 200));
+  if (head->status != 200) return fail(EPROTO, "HTTP {}: {}", head->status, body.substr(0, 200));
   // The tokens generated: the last event's usage.completion_tokens, else the events that
   // do not finish the reply.
   int events = 0, usage = -1;
@@ -264,7 +269,8 @@ Result<Reply> one_request(int port, const std::string& prompt, int n_predict) {
     if (event.contains("usage") && event["usage"].contains("completion_tokens"))
       usage = event["usage"]["completion_tokens"].get<int>();
     const bool finishes = event.contains("choices") && !event["choices"].empty() &&
-                          event["choices"][0].contains("finish_reason") && !event["choices"][0]["finish_reason"].is_null();
+                          event["choices"][0].contains("finish_reason") &&
+                          !event["choices"][0]["finish_reason"].is_null();
     if (!finishes) ++events;
   }
   reply.tokens = usage >= 0 ? usage : events;
@@ -450,16 +456,23 @@ void register_all(const BenchArgs& args) {
   bool clients_given = false, requests_given = false, rounds_given = false, n_predict_given = false;
   for (size_t i = 0; i + 1 < args.rest.size(); ++i) {
     const std::string& flag = args.rest[i];
-    if (flag == "--backend") backend_given = args.rest[++i];
-    else if (flag == "--provider") provider_given = args.rest[++i];
-    else if (flag == "--configs") configs_asked = split_list(args.rest[++i]);
-    else if (flag == "--routes") routes_asked = split_list(args.rest[++i]);
-    else if (flag == "--rounds") s.rounds = std::max(1, std::atoi(args.rest[++i].c_str())), rounds_given = true;
+    if (flag == "--backend")
+      backend_given = args.rest[++i];
+    else if (flag == "--provider")
+      provider_given = args.rest[++i];
+    else if (flag == "--configs")
+      configs_asked = split_list(args.rest[++i]);
+    else if (flag == "--routes")
+      routes_asked = split_list(args.rest[++i]);
+    else if (flag == "--rounds")
+      s.rounds = std::max(1, std::atoi(args.rest[++i].c_str())), rounds_given = true;
     else if (flag == "--requests-per-client")
       s.requests_per_client = std::max(1, std::atoi(args.rest[++i].c_str())), requests_given = true;
-    else if (flag == "--n-predict") s.n_predict = std::max(1, std::atoi(args.rest[++i].c_str())), n_predict_given = true;
+    else if (flag == "--n-predict")
+      s.n_predict = std::max(1, std::atoi(args.rest[++i].c_str())), n_predict_given = true;
     else if (flag == "--clients") {
-      for (const std::string& item : split_list(args.rest[++i])) s.clients.push_back(std::max(1, std::atoi(item.c_str())));
+      for (const std::string& item : split_list(args.rest[++i]))
+        s.clients.push_back(std::max(1, std::atoi(item.c_str())));
       clients_given = true;
     }
   }
@@ -474,9 +487,10 @@ void register_all(const BenchArgs& args) {
   if (args.tokens.size() > 1) s.extra_tokens.assign(args.tokens.begin() + 1, args.tokens.end());
   find_backend(s, backend_given);
   s.provider = !provider_given.empty() ? provider_given
-               : !s.backend.empty()   ? s.backend.parent_path() / "llama-kvshare-prefill"
-                                      : fs::path();
-  if (!s.backend.empty() && !fs::exists(s.backend)) s.backend_why = fmt::format("{} does not exist", s.backend.string());
+               : !s.backend.empty()    ? s.backend.parent_path() / "llama-kvshare-prefill"
+                                       : fs::path();
+  if (!s.backend.empty() && !fs::exists(s.backend))
+    s.backend_why = fmt::format("{} does not exist", s.backend.string());
   else if (!s.backend.empty() && !fs::exists(s.provider))
     s.backend_why = fmt::format("{} (the llama-server configurations' provider) does not exist", s.provider.string());
   if (routes_asked.empty()) routes_asked = {"shared"};
@@ -528,14 +542,15 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
   const Settings& st = settings();
   Setup& s = setup_state();
   if (!args.json) {
-    fmt::print("\nload ({} concurrent clients in a closed loop, {} request(s) each, prompts of {} tokens, max_tokens {} "
-               "streamed; generated model, -c {} -fa on f16, --handoff always; rounds of {} with the order rotating)\n",
-               fmt::join(st.clients, ","), st.requests_per_client, st.tokens, st.n_predict, st.n_ctx, st.rounds);
-    fmt::print("llama-server: {}; provider {}\n",
-               st.backend.empty() ? "none" : st.backend.string(), st.provider.empty() ? "-" : st.provider.string());
+    fmt::print(
+        "\nload ({} concurrent clients in a closed loop, {} request(s) each, prompts of {} tokens, max_tokens {} "
+        "streamed; generated model, -c {} -fa on f16, --handoff always; rounds of {} with the order rotating)\n",
+        fmt::join(st.clients, ","), st.requests_per_client, st.tokens, st.n_predict, st.n_ctx, st.rounds);
+    fmt::print("llama-server: {}; provider {}\n", st.backend.empty() ? "none" : st.backend.string(),
+               st.provider.empty() ? "-" : st.provider.string());
     fmt::print("{:>7} {:<15} {:<24} {:>22} {:>10} {:>10} {:>10} {:>10} {:>7} {:>10} {:>6}\n", "clients", "decoder",
-               "configuration", "requests/s [p25..p75]", "fb p50 ms", "fb p99 ms", "total p50", "total p99",
-               "gen", "handed off", "errors");
+               "configuration", "requests/s [p25..p75]", "fb p50 ms", "fb p99 ms", "total p50", "total p99", "gen",
+               "handed off", "errors");
   }
   struct Ratio {
     int clients;
@@ -561,17 +576,18 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
         notes.push_back(fmt::format("{} clients, {} ({}): serve forwarded {} of {} requests (no handoff)", clients,
                                     config.label(), config.decoder_name(), c(p + "forwarded"), c(p + "requests")));
       if (args.json) {
-        fmt::print("{{\"bench\":\"load\",\"config\":\"{}\",\"decoder\":\"{}\",\"device\":\"{}\",\"np\":{},"
-                   "\"route\":\"{}\",\"clients\":{},\"requests_per_client\":{},\"rounds\":{},\"tokens\":{},"
-                   "\"kv_unified\":{},\"n_predict\":{},\"rps\":{:.4f},\"rps_p25\":{:.4f},\"rps_p75\":{:.4f},"
-                   "\"first_byte_ms_p50\":{:.3f},\"first_byte_ms_p99\":{:.3f},\"total_ms_p50\":{:.3f},"
-                   "\"total_ms_p99\":{:.3f},\"tokens_per_reply\":{},\"requests\":{},\"errors\":{},\"handed_off\":{},"
-                   "\"forwarded\":{}",
-                   config.key, config.decoder_name(), config.hybrid ? "hybrid" : "cpu", config.np,
-                   config.route.empty() ? "cpu" : config.route, clients, st.requests_per_client, c("rounds"),
-                   st.tokens, config.kv_unified, st.n_predict, c(p + "rps"), c(p + "rps_p25"), c(p + "rps_p75"), c(p + "first_byte_p50"),
-                   c(p + "first_byte_p99"), c(p + "total_p50"), c(p + "total_p99"), c(p + "tokens_p50"),
-                   c(p + "requests"), c(p + "errors"), c(p + "handed_off"), c(p + "forwarded"));
+        fmt::print(
+            "{{\"bench\":\"load\",\"config\":\"{}\",\"decoder\":\"{}\",\"device\":\"{}\",\"np\":{},"
+            "\"route\":\"{}\",\"clients\":{},\"requests_per_client\":{},\"rounds\":{},\"tokens\":{},"
+            "\"kv_unified\":{},\"n_predict\":{},\"rps\":{:.4f},\"rps_p25\":{:.4f},\"rps_p75\":{:.4f},"
+            "\"first_byte_ms_p50\":{:.3f},\"first_byte_ms_p99\":{:.3f},\"total_ms_p50\":{:.3f},"
+            "\"total_ms_p99\":{:.3f},\"tokens_per_reply\":{},\"requests\":{},\"errors\":{},\"handed_off\":{},"
+            "\"forwarded\":{}",
+            config.key, config.decoder_name(), config.hybrid ? "hybrid" : "cpu", config.np,
+            config.route.empty() ? "cpu" : config.route, clients, st.requests_per_client, c("rounds"), st.tokens,
+            config.kv_unified, st.n_predict, c(p + "rps"), c(p + "rps_p25"), c(p + "rps_p75"), c(p + "first_byte_p50"),
+            c(p + "first_byte_p99"), c(p + "total_p50"), c(p + "total_p99"), c(p + "tokens_p50"), c(p + "requests"),
+            c(p + "errors"), c(p + "handed_off"), c(p + "forwarded"));
         if (!error_line.empty()) fmt::print(",\"error\":{}", nlohmann::json(error_line).dump());
         fmt::print("}}\n");
         continue;
@@ -586,7 +602,8 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
     }
     for (const char* route : kRouteChoices)
       if (has(std::string("ratio.") + route))
-        ratios.push_back({clients, route,
+        ratios.push_back({clients,
+                          route,
                           {c(std::string("ratio.") + route + "_p25"), c(std::string("ratio.") + route),
                            c(std::string("ratio.") + route + "_p75")}});
   }
@@ -605,11 +622,12 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
           "llama-server; target >= 1.5: {})",
           most, r.median, r.p25, r.p75, route, r.median >= 1.5 ? "met" : "missed"));
       if (args.json)
-        fmt::print("{{\"bench\":\"load_ratio\",\"route\":\"{}\",\"clients\":{},\"ratio\":{:.4f},\"ratio_p25\":{:.4f},"
-                   "\"ratio_p75\":{:.4f}}}\n",
-                   route, most, r.median, r.p25, r.p75);
+        fmt::print(
+            "{{\"bench\":\"load_ratio\",\"route\":\"{}\",\"clients\":{},\"ratio\":{:.4f},\"ratio_p25\":{:.4f},"
+            "\"ratio_p75\":{:.4f}}}\n",
+            route, most, r.median, r.p25, r.p75);
     } else {
-      const std::string why = s.not_run.count(np4) ? "hybrid -np 4 not run"
+      const std::string why = s.not_run.count(np4)   ? "hybrid -np 4 not run"
                               : s.not_run.count(np1) ? "hybrid -np 1 not run"
                                                      : "not measured";
       ratio_lines.push_back(fmt::format(
@@ -627,9 +645,11 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
   if (!args.json) {
     for (const std::string& note : notes) fmt::print("{}\n", note);
     if (!st.extra_tokens.empty())
-      fmt::print("--tokens: only the first length ({}) is run; {} not run\n", st.tokens, fmt::join(st.extra_tokens, ","));
-    fmt::print("(fb: first byte of the streamed reply; total: the whole reply; gen: tokens generated per reply, median, "
-               "as the reply says; requests/s: completed requests / the phase's wall time, per round)\n");
+      fmt::print("--tokens: only the first length ({}) is run; {} not run\n", st.tokens,
+                 fmt::join(st.extra_tokens, ","));
+    fmt::print(
+        "(fb: first byte of the streamed reply; total: the whole reply; gen: tokens generated per reply, median, "
+        "as the reply says; requests/s: completed requests / the phase's wall time, per round)\n");
     for (const std::string& line : ratio_lines) fmt::print("{}\n", line);
   }
   stop_setup();

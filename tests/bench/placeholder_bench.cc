@@ -17,8 +17,8 @@ void bm_memcpy(benchmark::State& state) {
     std::memcpy(dst.data(), src.data(), bytes);
     benchmark::ClobberMemory();
   }
-  state.counters["gbps"] = benchmark::Counter(static_cast<double>(bytes) * static_cast<double>(state.iterations()) / 1e9,
-                                              benchmark::Counter::kIsRate);
+  state.counters["gbps"] = benchmark::Counter(
+      static_cast<double>(bytes) * static_cast<double>(state.iterations()) / 1e9, benchmark::Counter::kIsRate);
 }
 
 const bool registered = add_group({

@@ -8,19 +8,19 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <optional>
-#include <stdexcept>
 #include <filesystem>
 #include <memory>
+#include <optional>
+#include <stdexcept>
 #include <vector>
 
 #include "bench_registry.h"
+#include "kvshare/scatter/scatter.h"
 #include "kvshare/statefile/state_file_writer.h"
 #include "layout/share_layout.h"
 #include "refmodel/engine.h"
 #include "refmodel/model_generator.h"
 #include "refmodel/model_impl.h"
-#include "kvshare/scatter/scatter.h"
 
 namespace kvshare::bench {
 namespace {
@@ -52,8 +52,9 @@ Setup& setup(bool smoke) {
   if (!model) throw std::runtime_error(model.error().what());
   uint64_t params = 0;
   for (const auto& t : (*model)->tensor_infos()) params += static_cast<uint64_t>(t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3]);
-  s = std::make_unique<Setup>(Setup{*model, fmt::format("{} layers, embd {}, {:.1f}M parameters, {} weights", (*model)->shape().n_layer,
-                                                        o.n_embd, params / 1e6, layout::ggml_type_name(o.wtype))});
+  s = std::make_unique<Setup>(
+      Setup{*model, fmt::format("{} layers, embd {}, {:.1f}M parameters, {} weights", (*model)->shape().n_layer,
+                                o.n_embd, params / 1e6, layout::ggml_type_name(o.wtype))});
   return *s;
 }
 
@@ -100,14 +101,16 @@ void bm_prefill(benchmark::State& state, Sink sink_kind, bool smoke) {
       statefile::StateFileWriterOptions wo;
       wo.n_embd_head_k = hp.n_embd_head_k;
       wo.n_embd_head_v = hp.n_embd_head_v;
-      auto w = statefile::StateFileWriter::create(dir / "slot.bin", region->kv.memory, tokens, static_cast<int32_t>(n), wo);
+      auto w =
+          statefile::StateFileWriter::create(dir / "slot.bin", region->kv.memory, tokens, static_cast<int32_t>(n), wo);
       if (!w) {
         state.SkipWithError(w.error().what().c_str());
         break;
       }
       writer.emplace(std::move(*w));
     }
-    kvshare::ScatterTarget target{region->kv.layout, region->kv.memory, region->kv.chunks, 0, hp.n_embd_head_k, hp.n_embd_head_v};
+    kvshare::ScatterTarget target{region->kv.layout, region->kv.memory, region->kv.chunks, 0,
+                                  hp.n_embd_head_k,  hp.n_embd_head_v};
     auto ok = (*ctx)->prefill(tokens, [&](const refmodel::LayerRows& rows) -> Result<void> {
       if (sink_kind == Sink::none) return {};
       const auto t0 = Clock::now();
@@ -139,8 +142,8 @@ void bm_prefill(benchmark::State& state, Sink sink_kind, bool smoke) {
     }
   }
   std::filesystem::remove_all(dir);
-  state.counters["tokens_per_s"] = benchmark::Counter(static_cast<double>(n) * static_cast<double>(state.iterations()),
-                                                      benchmark::Counter::kIsRate);
+  state.counters["tokens_per_s"] =
+      benchmark::Counter(static_cast<double>(n) * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
   state.counters["write_ms"] = state.iterations() ? write_s * 1e3 / static_cast<double>(state.iterations()) : 0.0;
 }
 
@@ -151,17 +154,21 @@ std::vector<int> token_counts(const BenchArgs& args) {
 
 const bool registered = add_group({
     "prefill",
-    "reference provider prefill tokens/s on a ~100M-parameter qwen3-shaped model: forward pass, + scatter, + state file",
+    "reference provider prefill tokens/s on a ~100M-parameter qwen3-shaped model: forward pass, + scatter, + state "
+    "file",
     [](const BenchArgs& args) {
       const bool smoke = args.smoke;
       for (int n : token_counts(args)) {
         for (auto [name, kind] : {std::pair{"forward", Sink::none}, std::pair{"scatter", Sink::scatter},
                                   std::pair{"statefile", Sink::state_file}}) {
-          auto* b = benchmark::RegisterBenchmark(fmt::format("prefill/{}/{}", name, n).c_str(),
-                                                 [sink = kind, smoke](benchmark::State& st) { bm_prefill(st, sink, smoke); });
+          auto* b =
+              benchmark::RegisterBenchmark(fmt::format("prefill/{}/{}", name, n).c_str(),
+                                           [sink = kind, smoke](benchmark::State& st) { bm_prefill(st, sink, smoke); });
           b->Arg(n)->Unit(benchmark::kMillisecond)->UseRealTime();
-          if (smoke) b->Iterations(1);
-          else b->MinTime(2.0);
+          if (smoke)
+            b->Iterations(1);
+          else
+            b->MinTime(2.0);
         }
       }
     },
@@ -182,12 +189,14 @@ const bool registered = add_group({
             if (r->counters.count("write_ms")) write_ms = r->counters.at("write_ms");
           const double tps = sec > 0 ? n / sec : 0;
           if (args.json)
-            fmt::print("{{\"bench\":\"prefill\",\"case\":\"{}\",\"tokens\":{},\"ms\":{:.3f},\"tokens_per_s\":{:.1f},"
-                       "\"write_ms\":{:.3f},\"vs_forward\":{:.3f}}}\n",
-                       name, n, sec * 1e3, tps, write_ms, fwd > 0 ? sec / fwd : 0.0);
+            fmt::print(
+                "{{\"bench\":\"prefill\",\"case\":\"{}\",\"tokens\":{},\"ms\":{:.3f},\"tokens_per_s\":{:.1f},"
+                "\"write_ms\":{:.3f},\"vs_forward\":{:.3f}}}\n",
+                name, n, sec * 1e3, tps, write_ms, fwd > 0 ? sec / fwd : 0.0);
           else
-            fmt::print("  {:<10} {:>5} tokens: {:9.2f} ms  {:9.1f} tokens/s  (write {:7.2f} ms, {:.3f}x the forward pass)\n",
-                       name, n, sec * 1e3, tps, write_ms, fwd > 0 ? sec / fwd : 0.0);
+            fmt::print(
+                "  {:<10} {:>5} tokens: {:9.2f} ms  {:9.1f} tokens/s  (write {:7.2f} ms, {:.3f}x the forward pass)\n",
+                name, n, sec * 1e3, tps, write_ms, fwd > 0 ? sec / fwd : 0.0);
         }
       }
       return 0;

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "apps/decoder/refmodel_engine.h"
+#include "apps/provider/remote_prefill.h"
 #include "bench_registry.h"
 #include "kvshare/region/importer.h"
 #include "kvshare/remote/remote_receiver.h"
@@ -27,8 +29,6 @@
 #include "layout/model_shape.h"
 #include "layout/remote_grant.h"
 #include "layout/share_header.h"
-#include "apps/decoder/refmodel_engine.h"
-#include "apps/provider/remote_prefill.h"
 
 namespace kvshare::bench {
 namespace {
@@ -76,8 +76,10 @@ struct TransferSetup {
     }
     std::vector<std::span<std::byte>> spans(decoder_chunks.begin(), decoder_chunks.end());
     auto r = remote::RemoteReceiver::start(header, spans, [](const std::string&) {});
-    if (!r) skip = r.error().what();
-    else receiver = std::move(*r);
+    if (!r)
+      skip = r.error().what();
+    else
+      receiver = std::move(*r);
   }
   std::vector<layout::ChunkRange> ranges(uint32_t n) const {
     std::vector<layout::ChunkRange> out;
@@ -88,8 +90,8 @@ struct TransferSetup {
 };
 
 void set_bytes_rate(benchmark::State& state, uint64_t bytes) {
-  state.counters["bytes_per_s"] =
-      benchmark::Counter(static_cast<double>(bytes) * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+  state.counters["bytes_per_s"] = benchmark::Counter(
+      static_cast<double>(bytes) * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
   state.counters["bytes"] = static_cast<double>(bytes);
 }
 
@@ -127,7 +129,8 @@ void bm_memcpy(benchmark::State& state) {
   for (auto _ : state) {
     bytes = 0;
     for (const auto& r : ranges) {
-      std::memcpy(setup.decoder_chunks[r.chunk].data() + r.offset, setup.staging[r.chunk].data() + r.offset, r.size_bytes);
+      std::memcpy(setup.decoder_chunks[r.chunk].data() + r.offset, setup.staging[r.chunk].data() + r.offset,
+                  r.size_bytes);
       bytes += r.size_bytes;
     }
     benchmark::ClobberMemory();
@@ -225,8 +228,8 @@ struct FirstTokenSetup {
     }
     region.emplace(std::move(*imported));
     const auto chunks = region->chunk_bytes();
-    auto r = remote::RemoteReceiver::start(share->header, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()),
-                                           [](const std::string&) {});
+    auto r = remote::RemoteReceiver::start(
+        share->header, std::vector<std::span<std::byte>>(chunks.begin(), chunks.end()), [](const std::string&) {});
     if (!r) {
       skip = r.error().what();
       return;
@@ -238,7 +241,8 @@ struct FirstTokenSetup {
 
 std::vector<int32_t> prompt(uint32_t n) {
   std::vector<int32_t> ids(n);
-  for (uint32_t i = 0; i < n; ++i) ids[i] = static_cast<int32_t>(10 + (i * 37) % 100);  // the generated vocabulary has 134 ids
+  for (uint32_t i = 0; i < n; ++i)
+    ids[i] = static_cast<int32_t>(10 + (i * 37) % 100);  // the generated vocabulary has 134 ids
   return ids;
 }
 
@@ -287,16 +291,31 @@ const bool registered = add_group({
     [](const BenchArgs& args) {
       for (int n : token_counts(args)) {
         const int iterations = args.smoke ? 1 : (n > 1000 ? 3 : 10);
-        benchmark::RegisterBenchmark(fmt::format("remote/ucx/{}", n).c_str(), bm_ucx)->Arg(n)->Iterations(iterations)->UseRealTime();
-        benchmark::RegisterBenchmark(fmt::format("remote/memcpy/{}", n).c_str(), bm_memcpy)->Arg(n)->Iterations(iterations)->UseRealTime();
-        benchmark::RegisterBenchmark(fmt::format("remote/file/{}", n).c_str(), bm_file)->Arg(n)->Iterations(iterations)->UseRealTime();
+        benchmark::RegisterBenchmark(fmt::format("remote/ucx/{}", n).c_str(), bm_ucx)
+            ->Arg(n)
+            ->Iterations(iterations)
+            ->UseRealTime();
+        benchmark::RegisterBenchmark(fmt::format("remote/memcpy/{}", n).c_str(), bm_memcpy)
+            ->Arg(n)
+            ->Iterations(iterations)
+            ->UseRealTime();
+        benchmark::RegisterBenchmark(fmt::format("remote/file/{}", n).c_str(), bm_file)
+            ->Arg(n)
+            ->Iterations(iterations)
+            ->UseRealTime();
         const bool smoke = args.smoke;
         benchmark::RegisterBenchmark(fmt::format("remote/first_remote/{}", n).c_str(),
                                      [smoke](benchmark::State& s) { bm_first_token_remote(s, smoke); })
-            ->Arg(n)->Iterations(1)->UseRealTime()->Unit(benchmark::kMillisecond);
+            ->Arg(n)
+            ->Iterations(1)
+            ->UseRealTime()
+            ->Unit(benchmark::kMillisecond);
         benchmark::RegisterBenchmark(fmt::format("remote/first_self/{}", n).c_str(),
                                      [smoke](benchmark::State& s) { bm_first_token_self(s, smoke); })
-            ->Arg(n)->Iterations(1)->UseRealTime()->Unit(benchmark::kMillisecond);
+            ->Arg(n)
+            ->Iterations(1)
+            ->UseRealTime()
+            ->Unit(benchmark::kMillisecond);
       }
     },
     [](const std::vector<RunResult>& runs, const BenchArgs& args) {
@@ -327,21 +346,25 @@ const bool registered = add_group({
         const double forward_ms = counter("remote/first_remote/" + s, "forward_ms");
         const double transfer_ms = counter("remote/first_remote/" + s, "transfer_ms");
         if (args.json) {
-          fmt::print("{{\"bench\":\"remote\",\"tokens\":{},\"bytes\":{:.0f},\"ucx_bytes_per_s\":{:.0f},\"memcpy_bytes_per_s\":"
-                     "{:.0f},\"file_bytes_per_s\":{:.0f},\"first_token_remote_ms\":{:.3f},\"first_token_self_ms\":{:.3f},"
-                     "\"provider_forward_ms\":{:.3f},\"provider_transfer_ms\":{:.3f}}}\n",
-                     n, bytes("remote/ucx/" + s), ucx, mc, file, first_remote, first_self, forward_ms, transfer_ms);
+          fmt::print(
+              "{{\"bench\":\"remote\",\"tokens\":{},\"bytes\":{:.0f},\"ucx_bytes_per_s\":{:.0f},\"memcpy_bytes_per_s\":"
+              "{:.0f},\"file_bytes_per_s\":{:.0f},\"first_token_remote_ms\":{:.3f},\"first_token_self_ms\":{:.3f},"
+              "\"provider_forward_ms\":{:.3f},\"provider_transfer_ms\":{:.3f}}}\n",
+              n, bytes("remote/ucx/" + s), ucx, mc, file, first_remote, first_self, forward_ms, transfer_ms);
         } else {
-          fmt::print("{:>7} {:>10.2f} {:>12.1f} {:>12.1f} {:>12.1f} {:>9.3f} {:>9.3f} {:>13.3f} {:>13.3f} {:>9.2f}\n", n,
-                     bytes("remote/ucx/" + s) / (1 << 20), ucx / 1e6, mc / 1e6, file / 1e6, ratio(ucx, mc),
+          fmt::print("{:>7} {:>10.2f} {:>12.1f} {:>12.1f} {:>12.1f} {:>9.3f} {:>9.3f} {:>13.3f} {:>13.3f} {:>9.2f}\n",
+                     n, bytes("remote/ucx/" + s) / (1 << 20), ucx / 1e6, mc / 1e6, file / 1e6, ratio(ucx, mc),
                      ratio(ucx, file), first_remote, first_self, ratio(first_self, first_remote));
-          fmt::print("{:>7} first remote = provider forward {:.3f} ms + placing/sending {:.3f} ms + connect, adopt, "
-                     "one eval\n", "", forward_ms, transfer_ms);
+          fmt::print(
+              "{:>7} first remote = provider forward {:.3f} ms + placing/sending {:.3f} ms + connect, adopt, "
+              "one eval\n",
+              "", forward_ms, transfer_ms);
         }
       }
       if (!args.json)
-        fmt::print("UCX_TLS={} (one process, loopback: no RDMA NIC); first token = prefill (+ transfer + adopt) + one eval\n",
-                   std::getenv("UCX_TLS") ? std::getenv("UCX_TLS") : "default");
+        fmt::print(
+            "UCX_TLS={} (one process, loopback: no RDMA NIC); first token = prefill (+ transfer + adopt) + one eval\n",
+            std::getenv("UCX_TLS") ? std::getenv("UCX_TLS") : "default");
       return 0;
     },
 });

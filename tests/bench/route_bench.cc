@@ -62,12 +62,12 @@
 #include "bench_registry.h"
 #include "bench_serve.h"
 #include "bench_stats.h"
-#include "route/decoder_client.h"
-#include "route/decoder_process.h"
-#include "route/upstream_stream.h"
 #include "kvshare/mapping.h"
 #include "kvshare/share/spawn.h"
 #include "refmodel/engine.h"
+#include "route/decoder_client.h"
+#include "route/decoder_process.h"
+#include "route/upstream_stream.h"
 
 namespace kvshare::bench {
 namespace {
@@ -75,7 +75,6 @@ namespace {
 namespace fs = std::filesystem;
 using kvshare::ChildProcess;
 using Clock = std::chrono::steady_clock;
-
 
 const char* const kRoutes[] = {"cpu", "file", "shared", "remote", "file_resident", "shared_resident"};
 // The remote route's provider server and its deployment key (the same for the run).
@@ -89,8 +88,8 @@ constexpr int kDecoderUbatch = 512;
 constexpr int kGemma3SwaCells = (kGemma3Window + kDecoderUbatch + 255) / 256 * 256;  // 768
 
 // --model 100m: prefill_bench.cc's ~100M-parameter shape, as kvshare-mkmodel flags.
-const std::vector<std::string> k100mModel = {"--layers", "16", "--heads", "12",  "--heads-kv", "4",
-                                             "--embd",   "768", "--head-dim", "64", "--ff",   "2048", "--wtype", "f16"};
+const std::vector<std::string> k100mModel = {"--layers",   "16", "--heads", "12",   "--heads-kv", "4",  "--embd", "768",
+                                             "--head-dim", "64", "--ff",    "2048", "--wtype",    "f16"};
 
 struct Settings {
   fs::path backend;   // the decoder binary
@@ -121,9 +120,10 @@ std::string memory_of(const std::string& arch) {
 // Why nothing is measured for `arch`, at any length; "" when it is.
 std::string kind_not_run(const std::string& arch) {
   if (memory_of(arch) != "kv" && !settings().is_llama_server)
-    return fmt::format("kvshare-decoder and kvshare-prefill hold one plain KV cache; a {} memory needs --backend, a "
-                       "llama-server built with the patch series",
-                       memory_of(arch));
+    return fmt::format(
+        "kvshare-decoder and kvshare-prefill hold one plain KV cache; a {} memory needs --backend, a "
+        "llama-server built with the patch series",
+        memory_of(arch));
   return "";
 }
 
@@ -159,9 +159,10 @@ std::string route_not_run(const std::string& arch, int n_tokens, const std::stri
   // whatever the length) and the shared route is reported as not run there. A released
   // gemma3 (window 1024: 1536 cells at -ub 512) meets the same limit at longer prompts.
   if (arch == "gemma3" && handoff_of(route) == "shared" && n_tokens - 1 > kGemma3SwaCells)
-    return fmt::format("the handoff of {} cells does not fit gemma3's SWA cache of {} cells (pad256(n_swa {} + "
-                       "n_ubatch {})): adopt would refuse and serve forward the request",
-                       n_tokens - 1, kGemma3SwaCells, kGemma3Window, kDecoderUbatch);
+    return fmt::format(
+        "the handoff of {} cells does not fit gemma3's SWA cache of {} cells (pad256(n_swa {} + "
+        "n_ubatch {})): adopt would refuse and serve forward the request",
+        n_tokens - 1, kGemma3SwaCells, kGemma3Window, kDecoderUbatch);
   return "";
 }
 
@@ -178,11 +179,17 @@ std::unique_ptr<ServeUnderTest> start_serve(const std::string& route, const fs::
                                             const std::string& remote_url, std::string& why) {
   ServeLaunch launch;
   launch.name = route;
-  launch.args = {"-m", model.string(), "--device", route == "cpu" ? "cpu" : "hybrid", "--backend",
-                 settings().backend.string(), "-c", std::to_string(settings().n_ctx), "-fa", "on", "-ctk", "f16", "-ctv",
-                 "f16"};
-  if (route == "remote") launch.args.insert(launch.args.end(), {"--prefill-remote", remote_url});
-  else if (route != "cpu") launch.args.insert(launch.args.end(), {"--prefill-provider", settings().provider.string()});
+  launch.args = {"-m",        model.string(),
+                 "--device",  route == "cpu" ? "cpu" : "hybrid",
+                 "--backend", settings().backend.string(),
+                 "-c",        std::to_string(settings().n_ctx),
+                 "-fa",       "on",
+                 "-ctk",      "f16",
+                 "-ctv",      "f16"};
+  if (route == "remote")
+    launch.args.insert(launch.args.end(), {"--prefill-remote", remote_url});
+  else if (route != "cpu")
+    launch.args.insert(launch.args.end(), {"--prefill-provider", settings().provider.string()});
   if (is_resident(route)) launch.args.push_back("--provider-resident");
   // The bench measures the handoff itself: every prompt takes it.
   if (route != "cpu") launch.args.insert(launch.args.end(), {"--handoff", "always"});
@@ -346,8 +353,8 @@ struct Request {
   double prefill_ms = 0;
   double handoff_ms = 0;
   std::optional<Phases> phases;  // serve's phases: line, when it came
-  std::string taken;     // the route serve's line names ("forwarded" when it forwarded); "cpu" for cpu
-  std::string fallback;  // serve's line saying why it did not take the route asked for
+  std::string taken;             // the route serve's line names ("forwarded" when it forwarded); "cpu" for cpu
+  std::string fallback;          // serve's line saying why it did not take the route asked for
 };
 
 Result<Request> one_request(ServeUnderTest& serve, const std::string& route_name, const std::string& prompt) {
@@ -367,7 +374,8 @@ Result<Request> one_request(ServeUnderTest& serve, const std::string& route_name
   while (stream->next(piece)) {
   }
   stream.reset();
-  if (!got) return fail(EPROTO, "no reply from kvshare-serve (route {}, log {})", route_name, serve.stderr_path.string());
+  if (!got)
+    return fail(EPROTO, "no reply from kvshare-serve (route {}, log {})", route_name, serve.stderr_path.string());
   out.taken = route_name;
   if (route_name == "cpu") return out;
   const std::regex forwarded_re(R"(hybrid: \d+ prompt tokens(?:, \d+ cached)?: forwarded)");
@@ -433,8 +441,8 @@ void bm_rounds(benchmark::State& state, const std::string& arch) {
   std::map<std::string, size_t> log_start;  // where this length's requests begin in each serve's log
   for (const auto& [name, serve] : s.serves) log_start[name] = read_all(serve->stderr_path).size();
   std::map<std::string, std::vector<Request>> done;
-  std::vector<double> overhead_saved;  // file - shared, per round
-  std::vector<double> remote_added;    // remote - shared, per round
+  std::vector<double> overhead_saved;                         // file - shared, per round
+  std::vector<double> remote_added;                           // remote - shared, per round
   std::map<std::string, std::vector<double>> resident_saved;  // first byte, per-request - resident, per round
   size_t turn = 0;
   for (auto _ : state) {
@@ -455,7 +463,8 @@ void bm_rounds(benchmark::State& state, const std::string& arch) {
     if (took("remote") && took("shared")) remote_added.push_back(overhead("remote") - overhead("shared"));
     for (const char* name : {"file", "shared"})
       if (took(name) && took(std::string(name) + "_resident"))
-        resident_saved[name].push_back(round[name].first_byte_ms - round[std::string(name) + "_resident"].first_byte_ms);
+        resident_saved[name].push_back(round[name].first_byte_ms -
+                                       round[std::string(name) + "_resident"].first_byte_ms);
     state.SetIterationTime(round[round.count("shared") ? "shared" : routes.front()].first_byte_ms / 1e3);
   }
   for (const auto& [name, requests] : done) {
@@ -513,10 +522,14 @@ void register_all(const BenchArgs& args) {
   s.archs.clear();
   std::vector<std::string> routes_asked;
   for (size_t i = 0; i + 1 < args.rest.size(); ++i) {
-    if (args.rest[i] == "--backend") s.backend = args.rest[++i];
-    else if (args.rest[i] == "--provider") s.provider = args.rest[++i], provider_given = true;
-    else if (args.rest[i] == "--rounds") s.rounds = std::max(1, std::atoi(args.rest[++i].c_str())), rounds_given = true;
-    else if (args.rest[i] == "--model") s.model = args.rest[++i];
+    if (args.rest[i] == "--backend")
+      s.backend = args.rest[++i];
+    else if (args.rest[i] == "--provider")
+      s.provider = args.rest[++i], provider_given = true;
+    else if (args.rest[i] == "--rounds")
+      s.rounds = std::max(1, std::atoi(args.rest[++i].c_str())), rounds_given = true;
+    else if (args.rest[i] == "--model")
+      s.model = args.rest[++i];
     else if (args.rest[i] == "--arch" || args.rest[i] == "--routes") {
       std::vector<std::string>& into = args.rest[i] == "--arch" ? s.archs : routes_asked;
       std::stringstream list(args.rest[++i]);
@@ -561,19 +574,20 @@ std::string model_words() {
 int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
   const Settings& s = settings();
   if (!args.json)
-    fmt::print("\nroute (decoder {}, provider {}; {} per arch, -c {} -fa on f16; rounds of {} with the order "
-               "rotating)\n{:<7} {:<9} {:<15} {:>6} {:>26} {:>26} {:>22} {:>22} {:>7}\n",
-               s.backend.filename().string(), s.provider.filename().string(), model_words(), s.n_ctx,
-               fmt::join(s.routes, ", "), "arch", "memory", "route", "tokens", "first_byte_ms [p25..p75]",
-               "overhead_ms [p25..p75]", "prefill_ms", "handoff_ms", "rounds");
+    fmt::print(
+        "\nroute (decoder {}, provider {}; {} per arch, -c {} -fa on f16; rounds of {} with the order "
+        "rotating)\n{:<7} {:<9} {:<15} {:>6} {:>26} {:>26} {:>22} {:>22} {:>7}\n",
+        s.backend.filename().string(), s.provider.filename().string(), model_words(), s.n_ctx,
+        fmt::join(s.routes, ", "), "arch", "memory", "route", "tokens", "first_byte_ms [p25..p75]",
+        "overhead_ms [p25..p75]", "prefill_ms", "handoff_ms", "rounds");
   struct Paired {
     std::string arch;
     int tokens = 0;
     double file_handoff = 0, shared_overhead = 0, saved = 0, remote_added = 0;
     bool has_saved = false, has_remote = false;
-    std::map<std::string, double> overhead;  // route -> median overhead_ms, routes measured here
+    std::map<std::string, double> overhead;        // route -> median overhead_ms, routes measured here
     std::map<std::string, Spread> resident_saved;  // "shared", "file" -> first byte saved per round
-    std::map<std::string, double> outside;  // per-request route -> median provider - prefill
+    std::map<std::string, double> outside;         // per-request route -> median provider - prefill
     double model_load = 0;
   };
   std::vector<Paired> paired;
@@ -585,8 +599,14 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
     const int tokens = static_cast<int>(c("tokens"));
     if (tokens == 0) continue;  // skipped: nothing measured
     const std::string arch = arch_of_run(run->name);
-    Paired pair{arch, tokens, c("file.handoff_ms"), c("shared.overhead_ms"), c("overhead_saved_ms"),
-                c("remote_added_ms"), has("overhead_saved_ms"), has("remote_added_ms")};
+    Paired pair{arch,
+                tokens,
+                c("file.handoff_ms"),
+                c("shared.overhead_ms"),
+                c("overhead_saved_ms"),
+                c("remote_added_ms"),
+                has("overhead_saved_ms"),
+                has("remote_added_ms")};
     pair.model_load = c("model_load_ms");
     for (const std::string& name : routes_of(arch, tokens)) {
       const std::string p = name + ".";
@@ -595,25 +615,27 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
       if (has(p + "first_byte_saved_ms"))
         pair.resident_saved[handoff_of(name)] = {c(p + "first_byte_saved_ms_p25"), c(p + "first_byte_saved_ms"),
                                                  c(p + "first_byte_saved_ms_p75")};
-      const std::string fell_back =
-          c(p + "fallbacks") > 0 ? fmt::format("{} of {} fell back: {}", c(p + "fallbacks"), c("rounds"),
-                                               fallback_lines()[fmt::format("{}/{}/{}", arch, tokens, name)])
-                                 : "";
+      const std::string fell_back = c(p + "fallbacks") > 0
+                                        ? fmt::format("{} of {} fell back: {}", c(p + "fallbacks"), c("rounds"),
+                                                      fallback_lines()[fmt::format("{}/{}/{}", arch, tokens, name)])
+                                        : "";
       if (args.json) {
-        fmt::print("{{\"bench\":\"route\",\"arch\":\"{}\",\"memory\":\"{}\",\"route\":\"{}\",\"tokens\":{},\"rounds\":{},"
-                   "\"decoder\":\"{}\",\"model\":\"{}\",\"resident\":{}",
-                   arch, memory_of(arch), name, tokens, c("rounds"), s.backend.filename().string(), s.model,
-                   is_resident(name));
+        fmt::print(
+            "{{\"bench\":\"route\",\"arch\":\"{}\",\"memory\":\"{}\",\"route\":\"{}\",\"tokens\":{},\"rounds\":{},"
+            "\"decoder\":\"{}\",\"model\":\"{}\",\"resident\":{}",
+            arch, memory_of(arch), name, tokens, c("rounds"), s.backend.filename().string(), s.model,
+            is_resident(name));
         for (const char* key : {"first_byte_ms", "overhead_ms", "prefill_ms", "handoff_ms"})
-          fmt::print(",\"{0}\":{1:.3f},\"{0}_p25\":{2:.3f},\"{0}_p75\":{3:.3f}", key, c(p + key),
-                     c(p + key + "_p25"), c(p + key + "_p75"));
+          fmt::print(",\"{0}\":{1:.3f},\"{0}_p25\":{2:.3f},\"{0}_p75\":{3:.3f}", key, c(p + key), c(p + key + "_p25"),
+                     c(p + key + "_p75"));
         for (const char* key : kPhaseKeys)
           if (has(p + "phase." + key))
             fmt::print(",\"{0}\":{1:.3f},\"{0}_p25\":{2:.3f},\"{0}_p75\":{3:.3f}", std::string("phase_") + key,
                        c(p + "phase." + key), c(p + "phase." + key + "_p25"), c(p + "phase." + key + "_p75"));
         if (has(p + "provider_outside_ms"))
-          fmt::print(",\"provider_outside_ms\":{:.3f},\"provider_outside_ms_p25\":{:.3f},\"provider_outside_ms_p75\":{:.3f}",
-                     c(p + "provider_outside_ms"), c(p + "provider_outside_ms_p25"), c(p + "provider_outside_ms_p75"));
+          fmt::print(
+              ",\"provider_outside_ms\":{:.3f},\"provider_outside_ms_p25\":{:.3f},\"provider_outside_ms_p75\":{:.3f}",
+              c(p + "provider_outside_ms"), c(p + "provider_outside_ms_p25"), c(p + "provider_outside_ms_p75"));
         fmt::print(",\"fallbacks\":{},\"not_reused\":{}", c(p + "fallbacks"), c(p + "not_reused"));
         if (!fell_back.empty()) fmt::print(",\"fallback\":{}", nlohmann::json(fell_back).dump());
         fmt::print("}}\n");
@@ -636,30 +658,33 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
               arch, name, tokens, c(p + "phase.tokenize_ms"), c(p + "phase.share_ms"), c(p + "phase.provider_ms"),
               c(p + "phase.region_ms"), c(p + "prefill_ms"),
               has(p + "provider_outside_ms") ? fmt::format("{:.2f}", c(p + "provider_outside_ms")) : "-",
-              c(p + "phase.adopt_ms"),
-              c(p + "phase.first_token_ms"), c(p + "overhead_ms")));
+              c(p + "phase.adopt_ms"), c(p + "phase.first_token_ms"), c(p + "overhead_ms")));
       }
       if (c(p + "not_reused") > 0)
-        notes.push_back(fmt::format("{} {} at {} tokens: serve warned {} time(s) that the decoder evaluated more than "
-                                    "the last token (the handoff was not reused)",
-                                    arch, name, tokens, c(p + "not_reused")));
+        notes.push_back(
+            fmt::format("{} {} at {} tokens: serve warned {} time(s) that the decoder evaluated more than "
+                        "the last token (the handoff was not reused)",
+                        arch, name, tokens, c(p + "not_reused")));
     }
     paired.push_back(pair);
     if (args.json && pair.has_saved)
-      fmt::print("{{\"bench\":\"route_paired\",\"arch\":\"{}\",\"tokens\":{},\"overhead_saved_ms\":{:.3f},"
-                 "\"overhead_saved_ms_p25\":{:.3f},\"overhead_saved_ms_p75\":{:.3f},\"file_handoff_ms\":{:.3f}}}\n",
-                 arch, tokens, pair.saved, c("overhead_saved_ms_p25"), c("overhead_saved_ms_p75"), pair.file_handoff);
+      fmt::print(
+          "{{\"bench\":\"route_paired\",\"arch\":\"{}\",\"tokens\":{},\"overhead_saved_ms\":{:.3f},"
+          "\"overhead_saved_ms_p25\":{:.3f},\"overhead_saved_ms_p75\":{:.3f},\"file_handoff_ms\":{:.3f}}}\n",
+          arch, tokens, pair.saved, c("overhead_saved_ms_p25"), c("overhead_saved_ms_p75"), pair.file_handoff);
     if (args.json && pair.has_remote)
-      fmt::print("{{\"bench\":\"route_remote_paired\",\"arch\":\"{}\",\"tokens\":{},\"remote_added_ms\":{:.3f},"
-                 "\"remote_added_ms_p25\":{:.3f},\"remote_added_ms_p75\":{:.3f}}}\n",
-                 arch, tokens, pair.remote_added, c("remote_added_ms_p25"), c("remote_added_ms_p75"));
+      fmt::print(
+          "{{\"bench\":\"route_remote_paired\",\"arch\":\"{}\",\"tokens\":{},\"remote_added_ms\":{:.3f},"
+          "\"remote_added_ms_p25\":{:.3f},\"remote_added_ms_p75\":{:.3f}}}\n",
+          arch, tokens, pair.remote_added, c("remote_added_ms_p25"), c("remote_added_ms_p75"));
     if (args.json)
       for (const auto& [handoff, saved] : pair.resident_saved)
-        fmt::print("{{\"bench\":\"route_resident_paired\",\"arch\":\"{}\",\"tokens\":{},\"model\":\"{}\",\"route\":\"{}\","
-                   "\"first_byte_saved_ms\":{:.3f},\"first_byte_saved_ms_p25\":{:.3f},\"first_byte_saved_ms_p75\":{:.3f},"
-                   "\"per_request_outside_ms\":{:.3f},\"model_load_ms\":{:.3f}}}\n",
-                   arch, tokens, s.model, handoff, saved.median, saved.p25, saved.p75,
-                   pair.outside.count(handoff) ? pair.outside.at(handoff) : 0.0, pair.model_load);
+        fmt::print(
+            "{{\"bench\":\"route_resident_paired\",\"arch\":\"{}\",\"tokens\":{},\"model\":\"{}\",\"route\":\"{}\","
+            "\"first_byte_saved_ms\":{:.3f},\"first_byte_saved_ms_p25\":{:.3f},\"first_byte_saved_ms_p75\":{:.3f},"
+            "\"per_request_outside_ms\":{:.3f},\"model_load_ms\":{:.3f}}}\n",
+            arch, tokens, s.model, handoff, saved.median, saved.p25, saved.p75,
+            pair.outside.count(handoff) ? pair.outside.at(handoff) : 0.0, pair.model_load);
   }
   // What was not run, and why: one line per reason, naming the archs (and lengths) it hit.
   std::vector<int> tokens = args.tokens;
@@ -692,34 +717,41 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
     }
   if (!args.json) {
     if (!phase_rows.empty()) {
-      fmt::print("\nwhere overhead_ms goes: serve's phases: line, medians in ms (provider - prefill: a per-request "
-                 "provider's start, model load and exit; a resident one's round trip on its channel, and the region "
-                 "when it was sent)\n{:<7} {:<15} {:>6} {:>9} {:>9} {:>10} {:>8} {:>10} {:>16} {:>9} {:>11} {:>11}\n",
-                 "arch", "route", "tokens", "tokenize", "share", "provider", "region", "prefill", "provider-prefill",
-                 "adopt", "first_token", "overhead");
+      fmt::print(
+          "\nwhere overhead_ms goes: serve's phases: line, medians in ms (provider - prefill: a per-request "
+          "provider's start, model load and exit; a resident one's round trip on its channel, and the region "
+          "when it was sent)\n{:<7} {:<15} {:>6} {:>9} {:>9} {:>10} {:>8} {:>10} {:>16} {:>9} {:>11} {:>11}\n",
+          "arch", "route", "tokens", "tokenize", "share", "provider", "region", "prefill", "provider-prefill", "adopt",
+          "first_token", "overhead");
       for (const std::string& row : phase_rows) fmt::print("{}\n", row);
-      fmt::print("(adopt is the restore on the file routes; first_token = first byte - the phases before it, at serve)\n");
+      fmt::print(
+          "(adopt is the restore on the file routes; first_token = first byte - the phases before it, at serve)\n");
     }
     for (const auto& [why, what] : not_run) fmt::print("{}: {}\n", fmt::join(what, ", "), why);
     for (const std::string& note : notes) fmt::print("{}\n", note);
     for (const Paired& p : paired)
       if (p.has_saved)
-        fmt::print("{} {} tokens: file - shared overhead_ms per round, median {:.1f} ms; target >= half the file "
-                   "handoff ({:.1f} ms): {}\n",
-                   p.arch, p.tokens, p.saved, p.file_handoff / 2, p.saved >= p.file_handoff / 2 ? "met" : "missed");
+        fmt::print(
+            "{} {} tokens: file - shared overhead_ms per round, median {:.1f} ms; target >= half the file "
+            "handoff ({:.1f} ms): {}\n",
+            p.arch, p.tokens, p.saved, p.file_handoff / 2, p.saved >= p.file_handoff / 2 ? "met" : "missed");
     for (const Paired& p : paired)
       if (p.has_remote)
-        fmt::print("{} {} tokens: remote - shared overhead_ms per round, median {:.1f} ms (what the receiver process, "
-                   "the provider server's HTTP hop and UCX tcp add to the shared route)\n",
-                   p.arch, p.tokens, p.remote_added);
+        fmt::print(
+            "{} {} tokens: remote - shared overhead_ms per round, median {:.1f} ms (what the receiver process, "
+            "the provider server's HTTP hop and UCX tcp add to the shared route)\n",
+            p.arch, p.tokens, p.remote_added);
     for (const Paired& p : paired)
       for (const auto& [handoff, saved] : p.resident_saved) {
         const double outside = p.outside.count(handoff) ? p.outside.at(handoff) : 0.0;
-        fmt::print("{} {} tokens: first byte saved by a resident provider ({} - {}_resident per round), median {:.1f} "
-                   "ms [{:.1f}..{:.1f}]; the per-request provider's start, model load and exit {:.1f} ms; the model's "
-                   "load {:.1f} ms: target saved >= load {}\n",
-                   p.arch, p.tokens, handoff, handoff, saved.median, saved.p25, saved.p75, outside, p.model_load,
-                   p.model_load <= 0 ? "(no load figure)" : saved.median >= p.model_load ? "met" : "missed");
+        fmt::print(
+            "{} {} tokens: first byte saved by a resident provider ({} - {}_resident per round), median {:.1f} "
+            "ms [{:.1f}..{:.1f}]; the per-request provider's start, model load and exit {:.1f} ms; the model's "
+            "load {:.1f} ms: target saved >= load {}\n",
+            p.arch, p.tokens, handoff, handoff, saved.median, saved.p25, saved.p75, outside, p.model_load,
+            p.model_load <= 0              ? "(no load figure)"
+            : saved.median >= p.model_load ? "met"
+                                           : "missed");
       }
     for (const std::string& arch : s.archs)
       for (const char* name : {"shared", "shared_resident", "file_resident"}) {
@@ -746,8 +778,10 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
 
 const bool registered = add_group({
     "route",
-    "kvshare-serve end to end, paired rounds of --device cpu / file / shared / remote / file and shared with a resident "
-    "provider on the same prompts: first byte, overhead_ms (first byte - the provider's prefill_ms) and serve's phases, "
+    "kvshare-serve end to end, paired rounds of --device cpu / file / shared / remote / file and shared with a "
+    "resident "
+    "provider on the same prompts: first byte, overhead_ms (first byte - the provider's prefill_ms) and serve's "
+    "phases, "
     "per memory kind with --arch; --backend PATH for another decoder (llama-server)",
     register_all,
     report,
@@ -759,8 +793,9 @@ const bool registered = add_group({
         {"--rounds", "N", "paired rounds per length and arch (default 9; 5 with more than one arch)"},
         {"--routes", "cpu|file|shared|remote|file_resident|shared_resident[,...]",
          "the routes measured side by side (default all; the resident ones need a provider with --serve-fd)"},
-        {"--model", "tiny|100m", "the generated model: the tiny default, or ~100M parameters (first byte with a real "
-                                  "model load)"},
+        {"--model", "tiny|100m",
+         "the generated model: the tiny default, or ~100M parameters (first byte with a real "
+         "model load)"},
     },
 });
 

@@ -14,10 +14,10 @@
 
 #include "bench_registry.h"
 #include "bench_stats.h"
+#include "kvshare/scatter/scatter.h"
 #include "layout/half.h"
 #include "layout/row_convert.h"
 #include "tests/support/cache_fixture.h"
-#include "kvshare/scatter/scatter.h"
 
 namespace kvshare::bench {
 namespace {
@@ -82,8 +82,8 @@ struct Setup {
     batch.row_stride = row_bytes;
     batch.n_threads = bench_threads();
     for (uint32_t il = 0; il < shape.n_layer; ++il)
-      batch.layers.push_back({il, rows.data + static_cast<size_t>(il) * row_bytes * shape.n_tokens, shape.n_embd,
-                              shape.n_embd});
+      batch.layers.push_back(
+          {il, rows.data + static_cast<size_t>(il) * row_bytes * shape.n_tokens, shape.n_embd, shape.n_embd});
   }
   kvshare::ScatterTarget target() const {
     std::vector<std::span<std::byte>> spans;
@@ -188,18 +188,20 @@ const bool registered = add_group({
         for (const char* name : kCases) {
           const std::string p = name;
           if (args.json)
-            fmt::print("{{\"bench\":\"scatter\",\"case\":\"{}\",\"tokens\":{},\"threads\":{},\"backend\":\"{}\","
-                       "\"rounds\":{},\"gbps\":{:.3f},\"gbps_p25\":{:.3f},\"gbps_p75\":{:.3f},\"memcpy_gbps\":{:.3f},"
-                       "\"memcpy_gbps_p25\":{:.3f},\"memcpy_gbps_p75\":{:.3f},\"ratio\":{:.3f},\"ratio_p25\":{:.3f},"
-                       "\"ratio_p75\":{:.3f}}}\n",
-                       name, c("tokens"), bench_threads(), layout::convert_backend_name(), c("rounds"), c(p + "_gbps"),
-                       c(p + "_gbps_p25"), c(p + "_gbps_p75"), c("memcpy_gbps"), c("memcpy_gbps_p25"),
-                       c("memcpy_gbps_p75"), c(p + "_ratio"), c(p + "_ratio_p25"), c(p + "_ratio_p75"));
+            fmt::print(
+                "{{\"bench\":\"scatter\",\"case\":\"{}\",\"tokens\":{},\"threads\":{},\"backend\":\"{}\","
+                "\"rounds\":{},\"gbps\":{:.3f},\"gbps_p25\":{:.3f},\"gbps_p75\":{:.3f},\"memcpy_gbps\":{:.3f},"
+                "\"memcpy_gbps_p25\":{:.3f},\"memcpy_gbps_p75\":{:.3f},\"ratio\":{:.3f},\"ratio_p25\":{:.3f},"
+                "\"ratio_p75\":{:.3f}}}\n",
+                name, c("tokens"), bench_threads(), layout::convert_backend_name(), c("rounds"), c(p + "_gbps"),
+                c(p + "_gbps_p25"), c(p + "_gbps_p75"), c("memcpy_gbps"), c("memcpy_gbps_p25"), c("memcpy_gbps_p75"),
+                c(p + "_ratio"), c(p + "_ratio_p25"), c(p + "_ratio_p75"));
           else
-            fmt::print("scatter {} at {} tokens ({} threads, {}): {:.2f} GB/s, memcpy {:.2f} GB/s, ratio {:.3f} "
-                       "[{:.3f}..{:.3f}] over {} rounds (target >= 0.7 for f32->f16)\n",
-                       name, c("tokens"), bench_threads(), layout::convert_backend_name(), c(p + "_gbps"),
-                       c("memcpy_gbps"), c(p + "_ratio"), c(p + "_ratio_p25"), c(p + "_ratio_p75"), c("rounds"));
+            fmt::print(
+                "scatter {} at {} tokens ({} threads, {}): {:.2f} GB/s, memcpy {:.2f} GB/s, ratio {:.3f} "
+                "[{:.3f}..{:.3f}] over {} rounds (target >= 0.7 for f32->f16)\n",
+                name, c("tokens"), bench_threads(), layout::convert_backend_name(), c(p + "_gbps"), c("memcpy_gbps"),
+                c(p + "_ratio"), c(p + "_ratio_p25"), c(p + "_ratio_p75"), c("rounds"));
         }
       }
       return 0;

@@ -24,16 +24,15 @@
 #include "bench_files.h"
 #include "bench_registry.h"
 #include "bench_stats.h"
+#include "kvshare/share/spawn.h"
 #include "route/decoder_process.h"
 #include "route/upstream_stream.h"
-#include "kvshare/share/spawn.h"
 
 namespace kvshare::bench {
 namespace {
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
-
 
 struct Setup {
   fs::path dir;
@@ -66,8 +65,9 @@ Setup& setup() {
   s.dir = *dir;
   s.serve_port = *port;
   const fs::path model = s.dir / "tiny.gguf";
-  if (std::system(fmt::format("{} {} --ctx 4096 --seed 3 > /dev/null 2>&1", bin("kvshare-mkmodel").string(),
-                              model.string()).c_str()) != 0) {
+  if (std::system(
+          fmt::format("{} {} --ctx 4096 --seed 3 > /dev/null 2>&1", bin("kvshare-mkmodel").string(), model.string())
+              .c_str()) != 0) {
     s.why = "kvshare-mkmodel failed";
     return s;
   }
@@ -75,10 +75,10 @@ Setup& setup() {
   SpawnOptions options;
   options.stderr_path = log.string();
   options.die_with_parent = true;
-  auto child = ChildProcess::spawn({bin("kvshare-serve").string(), "-m", model.string(), "--device", "cpu",
-                                    "--backend", bin("kvshare-decoder").string(), "--port",
-                                    std::to_string(s.serve_port), "-c", "4096"},
-                                   options);
+  auto child =
+      ChildProcess::spawn({bin("kvshare-serve").string(), "-m", model.string(), "--device", "cpu", "--backend",
+                           bin("kvshare-decoder").string(), "--port", std::to_string(s.serve_port), "-c", "4096"},
+                          options);
   if (!child) {
     s.why = child.error().what();
     return s;
@@ -243,15 +243,18 @@ const bool registered = add_group({
       for (auto [clients, kept] : {std::pair{1, 0}, std::pair{32, 0}, std::pair{1, 1}})
         benchmark::RegisterBenchmark(fmt::format("serve/clients:{}{}", clients, kept ? "/kept" : "").c_str(), bm_serve)
             ->Args({clients, kept})
-            ->Iterations(args.smoke ? 1 : clients == 1 ? 200 : 6)
+            ->Iterations(args.smoke     ? 1
+                         : clients == 1 ? 200
+                                        : 6)
             ->Unit(benchmark::kMillisecond);
     },
     [](const std::vector<RunResult>& runs, const BenchArgs& args) {
       if (!args.json)
-        fmt::print("\nserve --device cpu vs its decoder directly (streamed /v1/completions, 16 tokens; rounds alternate "
-                   "the order)\n{:>7} {:>5} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}\n",
-                   "clients", "conn", "path", "requests", "fb_p50", "fb_p99", "gap_p50", "gap_p99", "+fb_p50", "+gap_p50",
-                   "+fb_p99");
+        fmt::print(
+            "\nserve --device cpu vs its decoder directly (streamed /v1/completions, 16 tokens; rounds alternate "
+            "the order)\n{:>7} {:>5} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}\n",
+            "clients", "conn", "path", "requests", "fb_p50", "fb_p99", "gap_p50", "gap_p99", "+fb_p50", "+gap_p50",
+            "+fb_p99");
       for (const RunResult* run : runs_with_prefix(runs, "serve/")) {
         auto c = [&](const std::string& key) { return run->counters.count(key) ? run->counters.at(key) : 0.0; };
         if (c("clients") == 0) continue;
@@ -262,24 +265,29 @@ const bool registered = add_group({
         for (const char* path : {"direct", "serve"}) {
           const std::string p = std::string(path) + ".";
           if (args.json)
-            fmt::print("{{\"bench\":\"serve\",\"clients\":{},\"connection\":\"{}\",\"path\":\"{}\",\"requests\":{},\"first_byte_p50_ms\":{:.3f},"
-                       "\"first_byte_p99_ms\":{:.3f},\"gap_p50_ms\":{:.3f},\"gap_p99_ms\":{:.3f},"
-                       "\"added_first_byte_paired_p50_ms\":{:.3f},\"added_first_byte_paired_p25_ms\":{:.3f},"
-                       "\"added_first_byte_paired_p75_ms\":{:.3f}}}\n",
-                       c("clients"), connection, path, c(p + "requests"), c(p + "first_byte_p50"),
-                       c(p + "first_byte_p99"), c(p + "gap_p50"), c(p + "gap_p99"), c("added_first_byte_p50"), c("added_first_byte_p25"),
-                       c("added_first_byte_p75"));
+            fmt::print(
+                "{{\"bench\":\"serve\",\"clients\":{},\"connection\":\"{}\",\"path\":\"{}\",\"requests\":{},\"first_"
+                "byte_p50_ms\":{:.3f},"
+                "\"first_byte_p99_ms\":{:.3f},\"gap_p50_ms\":{:.3f},\"gap_p99_ms\":{:.3f},"
+                "\"added_first_byte_paired_p50_ms\":{:.3f},\"added_first_byte_paired_p25_ms\":{:.3f},"
+                "\"added_first_byte_paired_p75_ms\":{:.3f}}}\n",
+                c("clients"), connection, path, c(p + "requests"), c(p + "first_byte_p50"), c(p + "first_byte_p99"),
+                c(p + "gap_p50"), c(p + "gap_p99"), c("added_first_byte_p50"), c("added_first_byte_p25"),
+                c("added_first_byte_p75"));
           else
             fmt::print("{:>7} {:>5} {:>8} {:>10} {:>10.3f} {:>10.3f} {:>10.3f} {:>10.3f} {:>10} {:>10} {:>10}\n",
-                       c("clients"), connection, path, c(p + "requests"), c(p + "first_byte_p50"), c(p + "first_byte_p99"), c(p + "gap_p50"),
-                       c(p + "gap_p99"), path == std::string("serve") ? fmt::format("{:.3f}", added_fb) : "",
+                       c("clients"), connection, path, c(p + "requests"), c(p + "first_byte_p50"),
+                       c(p + "first_byte_p99"), c(p + "gap_p50"), c(p + "gap_p99"),
+                       path == std::string("serve") ? fmt::format("{:.3f}", added_fb) : "",
                        path == std::string("serve") ? fmt::format("{:.3f}", added_gap) : "",
                        path == std::string("serve") ? fmt::format("{:.3f}", added_fb99) : "");
         }
         if (!args.json)
-          fmt::print("{:>7} clients, {} connections: serve minus direct per round (median of each wave), median "
-                     "{:.3f} ms [{:.3f}..{:.3f}]\n",
-                     c("clients"), connection, c("added_first_byte_p50"), c("added_first_byte_p25"), c("added_first_byte_p75"));
+          fmt::print(
+              "{:>7} clients, {} connections: serve minus direct per round (median of each wave), median "
+              "{:.3f} ms [{:.3f}..{:.3f}]\n",
+              c("clients"), connection, c("added_first_byte_p50"), c("added_first_byte_p25"),
+              c("added_first_byte_p75"));
       }
       if (!args.json) fmt::print("(ms; + columns: serve minus direct; target +p50 <= 0.5 ms)\n");
       if (g_setup_started) {

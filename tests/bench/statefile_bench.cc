@@ -79,8 +79,8 @@ std::filesystem::path bench_file(const char* what) {
 }
 
 void set_rate(benchmark::State& state, uint64_t bytes) {
-  state.counters["gbps"] = benchmark::Counter(double(bytes) * double(state.iterations()) / 1e9,
-                                              benchmark::Counter::kIsRate);
+  state.counters["gbps"] =
+      benchmark::Counter(double(bytes) * double(state.iterations()) / 1e9, benchmark::Counter::kIsRate);
   state.counters["bytes"] = double(bytes);
 }
 
@@ -103,9 +103,7 @@ Result<void> write_state_file(const std::filesystem::path& path, uint32_t n_toke
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 // The first and third quartile of `values`: how far the pairs spread around the median.
 std::pair<double, double> quartiles(const std::vector<double>& values) {
@@ -288,18 +286,18 @@ void register_all(const BenchArgs& args) {
   for (int n : tokens) {
     const int iters = iterations_for(n, args.smoke);
     using Fn = void (*)(benchmark::State&);
-    const std::pair<const char*, Fn> cases[] = {{"memcpy", bm_memcpy},
-                                                {"convert", bm_convert},
-                                                {"write_pair", bm_write_pair},
-                                                {"read_pair", bm_read_pair}};
+    const std::pair<const char*, Fn> cases[] = {
+        {"memcpy", bm_memcpy}, {"convert", bm_convert}, {"write_pair", bm_write_pair}, {"read_pair", bm_read_pair}};
     for (const auto& [name, fn] : cases) {
       auto* bench = benchmark::RegisterBenchmark(fmt::format("statefile/{}/{}", name, n).c_str(), fn)
                         ->Arg(n)
                         ->Iterations(iters)
                         ->Unit(benchmark::kMillisecond);
       // The pairs time our side themselves (the plain side is a counter beside it).
-      if (fn == bm_write_pair || fn == bm_read_pair) bench->UseManualTime();
-      else bench->UseRealTime();
+      if (fn == bm_write_pair || fn == bm_read_pair)
+        bench->UseManualTime();
+      else
+        bench->UseRealTime();
     }
   }
 }
@@ -315,11 +313,12 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
   for (const RunResult* run : runs_with_prefix(runs, "statefile/memcpy/"))
     tokens.push_back(std::stoi(run->name.substr(std::string("statefile/memcpy/").size())));
   if (!args.json)
-    fmt::print("\nstatefile ({} layers x {} K/V elements, f16, FA on; dir {}, O_DIRECT {} (files >= 1 GiB); "
-               "provider rows {}, f32->f16 via {})\n{:>7} {:>12} {:>9} {:>11} {:>20} {:>10} {:>9} {:>20} {:>5} {:>9} {:>9}\n",
-               kLayers, kEmbdGqa, settings().dir.string(), settings().direct ? "on" : "off",
-               settings().rows == layout::GgmlType::F16 ? "f16" : "f32", layout::convert_backend_name(), "tokens", "bytes", "write", "plain_wr", "ratio [p25..p75]", "read",
-               "plain_rd", "ratio [p25..p75]", "cold", "memcpy", "convert");
+    fmt::print(
+        "\nstatefile ({} layers x {} K/V elements, f16, FA on; dir {}, O_DIRECT {} (files >= 1 GiB); "
+        "provider rows {}, f32->f16 via {})\n{:>7} {:>12} {:>9} {:>11} {:>20} {:>10} {:>9} {:>20} {:>5} {:>9} {:>9}\n",
+        kLayers, kEmbdGqa, settings().dir.string(), settings().direct ? "on" : "off",
+        settings().rows == layout::GgmlType::F16 ? "f16" : "f32", layout::convert_backend_name(), "tokens", "bytes",
+        "write", "plain_wr", "ratio [p25..p75]", "read", "plain_rd", "ratio [p25..p75]", "cold", "memcpy", "convert");
   for (int n : tokens) {
     const uint64_t bytes = file_bytes(static_cast<uint32_t>(n));
     auto g = [&](const char* what, const char* counter) {
@@ -327,27 +326,29 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
     };
     const double w = g("write_pair", "write_gbps"), pw = g("write_pair", "plain_write_gbps"),
                  wr = g("write_pair", "write_ratio"), r = g("read_pair", "read_gbps"),
-                 pr = g("read_pair", "plain_read_gbps"), rr = g("read_pair", "read_ratio"),
-                 m = g("memcpy", "gbps"), c = g("convert", "gbps");
+                 pr = g("read_pair", "plain_read_gbps"), rr = g("read_pair", "read_ratio"), m = g("memcpy", "gbps"),
+                 c = g("convert", "gbps");
     const double wr25 = g("write_pair", "write_ratio_p25"), wr75 = g("write_pair", "write_ratio_p75"),
                  rr25 = g("read_pair", "read_ratio_p25"), rr75 = g("read_pair", "read_ratio_p75");
     const bool cold = g("read_pair", "cold") > 0;
     if (args.json)
-      fmt::print("{{\"bench\":\"statefile\",\"tokens\":{},\"bytes\":{},\"write_gbps\":{:.3f},\"read_gbps\":{:.3f},"
-                 "\"plain_write_gbps\":{:.3f},\"plain_read_gbps\":{:.3f},\"memcpy_gbps\":{:.3f},"
-                 "\"convert_gbps\":{:.3f},\"write_ratio\":{:.3f},\"write_ratio_p25\":{:.3f},\"write_ratio_p75\":{:.3f},"
-                 "\"read_ratio\":{:.3f},\"read_ratio_p25\":{:.3f},\"read_ratio_p75\":{:.3f},\"read_cold\":{},"
-                 "\"direct\":{},\"rows\":\"{}\"}}\n",
-                 n, bytes, w, r, pw, pr, m, c, wr, wr25, wr75, rr, rr25, rr75, cold ? "true" : "false",
-                 settings().direct ? "true" : "false", settings().rows == layout::GgmlType::F16 ? "f16" : "f32");
+      fmt::print(
+          "{{\"bench\":\"statefile\",\"tokens\":{},\"bytes\":{},\"write_gbps\":{:.3f},\"read_gbps\":{:.3f},"
+          "\"plain_write_gbps\":{:.3f},\"plain_read_gbps\":{:.3f},\"memcpy_gbps\":{:.3f},"
+          "\"convert_gbps\":{:.3f},\"write_ratio\":{:.3f},\"write_ratio_p25\":{:.3f},\"write_ratio_p75\":{:.3f},"
+          "\"read_ratio\":{:.3f},\"read_ratio_p25\":{:.3f},\"read_ratio_p75\":{:.3f},\"read_cold\":{},"
+          "\"direct\":{},\"rows\":\"{}\"}}\n",
+          n, bytes, w, r, pw, pr, m, c, wr, wr25, wr75, rr, rr25, rr75, cold ? "true" : "false",
+          settings().direct ? "true" : "false", settings().rows == layout::GgmlType::F16 ? "f16" : "f32");
     else
-      fmt::print("{:>7} {:>12} {:>9.2f} {:>11.2f} {:>20} {:>10.2f} {:>9.2f} {:>20} {:>5} {:>9.2f} {:>9.2f}\n", n, bytes, w,
-                 pw, fmt::format("{:.2f} [{:.2f}..{:.2f}]", wr, wr25, wr75), r, pr,
+      fmt::print("{:>7} {:>12} {:>9.2f} {:>11.2f} {:>20} {:>10.2f} {:>9.2f} {:>20} {:>5} {:>9.2f} {:>9.2f}\n", n, bytes,
+                 w, pw, fmt::format("{:.2f} [{:.2f}..{:.2f}]", wr, wr25, wr75), r, pr,
                  fmt::format("{:.2f} [{:.2f}..{:.2f}]", rr, rr25, rr75), cold ? "yes" : "no", m, c);
   }
   if (!args.json)
-    fmt::print("(GB/s, medians of paired runs; ratio = ours / plain, median and quartiles over the pairs; "
-               "target >= 0.8)\n");
+    fmt::print(
+        "(GB/s, medians of paired runs; ratio = ours / plain, median and quartiles over the pairs; "
+        "target >= 0.8)\n");
   return 0;
 }
 

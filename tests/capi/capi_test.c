@@ -13,8 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -22,32 +22,32 @@
 
 static int failures;
 
-#define CHECK(cond)                                                              \
-    do {                                                                         \
-        if (!(cond)) {                                                           \
+#define CHECK(cond)                                                                  \
+    do {                                                                             \
+        if (!(cond)) {                                                               \
             fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-            ++failures;                                                          \
-        }                                                                        \
+            ++failures;                                                              \
+        }                                                                            \
     } while (0)
 
-#define CHECK_RC(expr, expected)                                                 \
-    do {                                                                         \
-        int rc_ = (expr);                                                        \
-        if (rc_ != (expected)) {                                                 \
+#define CHECK_RC(expr, expected)                                                                              \
+    do {                                                                                                      \
+        int rc_ = (expr);                                                                                     \
+        if (rc_ != (expected)) {                                                                              \
             fprintf(stderr, "%s:%d: %s returned %d (%s), expected %d (%s)\n", __FILE__, __LINE__, #expr, rc_, \
-                    strerror(-rc_), (expected), strerror(-(expected)));          \
-            ++failures;                                                          \
-        }                                                                        \
+                    strerror(-rc_), (expected), strerror(-(expected)));                                       \
+            ++failures;                                                                                       \
+        }                                                                                                     \
     } while (0)
 
-#define CHECK_CONTAINS(text, word)                                               \
-    do {                                                                         \
-        const char *t_ = (text);                                                 \
-        if (t_ == NULL || strstr(t_, (word)) == NULL) {                          \
+#define CHECK_CONTAINS(text, word)                                                                             \
+    do {                                                                                                       \
+        const char *t_ = (text);                                                                               \
+        if (t_ == NULL || strstr(t_, (word)) == NULL) {                                                        \
             fprintf(stderr, "%s:%d: \"%s\" does not contain \"%s\"\n", __FILE__, __LINE__, t_ ? t_ : "(null)", \
-                    (word));                                                     \
-            ++failures;                                                          \
-        }                                                                        \
+                    (word));                                                                                   \
+            ++failures;                                                                                        \
+        }                                                                                                      \
     } while (0)
 
 static const char *mkmodel;
@@ -131,7 +131,8 @@ static char *receive_share(int listener, int *fds, int max_fds, int *n_fds) {
         for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c != NULL; c = CMSG_NXTHDR(&msg, c)) {
             if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
                 int count = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-                for (int i = 0; i < count && *n_fds < max_fds; ++i) memcpy(&fds[(*n_fds)++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+                for (int i = 0; i < count && *n_fds < max_fds; ++i)
+                    memcpy(&fds[(*n_fds)++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
             }
         }
         got += (size_t)n;
@@ -161,7 +162,10 @@ static void write_layout_file(const char *message, const char *path) {
 
 static uint16_t f16_bits(float value) {
     /* Exact for the small integers these tests use. */
-    union { float f; uint32_t u; } v = {value};
+    union {
+        float f;
+        uint32_t u;
+    } v = {value};
     uint32_t sign = (v.u >> 16) & 0x8000u;
     int exp = (int)((v.u >> 23) & 0xff) - 127 + 15;
     uint32_t mant = (v.u >> 13) & 0x3ffu;
@@ -199,8 +203,8 @@ static void decoder_places_every_cache_tensor_in_its_exported_chunks(void) {
     kvshare_decoder_chunk(d, k.chunk, &base, NULL);
     CHECK(k.offset % 4096 == 0);
     CHECK((char *)k.data == (char *)base + k.offset);
-    CHECK(k.ne[1] == 256);   /* kv_size */
-    CHECK(k.type == 1);      /* GGML_TYPE_F16 */
+    CHECK(k.ne[1] == 256); /* kv_size */
+    CHECK(k.type == 1);    /* GGML_TYPE_F16 */
     CHECK(k.layer == 0);
     CHECK(k.row_bytes == (uint64_t)k.ne[0] * 2);
     struct kvshare_tensor_info none = {.struct_size = sizeof none};
@@ -367,9 +371,11 @@ static void provider_scatter_lands_in_the_decoders_cells(void) {
         const uint32_t n_k = (uint32_t)k.ne[0], n_v = (uint32_t)v.ne[0], n_tokens = 3;
         float *rows = calloc((size_t)n_tokens * (n_k + n_v), sizeof(float));
         for (uint32_t t = 0; t < n_tokens; ++t)
-            for (uint32_t j = 0; j < n_k + n_v; ++j) rows[t * (n_k + n_v) + j] = (float)(t + 1) * (j < n_k ? 1.0f : -1.0f);
+            for (uint32_t j = 0; j < n_k + n_v; ++j)
+                rows[t * (n_k + n_v) + j] = (float)(t + 1) * (j < n_k ? 1.0f : -1.0f);
         CHECK_RC(kvshare_provider_begin_write(p), 0);
-        CHECK_RC(kvshare_provider_scatter(p, 0, 5, n_tokens, 0 /* F32 */, rows, (n_k + n_v) * sizeof(float), n_k, n_v), 0);
+        CHECK_RC(kvshare_provider_scatter(p, 0, 5, n_tokens, 0 /* F32 */, rows, (n_k + n_v) * sizeof(float), n_k, n_v),
+                 0);
         CHECK_RC(kvshare_provider_end_write(p), 0);
         /* A width the cache does not have is refused before anything is written. */
         CHECK_RC(kvshare_provider_scatter(p, 0, 0, 1, 0, rows, (n_k + n_v) * sizeof(float), n_k + 1, n_v), -EINVAL);
@@ -667,11 +673,11 @@ static char *serve_receive(int sock) {
     return body;
 }
 
-#define CHECK_REPLY(sock, word)                                                  \
-    do {                                                                         \
-        char *reply_ = serve_receive(sock);                                      \
-        CHECK_CONTAINS(reply_, (word));                                          \
-        free(reply_);                                                            \
+#define CHECK_REPLY(sock, word)             \
+    do {                                    \
+        char *reply_ = serve_receive(sock); \
+        CHECK_CONTAINS(reply_, (word));     \
+        free(reply_);                       \
     } while (0)
 
 /* A decoder with a share sent to this test's broker socket: the message and the fds
@@ -732,7 +738,8 @@ static void scatter_cells(struct kvshare_provider *p, uint32_t pos0, uint32_t n)
     const uint32_t n_k = (uint32_t)k.ne[0], n_v = (uint32_t)v.ne[0];
     float *rows = calloc((size_t)n * (n_k + n_v), sizeof(float));
     for (uint32_t t = 0; t < n; ++t)
-        for (uint32_t j = 0; j < n_k + n_v; ++j) rows[t * (n_k + n_v) + j] = (float)(pos0 + t + 1) * (j < n_k ? 1.0f : -1.0f);
+        for (uint32_t j = 0; j < n_k + n_v; ++j)
+            rows[t * (n_k + n_v) + j] = (float)(pos0 + t + 1) * (j < n_k ? 1.0f : -1.0f);
     CHECK_RC(kvshare_provider_begin_write(p), 0);
     CHECK_RC(kvshare_provider_scatter(p, 0, pos0, n, 0 /* F32 */, rows, (n_k + n_v) * sizeof(float), n_k, n_v), 0);
     CHECK_RC(kvshare_provider_end_write(p), 0);
@@ -830,14 +837,15 @@ static void resident_answers_stale_regions_and_refused_shares_itself(void) {
     CHECK_RC(kvshare_resident_hello(r, KVSHARE_ROUTE_SHARED, 0), 0);
     free(serve_receive(serve));
 
-    serve_send_prefill_shared(serve, 1, llama.share_id, 0, "5,6");   /* no region yet */
-    serve_send_region(serve, 1, &qwen2);                             /* another model's */
-    serve_send_prefill_shared(serve, 1, llama.share_id, 0, "5,6");   /* still none held */
+    serve_send_prefill_shared(serve, 1, llama.share_id, 0, "5,6"); /* no region yet */
+    serve_send_region(serve, 1, &qwen2);                           /* another model's */
+    serve_send_prefill_shared(serve, 1, llama.share_id, 0, "5,6"); /* still none held */
     serve_send_region(serve, 2, &llama);
     struct kvshare_resident_request q = {.struct_size = sizeof q};
     CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
     CHECK(q.kind == KVSHARE_REQUEST_REGION && q.region_id == 2);
-    CHECK_REPLY(serve, "\"op\":\"prefill\",\"ok\":false,\"errno\":116,\"error\":\"region 1: this provider holds no region");
+    CHECK_REPLY(serve,
+                "\"op\":\"prefill\",\"ok\":false,\"errno\":116,\"error\":\"region 1: this provider holds no region");
     char *refused = serve_receive(serve);
     CHECK_CONTAINS(refused, "\"op\":\"region\",\"ok\":false,\"errno\":22");
     CHECK_CONTAINS(refused, "field \\\"model.arch\\\" is \\\"qwen2\\\", this provider uses \\\"llama\\\"");
@@ -850,13 +858,13 @@ static void resident_answers_stale_regions_and_refused_shares_itself(void) {
 
     serve_send_prefill_shared(serve, 2, llama.share_id, 0, "5,6");
     serve_send_region(serve, 3, &llama);
-    serve_send_prefill_shared(serve, 2, llama.share_id, 0, "5,6");   /* 3 is held now */
-    serve_send_prefill_shared(serve, 3, llama.share_id, 1, "5,6");   /* the hello took no n_cached */
+    serve_send_prefill_shared(serve, 2, llama.share_id, 0, "5,6"); /* 3 is held now */
+    serve_send_prefill_shared(serve, 3, llama.share_id, 1, "5,6"); /* the hello took no n_cached */
     serve_send(serve,
                "{\"kvshare_provider\":1,\"op\":\"prefill\",\"route\":\"file\",\"state_file\":\"/tmp/x.bin\","
                "\"state_version\":3,\"kv\":{\"n_ctx\":256,\"type_k\":\"f16\",\"type_v\":\"f16\",\"flash_attn\":true},"
                "\"tokens\":[5,6]}",
-               NULL, 0);                                                 /* not a route it offered */
+               NULL, 0); /* not a route it offered */
     serve_send_prefill_shared(serve, 3, llama.share_id, 0, "5,6");
     CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
     CHECK(q.kind == KVSHARE_REQUEST_REGION && q.region_id == 3);
@@ -920,7 +928,8 @@ static void resident_hands_out_file_prefills_with_their_kv_params(void) {
     /* A shared prefill to a provider that offered only the file route is answered while
        next waits on; the wait then times out with the handle as it was. */
     CHECK_RC(kvshare_resident_next(r, 200, &q), -ETIMEDOUT);
-    CHECK_REPLY(serve, "\"errno\":95,\"error\":\"this provider does not take the shared route (its hello offered file)");
+    CHECK_REPLY(serve,
+                "\"errno\":95,\"error\":\"this provider does not take the shared route (its hello offered file)");
     close(serve);
     CHECK_RC(kvshare_resident_next(r, 5000, &q), 0);
     CHECK(q.kind == KVSHARE_REQUEST_END);
@@ -1050,8 +1059,8 @@ static struct kvshare_kv_params three_slot_params(void) {
 }
 
 /* Shares a decoder's stream to a fresh socket; the message (malloc'd) and its fds out. */
-static char *share_stream_to(struct kvshare_decoder *d, const char *name, uint32_t stream, uint64_t *share_id,
-                             int *fds, int *n_fds) {
+static char *share_stream_to(struct kvshare_decoder *d, const char *name, uint32_t stream, uint64_t *share_id, int *fds,
+                             int *n_fds) {
     char socket_path[4096];
     int listener = listen_at(name, socket_path, sizeof socket_path);
     char *message = NULL;
@@ -1157,7 +1166,7 @@ static void provider_scatter_writes_only_its_stream(void) {
 
         const size_t row = (size_t)dk.row_bytes, stream_bytes = row * (size_t)dk.ne[1];
         const unsigned char *cells = dk.data;
-        CHECK(memcmp(before, cells, stream_bytes) == 0);                                    /* stream 0 */
+        CHECK(memcmp(before, cells, stream_bytes) == 0);                                       /* stream 0 */
         CHECK(memcmp(before + 2 * stream_bytes, cells + 2 * stream_bytes, stream_bytes) == 0); /* stream 2 */
         CHECK(memcmp(before + stream_bytes + 4 * row, cells + stream_bytes + 4 * row, stream_bytes - 4 * row) == 0);
         const uint16_t *k1 = (const uint16_t *)(cells + stream_bytes);
@@ -1566,10 +1575,11 @@ static void a_smaller_struct_down_to_its_first_version_is_filled_only_that_far(v
     CHECK_RC(kvshare_decoder_open(model_path("llama", 3), &params, &d), 0);
     struct kvshare_tensor_info k = {.struct_size = (uint32_t)KVSHARE_TENSOR_INFO_SIZE_VER0 - 1};
     CHECK_RC(kvshare_decoder_tensor(d, "cache_k_l0", &k), -EINVAL);
-    snprintf(expected, sizeof expected,
-             "tensor cache_k_l0: struct kvshare_tensor_info: struct_size %u is smaller than its first version (%u bytes, "
-             "KVSHARE_TENSOR_INFO_SIZE_VER0)", (unsigned)KVSHARE_TENSOR_INFO_SIZE_VER0 - 1,
-             (unsigned)KVSHARE_TENSOR_INFO_SIZE_VER0);
+    snprintf(
+        expected, sizeof expected,
+        "tensor cache_k_l0: struct kvshare_tensor_info: struct_size %u is smaller than its first version (%u bytes, "
+        "KVSHARE_TENSOR_INFO_SIZE_VER0)",
+        (unsigned)KVSHARE_TENSOR_INFO_SIZE_VER0 - 1, (unsigned)KVSHARE_TENSOR_INFO_SIZE_VER0);
     CHECK_CONTAINS(kvshare_decoder_last_error(d), expected);
     kvshare_decoder_close(d);
 
@@ -1624,10 +1634,12 @@ static void a_larger_struct_with_a_non_zero_tail_is_refused_naming_the_offset(vo
     newer.bytes[sizeof newer.params + 5] = 1;
     struct kvshare_decoder *d = NULL;
     CHECK_RC(kvshare_decoder_open(model_path("llama", 3), &newer.params, &d), -E2BIG);
-    snprintf(expected, sizeof expected,
-             "struct kvshare_kv_params: struct_size %zu is larger than this library's %zu bytes (libkvshare_c %d.%d.%d) "
-             "and byte %zu is not zero", sizeof newer, sizeof newer.params, KVSHARE_C_API_VERSION_MAJOR,
-             KVSHARE_C_API_VERSION_MINOR, KVSHARE_C_API_VERSION_PATCH, sizeof newer.params + 5);
+    snprintf(
+        expected, sizeof expected,
+        "struct kvshare_kv_params: struct_size %zu is larger than this library's %zu bytes (libkvshare_c %d.%d.%d) "
+        "and byte %zu is not zero",
+        sizeof newer, sizeof newer.params, KVSHARE_C_API_VERSION_MAJOR, KVSHARE_C_API_VERSION_MINOR,
+        KVSHARE_C_API_VERSION_PATCH, sizeof newer.params + 5);
     CHECK_CONTAINS(kvshare_decoder_last_error(d), expected);
     CHECK(kvshare_decoder_can_share(d) == 0);
     kvshare_decoder_close(d);
@@ -1640,8 +1652,10 @@ static void a_larger_struct_with_a_non_zero_tail_is_refused_naming_the_offset(vo
     info.info.chunk = 77;
     info.bytes[sizeof info.info + 3] = 0x10;
     CHECK_RC(kvshare_decoder_tensor(d, "cache_k_l0", &info.info), -E2BIG);
-    snprintf(expected, sizeof expected, "tensor cache_k_l0: struct kvshare_tensor_info: struct_size %zu is larger than "
-             "this library's %zu bytes", sizeof info, sizeof info.info);
+    snprintf(expected, sizeof expected,
+             "tensor cache_k_l0: struct kvshare_tensor_info: struct_size %zu is larger than "
+             "this library's %zu bytes",
+             sizeof info, sizeof info.info);
     CHECK_CONTAINS(kvshare_decoder_last_error(d), expected);
     snprintf(expected, sizeof expected, "byte %zu is not zero", sizeof info.info + 3);
     CHECK_CONTAINS(kvshare_decoder_last_error(d), expected);

@@ -115,10 +115,10 @@ bool serve(ProviderChannel& channel, const std::string& fault, bool file_only) {
     reply.op = ProviderOp::prefill;
     if (request.route == PrefillRoute::shared) {
       if (!held || held->region_id != request.region_id) {
-        (void)channel.reply(refusal(ProviderOp::prefill, ESTALE,
-                                    held ? fmt::format("region {} is not the one held ({})", request.region_id,
-                                                       held->region_id)
-                                         : std::string("no region is held")));
+        (void)channel.reply(
+            refusal(ProviderOp::prefill, ESTALE,
+                    held ? fmt::format("region {} is not the one held ({})", request.region_id, held->region_id)
+                         : std::string("no region is held")));
         continue;
       }
       auto chunk = held->imported.chunk_bytes()[0];
@@ -144,11 +144,16 @@ int main(int argc, char** argv) {
   bool file_only = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    if (arg == "--serve-fd" && i + 1 < argc) serve_fd = std::atoi(argv[++i]);
-    else if (arg == "--serve" && i + 1 < argc) path = argv[++i];
-    else if (arg == "--fault" && i + 1 < argc) fault = argv[++i];
-    else if (arg == "--file-only") file_only = true;
-    else if (arg == "--model" && i + 1 < argc) ++i;  // what serve passes; nothing to load
+    if (arg == "--serve-fd" && i + 1 < argc)
+      serve_fd = std::atoi(argv[++i]);
+    else if (arg == "--serve" && i + 1 < argc)
+      path = argv[++i];
+    else if (arg == "--fault" && i + 1 < argc)
+      fault = argv[++i];
+    else if (arg == "--file-only")
+      file_only = true;
+    else if (arg == "--model" && i + 1 < argc)
+      ++i;  // what serve passes; nothing to load
     else {
       say("usage: --serve-fd N | --serve PATH [--fault F] [--file-only]");
       return 2;

@@ -9,11 +9,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "apps/decoder/slot_request.h"
 #include "route/api_key.h"
 #include "route/decoder_client.h"
 #include "route/handoff.h"
 #include "route/reply_timings_scanner.h"
-#include "apps/decoder/slot_request.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view body(reinterpret_cast<const char*>(data), size);

@@ -27,7 +27,8 @@ kvshare::layout::MemoryShape dense_expectation() {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const kvshare::layout::MemoryShape expect = dense_expectation();
-  std::vector<std::byte> bytes(reinterpret_cast<const std::byte*>(data), reinterpret_cast<const std::byte*>(data) + size);
+  std::vector<std::byte> bytes(reinterpret_cast<const std::byte*>(data),
+                               reinterpret_cast<const std::byte*>(data) + size);
   (void)kvshare::layout::decode_state_layout(bytes, &expect, "fuzz.bin");
   auto file = kvshare::statefile::parse_state_bytes(std::move(bytes), nullptr, "fuzz.bin");
   if (!file) return 0;
@@ -39,7 +40,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // Moving a decoded layout to the other generation must keep its offsets consistent.
   kvshare::layout::StateLayout other = file->layout();
   if (kvshare::layout::set_state_version(other, other.version == 2 ? 3 : 2)) {
-    if (other.token_form == kvshare::layout::StateTokenForm::ids && other.n_token != other.n_prompt_ids) __builtin_trap();
+    if (other.token_form == kvshare::layout::StateTokenForm::ids && other.n_token != other.n_prompt_ids)
+      __builtin_trap();
   }
   return 0;
 }

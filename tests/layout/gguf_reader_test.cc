@@ -346,9 +346,7 @@ TEST(GgufReader, TakesAnyNonZeroBoolByteAsTrueAsGgmlDoes) {
   EXPECT_TRUE(file->metadata.get_bool("b").value());
 }
 
-TEST(GgufReader, RefusesAnEmptyImage) {
-  expect_refused({}, {"header", "the magic", "byte offset 0"});
-}
+TEST(GgufReader, RefusesAnEmptyImage) { expect_refused({}, {"header", "the magic", "byte offset 0"}); }
 
 TEST(TensorData, RefusesATensorInfoWhoseRangeOverflows) {
   GgufFile file;

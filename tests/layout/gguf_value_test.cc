@@ -105,8 +105,7 @@ TEST(GgufMetadata, GetsAnArrayOrRefusesAScalar) {
 TEST(GgufMetadataPerLayer, BroadcastsAU32ScalarToEveryLayer) {
   GgufMetadata metadata;
   metadata.set("llama.attention.head_count_kv", value_of<uint32_t>(8));
-  EXPECT_EQ(metadata.find_per_layer("llama.attention.head_count_kv", 3).value(),
-            (std::vector<uint32_t>{8, 8, 8}));
+  EXPECT_EQ(metadata.find_per_layer("llama.attention.head_count_kv", 3).value(), (std::vector<uint32_t>{8, 8, 8}));
 }
 
 TEST(GgufMetadataPerLayer, IsAbsentWhenTheKeyIsMissing) {

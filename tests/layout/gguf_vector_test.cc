@@ -12,7 +12,9 @@
 namespace kvshare::layout {
 namespace {
 
-std::vector<std::byte> tiny_vector() { return kvshare::testing::read_file_bytes(kvshare::testing::data_path("gguf-tiny.gguf")); }
+std::vector<std::byte> tiny_vector() {
+  return kvshare::testing::read_file_bytes(kvshare::testing::data_path("gguf-tiny.gguf"));
+}
 
 // The values mk_tiny gave ggml (docs/gguf.md, "Worked example").
 std::vector<float> f32_values() {

@@ -459,10 +459,9 @@ TEST(GgufWriter, StopsAndReturnsTheSinksError) {
 
 TEST(GgufWriter, PassesOnAFillFunctionsErrorNamingTheTensor) {
   GgufWriter writer;
-  ASSERT_TRUE(writer.add_tensor_generated("blk.3.ffn_up.weight", GgmlType::F32, {8},
-                                          [](std::span<std::byte>) -> Result<void> {
-                                            return fail(EIO, "weight generator out of entropy");
-                                          }));
+  ASSERT_TRUE(writer.add_tensor_generated(
+      "blk.3.ffn_up.weight", GgmlType::F32, {8},
+      [](std::span<std::byte>) -> Result<void> { return fail(EIO, "weight generator out of entropy"); }));
   auto bytes = writer.finish();
   ASSERT_FALSE(bytes);
   EXPECT_EQ(bytes.error().errno_value(), EIO);

@@ -120,8 +120,9 @@ TEST(LayoutDump, ShowsTheRecurrentLayersWidthsAndTensors) {
                          "n_embd_r 384 (1536 bytes per cell), n_embd_s 1024 (4096 bytes per cell)\n"),
             std::string::npos)
       << *report;
-  EXPECT_NE(report->find("cache_s_l2       f32    [1024, 1, 1, 1]                1        20480         4096  1 recurrent\n"),
-            std::string::npos)
+  EXPECT_NE(
+      report->find("cache_s_l2       f32    [1024, 1, 1, 1]                1        20480         4096  1 recurrent\n"),
+      std::string::npos)
       << *report;
   EXPECT_NE(report->find("recurrent bytes per sequence: 16896\n"), std::string::npos) << *report;
 }
@@ -131,8 +132,9 @@ TEST(LayoutDump, SaysAZeroWidthStateTakesNoBytes) {
   auto report = render_layout_dump(model.file, ctx(512), false);
   ASSERT_TRUE(report.has_value()) << report.error().what();
   EXPECT_NE(report->find("n_embd_s 0 (empty tensors: 0 bytes in the region)\n"), std::string::npos) << *report;
-  EXPECT_NE(report->find("cache_s_l0       f32    [0, 1, 1, 1]                   1         4096            0  1 recurrent\n"),
-            std::string::npos)
+  EXPECT_NE(
+      report->find("cache_s_l0       f32    [0, 1, 1, 1]                   1         4096            0  1 recurrent\n"),
+      std::string::npos)
       << *report;
 }
 

@@ -120,9 +120,7 @@ void expect_chunk(const ShareChunk& chunk, uint32_t cache_index, uint64_t size_b
   EXPECT_EQ(chunk.layout_hash, layout_hash);
 }
 
-void expect_dump_params(const KvParams& params, uint32_t n_ctx) {
-  EXPECT_EQ(params, dump_params(n_ctx));
-}
+void expect_dump_params(const KvParams& params, uint32_t n_ctx) { EXPECT_EQ(params, dump_params(n_ctx)); }
 
 TEST(LayoutKinds, DecodesTheRecurrentMamba2VectorFieldByField) {
   const ShareHeader h = parse_vector("layout-recurrent-mamba2.json");
@@ -147,7 +145,8 @@ TEST(LayoutKinds, DecodesTheRecurrentMamba2VectorFieldByField) {
   ASSERT_EQ(h.layout.chunks.size(), 1u);
   expect_chunk(h.layout.chunks[0], 0, 40960, 0x2da3e95b6de5c84full);
   ASSERT_EQ(h.layout.tensors.size(), 4u);
-  expect_tensor(h.layout.tensors[0], "cache_r_l0", 0, 0, TensorKind::r, GgmlType::F32, {864, 1, 1, 1}, 3456, 0, 0, 4096);
+  expect_tensor(h.layout.tensors[0], "cache_r_l0", 0, 0, TensorKind::r, GgmlType::F32, {864, 1, 1, 1}, 3456, 0, 0,
+                4096);
   expect_tensor(h.layout.tensors[1], "cache_s_l0", 0, 0, TensorKind::s, GgmlType::F32, {4096, 1, 1, 1}, 16384, 0, 4096,
                 16384);
   expect_tensor(h.layout.tensors[2], "cache_r_l1", 0, 1, TensorKind::r, GgmlType::F32, {864, 1, 1, 1}, 3456, 0, 20480,
@@ -196,9 +195,10 @@ TEST(LayoutKinds, DecodesTheIswaGemma3VectorFieldByField) {
   // Creation order: the base cache's tensors first, so layer 1 before layer 0.
   expect_tensor(h.layout.tensors[0], "cache_k_l1", 0, 1, TensorKind::k, GgmlType::F16, {128, 1024, 1, 1}, 256, 0, 0,
                 262144);
-  expect_tensor(h.layout.tensors[1], "cache_v_l1", 0, 1, TensorKind::v, GgmlType::F16, {128, 1024, 1, 1}, 256, 0, 262144,
-                262144);
-  expect_tensor(h.layout.tensors[2], "cache_k_l0", 1, 0, TensorKind::k, GgmlType::F16, {128, 768, 1, 1}, 256, 1, 0, 196608);
+  expect_tensor(h.layout.tensors[1], "cache_v_l1", 0, 1, TensorKind::v, GgmlType::F16, {128, 1024, 1, 1}, 256, 0,
+                262144, 262144);
+  expect_tensor(h.layout.tensors[2], "cache_k_l0", 1, 0, TensorKind::k, GgmlType::F16, {128, 768, 1, 1}, 256, 1, 0,
+                196608);
   expect_tensor(h.layout.tensors[3], "cache_v_l0", 1, 0, TensorKind::v, GgmlType::F16, {128, 768, 1, 1}, 256, 1, 196608,
                 196608);
 }
@@ -228,7 +228,8 @@ TEST(LayoutKinds, DecodesTheHybridQwen35VectorFieldByField) {
   expect_chunk(h.layout.chunks[0], 0, 262144, 0x05b423ba98441fa1ull);
   expect_chunk(h.layout.chunks[1], 1, 24576, 0xe219213eb239adfdull);
   ASSERT_EQ(h.layout.tensors.size(), 8u);
-  expect_tensor(h.layout.tensors[0], "cache_k_l3", 0, 3, TensorKind::k, GgmlType::F16, {128, 512, 1, 1}, 256, 0, 0, 131072);
+  expect_tensor(h.layout.tensors[0], "cache_k_l3", 0, 3, TensorKind::k, GgmlType::F16, {128, 512, 1, 1}, 256, 0, 0,
+                131072);
   expect_tensor(h.layout.tensors[1], "cache_v_l3", 0, 3, TensorKind::v, GgmlType::F16, {128, 512, 1, 1}, 256, 0, 131072,
                 131072);
   for (uint32_t il = 0; il < 3; ++il) {
@@ -260,10 +261,12 @@ TEST(LayoutKinds, DecodesTheHybridLfm2VectorWithItsZeroWidthState) {
   expect_chunk(h.layout.chunks[0], 0, 131072, 0xdef47d354c70c8a1ull);
   expect_chunk(h.layout.chunks[1], 1, 4096, 0x45d5aa0169942991ull);
   ASSERT_EQ(h.layout.tensors.size(), 4u);
-  expect_tensor(h.layout.tensors[0], "cache_k_l1", 0, 1, TensorKind::k, GgmlType::F16, {64, 512, 1, 1}, 128, 0, 0, 65536);
+  expect_tensor(h.layout.tensors[0], "cache_k_l1", 0, 1, TensorKind::k, GgmlType::F16, {64, 512, 1, 1}, 128, 0, 0,
+                65536);
   expect_tensor(h.layout.tensors[1], "cache_v_l1", 0, 1, TensorKind::v, GgmlType::F16, {64, 512, 1, 1}, 128, 0, 65536,
                 65536);
-  expect_tensor(h.layout.tensors[2], "cache_r_l0", 1, 0, TensorKind::r, GgmlType::F32, {384, 1, 1, 1}, 1536, 1, 0, 4096);
+  expect_tensor(h.layout.tensors[2], "cache_r_l0", 1, 0, TensorKind::r, GgmlType::F32, {384, 1, 1, 1}, 1536, 1, 0,
+                4096);
   // Listed and hashed, but 0 bytes: it sits at the end of its chunk and takes nothing.
   expect_tensor(h.layout.tensors[3], "cache_s_l0", 1, 0, TensorKind::s, GgmlType::F32, {0, 1, 1, 1}, 0, 1, 4096, 0);
   EXPECT_EQ(h.layout.total_bytes(), 131072u + 4096u);

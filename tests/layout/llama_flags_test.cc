@@ -12,8 +12,8 @@ namespace {
 
 TEST(NormalizeLlamaFlags, RewritesMultiLetterShortFlagsBeforeTheSeparatorOnly) {
   const auto args = normalize_llama_flags({"-fa", "off", "-ctk=q8_0", "-np", "1", "--", "-fa", "on"});
-  const std::vector<std::string> expected = {"--flash-attn", "off", "--cache-type-k=q8_0", "--parallel", "1",
-                                             "--", "-fa", "on"};
+  const std::vector<std::string> expected = {"--flash-attn", "off", "--cache-type-k=q8_0", "--parallel", "1", "--",
+                                             "-fa",          "on"};
   EXPECT_EQ(args, expected);
 }
 

@@ -115,12 +115,12 @@ TEST(MemoryShape, KeepsOneStreamForAUnifiedCacheOfManySequences) {
 // n_ctx_seq * n_seq_max. llama_model::create_memory gives llama_kv_cache kv_size =
 // n_ctx_seq, and its constructor n_stream = unified ? 1 : n_seq_max.
 struct StreamSplit {
-  uint32_t n_ctx;       // -c
-  uint32_t n_seq_max;   // -np
-  bool kv_unified;      // -kvu
-  uint32_t kv_size;     // cells per stream
+  uint32_t n_ctx;      // -c
+  uint32_t n_seq_max;  // -np
+  bool kv_unified;     // -kvu
+  uint32_t kv_size;    // cells per stream
   uint32_t n_stream;
-  uint32_t n_ctx_out;   // llama_n_ctx(): every stream's cells
+  uint32_t n_ctx_out;  // llama_n_ctx(): every stream's cells
 };
 
 void PrintTo(const StreamSplit& c, std::ostream* os) {
@@ -237,7 +237,7 @@ TEST(MemoryShape, SizesQuantizedRowsWithGgmlRowSize) {
   const KvCacheShape cache = memory_of(model, params).kv_caches[0];
   EXPECT_EQ(cache.tensors[0].row_bytes, 136u);  // 4 blocks of 34
   EXPECT_EQ(cache.tensors[0].nbytes, 136u * 256u);
-  EXPECT_EQ(cache.tensors[1].row_bytes, 72u);   // 4 blocks of 18
+  EXPECT_EQ(cache.tensors[1].row_bytes, 72u);  // 4 blocks of 18
 }
 
 TEST(MemoryShape, RefusesAQuantizedVWithoutFlashAttention) {

@@ -353,7 +353,8 @@ TEST(ModelShape, NamesAnUnknownArchAndTheKeysItWouldNeed) {
 }
 
 TEST(ModelShape, NamesAMissingRequiredKey) {
-  auto shape = derive_model_shape(transformer("llama", 2, 256, 4, 2).remove_by_rebuilding("embedding_length").metadata());
+  auto shape =
+      derive_model_shape(transformer("llama", 2, 256, 4, 2).remove_by_rebuilding("embedding_length").metadata());
   ASSERT_FALSE(shape.has_value());
   EXPECT_EQ(shape.error().errno_value(), ENOENT);
   EXPECT_NE(shape.error().message().find("llama.embedding_length"), std::string::npos) << shape.error().what();

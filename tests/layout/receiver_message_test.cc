@@ -141,8 +141,8 @@ TEST(ReceiverMessage, RefusesAnOversizedOrTooDeeplyNestedMessageBeforeParsing) {
   auto oversized = parse_receiver_reply(big, "peer");
   ASSERT_FALSE(oversized);
   EXPECT_EQ(oversized.error().errno_value(), EMSGSIZE);
-  const std::string deep = R"({"version":1,"op":"revoke","why":"x","n":)" + std::string(100, '[') +
-                           std::string(100, ']') + "}";
+  const std::string deep =
+      R"({"version":1,"op":"revoke","why":"x","n":)" + std::string(100, '[') + std::string(100, ']') + "}";
   auto nested = parse_receiver_request(deep, "peer");
   ASSERT_FALSE(nested);
   EXPECT_NE(nested.error().what().find("nests deeper"), std::string::npos) << nested.error().what();

@@ -81,7 +81,8 @@ TEST(RemoteGrant, SlicesEveryElementRowOfATransposedV) {
 
 TEST(RemoteGrant, HashesTheWholeLayoutSoAnotherContextSizeDiffers) {
   EXPECT_EQ(whole_layout_hash(remote_example_header().layout), whole_layout_hash(remote_example_header().layout));
-  EXPECT_NE(whole_layout_hash(remote_example_header(512).layout), whole_layout_hash(remote_example_header(1024).layout));
+  EXPECT_NE(whole_layout_hash(remote_example_header(512).layout),
+            whole_layout_hash(remote_example_header(1024).layout));
 }
 
 }  // namespace

@@ -29,24 +29,62 @@ float bits_to_float(uint32_t bits) { return std::bit_cast<float>(bits); }
 // Values that sit on every rounding edge of f16 and q8_0, plus random ones.
 std::vector<float> awkward_floats(size_t random_count, uint32_t seed) {
   std::vector<float> values = {
-      0.0f, -0.0f, 1.0f, -1.0f, 65504.0f, 65520.0f, -65520.0f, 65519.99f, 1e30f, -1e30f,
-      std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
-      std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN(),
-      bits_to_float(0x7F800001u), bits_to_float(0xFFFFFFFFu), bits_to_float(0x7FC12345u),
-      std::numeric_limits<float>::denorm_min(), -std::numeric_limits<float>::denorm_min(),
-      std::numeric_limits<float>::min(), 0x1.0p-24f, 0x1.0p-25f, 0x1.8p-24f, 0x1.4p-24f, 0x1.0p-14f,
-      0x1.ffcp-15f, 1.0f + 0x1.0p-11f, 1.0f + 0x1.8p-10f, 1.0f + 0x1.0p-10f + 0x1.0p-11f, 2049.0f, 2051.0f,
-      0.5f, 1.5f, 2.5f, -2.5f, 3.5f, 126.5f, -126.5f,
+      0.0f,
+      -0.0f,
+      1.0f,
+      -1.0f,
+      65504.0f,
+      65520.0f,
+      -65520.0f,
+      65519.99f,
+      1e30f,
+      -1e30f,
+      std::numeric_limits<float>::infinity(),
+      -std::numeric_limits<float>::infinity(),
+      std::numeric_limits<float>::quiet_NaN(),
+      -std::numeric_limits<float>::quiet_NaN(),
+      bits_to_float(0x7F800001u),
+      bits_to_float(0xFFFFFFFFu),
+      bits_to_float(0x7FC12345u),
+      std::numeric_limits<float>::denorm_min(),
+      -std::numeric_limits<float>::denorm_min(),
+      std::numeric_limits<float>::min(),
+      0x1.0p-24f,
+      0x1.0p-25f,
+      0x1.8p-24f,
+      0x1.4p-24f,
+      0x1.0p-14f,
+      0x1.ffcp-15f,
+      1.0f + 0x1.0p-11f,
+      1.0f + 0x1.8p-10f,
+      1.0f + 0x1.0p-10f + 0x1.0p-11f,
+      2049.0f,
+      2051.0f,
+      0.5f,
+      1.5f,
+      2.5f,
+      -2.5f,
+      3.5f,
+      126.5f,
+      -126.5f,
   };
   std::mt19937 rng(seed);
   std::uniform_int_distribution<uint32_t> any_bits;
   std::normal_distribution<float> normal(0.0f, 3.0f);
   for (size_t i = 0; i < random_count; ++i) {
     switch (i % 4) {
-      case 0: values.push_back(bits_to_float(any_bits(rng))); break;  // every class, NaN payloads
-      case 1: values.push_back(normal(rng)); break;
-      case 2: values.push_back(std::ldexp(normal(rng), -20)); break;  // f16 denormal range
-      default: values.push_back(static_cast<float>(static_cast<int>(normal(rng) * 20)) + 0.5f); break;
+      case 0:
+        values.push_back(bits_to_float(any_bits(rng)));
+        break;  // every class, NaN payloads
+      case 1:
+        values.push_back(normal(rng));
+        break;
+      case 2:
+        values.push_back(std::ldexp(normal(rng), -20));
+        break;  // f16 denormal range
+      default:
+        values.push_back(static_cast<float>(static_cast<int>(normal(rng) * 20)) + 0.5f);
+        break;
     }
   }
   return values;
@@ -54,11 +92,20 @@ std::vector<float> awkward_floats(size_t random_count, uint32_t seed) {
 
 TEST(Fp16Conversion, GivesTheKnownBitPatternsOfIeeeHalf) {
   const std::pair<float, uint16_t> cases[] = {
-      {1.0f, 0x3C00},          {-2.0f, 0xC000},          {65504.0f, 0x7BFF},  {65520.0f, 0x7C00},
-      {0.0f, 0x0000},          {-0.0f, 0x8000},          {0x1.0p-24f, 0x0001}, {0x1.0p-25f, 0x0000},
-      {0x1.8p-24f, 0x0002},    {0x1.0p-14f, 0x0400},     {1.0f + 0x1.0p-11f, 0x3C00},  // tie to even
+      {1.0f, 0x3C00},
+      {-2.0f, 0xC000},
+      {65504.0f, 0x7BFF},
+      {65520.0f, 0x7C00},
+      {0.0f, 0x0000},
+      {-0.0f, 0x8000},
+      {0x1.0p-24f, 0x0001},
+      {0x1.0p-25f, 0x0000},
+      {0x1.8p-24f, 0x0002},
+      {0x1.0p-14f, 0x0400},
+      {1.0f + 0x1.0p-11f, 0x3C00},  // tie to even
       {1.0f + 0x1.8p-10f, 0x3C02},  // tie, odd below: rounds up
-      {0.333333343f, 0x3555},  {std::numeric_limits<float>::infinity(), 0x7C00},
+      {0.333333343f, 0x3555},
+      {std::numeric_limits<float>::infinity(), 0x7C00},
       {-std::numeric_limits<float>::infinity(), 0xFC00},
   };
   for (const auto& [value, bits] : cases) EXPECT_EQ(fp32_to_fp16(value), bits) << value;
@@ -90,7 +137,8 @@ TEST(RowConvertVector, DecodesEveryHalfToTheSameFloatBitsAsTheScalarKernel) {
   kernels::fp16_to_fp32_scalar(every.data(), scalar.data(), static_cast<int64_t>(every.size()));
   kernels::fp16_to_fp32_avx2(every.data(), vector.data(), static_cast<int64_t>(every.size()));
   for (size_t i = 0; i < every.size(); ++i)
-    ASSERT_EQ(std::bit_cast<uint32_t>(vector[i]), std::bit_cast<uint32_t>(scalar[i])) << "half " << std::hex << every[i];
+    ASSERT_EQ(std::bit_cast<uint32_t>(vector[i]), std::bit_cast<uint32_t>(scalar[i]))
+        << "half " << std::hex << every[i];
 }
 
 TEST(RowConvertVector, ProducesTheSameQ8_0BytesAsTheScalarKernel) {
@@ -204,8 +252,8 @@ TEST(RowConvert, RoundTripsEveryQuantizedCacheTypeWithinOneQuantizationStep) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<float> x(256);
   for (float& v : x) v = normal(rng);
-  for (GgmlType type : {GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1,
-                        GgmlType::IQ4_NL}) {
+  for (GgmlType type :
+       {GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::IQ4_NL}) {
     std::vector<std::byte> q(ggml_row_size(type, 256));
     std::vector<float> back(256);
     convert_row(GgmlType::F32, x.data(), type, q.data(), 256);
@@ -220,13 +268,17 @@ TEST(RowConvert, RoundTripsEveryQuantizedCacheTypeWithinOneQuantizationStep) {
         hi = std::max(hi, x[static_cast<size_t>(b * 32 + j)]);
       }
       const float amax = std::max(std::fabs(lo), std::fabs(hi));
-      const float step = type == GgmlType::Q8_0 ? amax / 127 : type == GgmlType::Q5_0 ? amax / 16
-                       : type == GgmlType::Q5_1 ? (hi - lo) / 31 : type == GgmlType::Q4_1 ? (hi - lo) / 15
-                       : type == GgmlType::Q4_0 ? amax / 8 : amax * 24 / 127;
+      const float step = type == GgmlType::Q8_0   ? amax / 127
+                         : type == GgmlType::Q5_0 ? amax / 16
+                         : type == GgmlType::Q5_1 ? (hi - lo) / 31
+                         : type == GgmlType::Q4_1 ? (hi - lo) / 15
+                         : type == GgmlType::Q4_0 ? amax / 8
+                                                  : amax * 24 / 127;
       for (int j = 0; j < 32; ++j) {
         const size_t i = static_cast<size_t>(b * 32 + j);
         const bool full_step = type == GgmlType::Q4_0 || type == GgmlType::Q5_0 || type == GgmlType::IQ4_NL;
-        EXPECT_NEAR(back[i], x[i], step * (full_step ? 1.01f : 0.51f) + 1e-3f * amax) << ggml_type_name(type) << " element " << i;
+        EXPECT_NEAR(back[i], x[i], step * (full_step ? 1.01f : 0.51f) + 1e-3f * amax)
+            << ggml_type_name(type) << " element " << i;
       }
     }
   }
@@ -234,14 +286,14 @@ TEST(RowConvert, RoundTripsEveryQuantizedCacheTypeWithinOneQuantizationStep) {
 
 TEST(DequantizeRow, DecodesAQ4KBlockAsComputedByHand) {
   BlockQ4_K block{};
-  block.d = 0x3C00;     // 1.0
-  block.dmin = 0x3800;  // 0.5
+  block.d = 0x3C00;                // 1.0
+  block.dmin = 0x3800;             // 0.5
   block.scales[0] = 2 | (1 << 6);  // sub-block 0: scale 2; its top bits feed sub-block 4's scale
   block.scales[4] = 3;             // sub-block 0: min 3
   block.scales[1] = 1;             // sub-block 1: scale 1, min 0
   block.scales[8] = 0x23;          // sub-block 4: scale 3 | 1<<4 = 19, min 2
-  block.qs[0] = 0x75;   // element 0 = 2*5 - 0.5*3 = 8.5; element 32 = 1*7 - 0 = 7
-  block.qs[64] = 0x01;  // element 128 = 19*1 - 0.5*2 = 18
+  block.qs[0] = 0x75;              // element 0 = 2*5 - 0.5*3 = 8.5; element 32 = 1*7 - 0 = 7
+  block.qs[64] = 0x01;             // element 128 = 19*1 - 0.5*2 = 18
   std::vector<float> y(256);
   ASSERT_TRUE(dequantize_row(GgmlType::Q4_K, &block, y.data(), 256));
   EXPECT_EQ(y[0], 8.5f);
@@ -254,7 +306,7 @@ TEST(DequantizeRow, DecodesAQ6KBlockAsComputedByHand) {
   BlockQ6_K block{};
   block.d = 0x3800;  // 0.5
   block.ql[0] = 0x0A;
-  block.qh[0] = 0x02;  // element 0: (10 | 2<<4) - 32 = 10
+  block.qh[0] = 0x02;   // element 0: (10 | 2<<4) - 32 = 10
   block.ql[32] = 0x50;  // element 96: (5 | 0<<4) - 32 = -27
   block.scales[0] = -3;
   block.scales[6] = 2;
@@ -284,7 +336,8 @@ TEST(HadamardRotate, EqualsTheProductWithTheSylvesterMatrix) {
       for (int i = 0; i < group; ++i) {
         double expected = 0;
         for (int j = 0; j < group; ++j)
-          expected += ((std::popcount(static_cast<unsigned>(i & j)) & 1) ? -1.0 : 1.0) * x[base + static_cast<size_t>(j)];
+          expected +=
+              ((std::popcount(static_cast<unsigned>(i & j)) & 1) ? -1.0 : 1.0) * x[base + static_cast<size_t>(j)];
         expected /= std::sqrt(static_cast<double>(group));
         EXPECT_NEAR(rotated[base + static_cast<size_t>(i)], expected, 1e-4) << group << " " << i;
       }

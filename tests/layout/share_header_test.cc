@@ -3,8 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cerrno>
-#include <nlohmann/json.hpp>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "layout/shape_fixtures.h"
@@ -200,7 +200,8 @@ TEST(ShareHeader, RefusesATensorPastTheEndOfItsChunk) {
 }
 
 TEST(ShareHeader, RecomputesTheChunkHash) {
-  const std::string message = parse_error(edited([](Json& j) { j["chunks"][0]["layout_hash"] = "0x0000000000000001"; }));
+  const std::string message =
+      parse_error(edited([](Json& j) { j["chunks"][0]["layout_hash"] = "0x0000000000000001"; }));
   EXPECT_NE(message.find("chunks[0].layout_hash"), std::string::npos) << message;
   EXPECT_NE(message.find("0xc152419dd99b2d2f"), std::string::npos) << message;
 }
@@ -242,7 +243,8 @@ TEST(ShareHeader, RefusesARecurrentLayerWidthThatDisagreesWithItsTensors) {
   ASSERT_TRUE(header.has_value()) << header.error().what();
   Json j = Json::parse(to_json(*header));
   ASSERT_TRUE(parse_share_header(j.dump(), "unaltered").has_value());
-  j["memory"]["recurrent"]["layers"][0]["n_embd_s"] = j["memory"]["recurrent"]["layers"][0]["n_embd_s"].get<uint32_t>() + 4;
+  j["memory"]["recurrent"]["layers"][0]["n_embd_s"] =
+      j["memory"]["recurrent"]["layers"][0]["n_embd_s"].get<uint32_t>() + 4;
   const std::string message = parse_error(j.dump());
   EXPECT_NE(message.find("memory.recurrent.layers[0].n_embd_s"), std::string::npos) << message;
   EXPECT_NE(message.find("cache_s_l0"), std::string::npos) << message;

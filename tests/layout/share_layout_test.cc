@@ -69,9 +69,7 @@ TEST(ShareLayout, HashesTypeAndShapeAsWholeWordsTensorByTensor) {
 
 // Regression: the start value is decimal 1469598103934665603, not FNV-1a's textbook
 // 0xcbf29ce484222325; only the former reproduces the worked example's hash values.
-TEST(ShareLayout, SeedsWithTheForksDecimalLiteral) {
-  EXPECT_EQ(kLayoutHashSeed, 0x14650fb0739d0383ull);
-}
+TEST(ShareLayout, SeedsWithTheForksDecimalLiteral) { EXPECT_EQ(kLayoutHashSeed, 0x14650fb0739d0383ull); }
 
 TEST(ShareLayout, ReproducesTheSpecsTwoStreamVariant) {
   const ShareLayout layout = share_layout(worked_example_memory(2, false));
@@ -107,8 +105,7 @@ TEST(ShareLayout, SeedsEachChunksHashAfresh) {
   const MemoryShape memory = cache_of_sizes({512 * kMiB, 512 * kMiB, 512 * kMiB});
   const ShareLayout layout = share_layout(memory);
   const auto& tensors = memory.kv_caches[0].tensors;
-  EXPECT_EQ(layout.chunks[0].layout_hash,
-            layout_hash_step(layout_hash_step(kLayoutHashSeed, tensors[0]), tensors[1]));
+  EXPECT_EQ(layout.chunks[0].layout_hash, layout_hash_step(layout_hash_step(kLayoutHashSeed, tensors[0]), tensors[1]));
   EXPECT_EQ(layout.chunks[1].layout_hash, layout_hash_step(kLayoutHashSeed, tensors[2]));
 }
 
@@ -137,9 +134,8 @@ TEST(ShareLayout, RaisesAChunkOfEmptyTensorsTo4KiB) {
 }
 
 TEST(ShareLayout, ChunksEachCacheObjectSeparatelyInFdOrder) {
-  auto model = derive_model_shape(testing::transformer("gemma3", 6, 1024, 4, 1)
-                                      .u32("attention.sliding_window", 512)
-                                      .metadata());
+  auto model =
+      derive_model_shape(testing::transformer("gemma3", 6, 1024, 4, 1).u32("attention.sliding_window", 512).metadata());
   ASSERT_TRUE(model.has_value()) << model.error().what();
   KvParams params;
   params.n_ctx = 4096;

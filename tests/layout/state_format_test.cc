@@ -171,11 +171,11 @@ TEST(StateFormat, GivesVersion2MropeCellsTwentyBytesWithXAndYEqualToPos) {
   EXPECT_EQ(layout->blocks[0].streams[0].cell_record_bytes, 20u);
   const auto file = pattern_file(*layout, token_ids(3));
   const uint64_t cell2 = layout->blocks[0].streams[0].cells_offset + 2 * 20;
-  EXPECT_EQ(read_at<int32_t>(file, cell2), 2);       // pos
-  EXPECT_EQ(read_at<uint32_t>(file, cell2 + 4), 1u); // n_seq_id
-  EXPECT_EQ(read_at<int32_t>(file, cell2 + 8), 2);   // x
-  EXPECT_EQ(read_at<int32_t>(file, cell2 + 12), 2);  // y
-  EXPECT_EQ(read_at<int32_t>(file, cell2 + 16), 0);  // seq id
+  EXPECT_EQ(read_at<int32_t>(file, cell2), 2);        // pos
+  EXPECT_EQ(read_at<uint32_t>(file, cell2 + 4), 1u);  // n_seq_id
+  EXPECT_EQ(read_at<int32_t>(file, cell2 + 8), 2);    // x
+  EXPECT_EQ(read_at<int32_t>(file, cell2 + 12), 2);   // y
+  EXPECT_EQ(read_at<int32_t>(file, cell2 + 16), 0);   // seq id
 }
 
 // Version 3 (llama.cpp 80fb11ac) widened llama_kv_cell_ext by the cell's token: x, y, tok.
@@ -188,7 +188,7 @@ TEST(StateFormat, GivesVersion3MropeCellsTwentyFourBytesWithTheCellsToken) {
   const std::vector<int32_t> ids{70, 71, 72};
   set_cell_tokens(*layout, ids);
   const auto file = pattern_file(*layout, ids);
-  EXPECT_EQ(read_at<uint32_t>(file, 4), 3u);          // version
+  EXPECT_EQ(read_at<uint32_t>(file, 4), 3u);  // version
   const uint64_t cell2 = layout->blocks[0].streams[0].cells_offset + 2 * 24;
   EXPECT_EQ(read_at<int32_t>(file, cell2), 2);        // pos
   EXPECT_EQ(read_at<uint32_t>(file, cell2 + 4), 1u);  // n_seq_id
@@ -295,47 +295,47 @@ std::vector<Case> round_trip_cases() {
 
 TEST(StateFormatDecode, RoundTripsEveryMemoryKindWithAndWithoutTheShape) {
   for (const auto& c : round_trip_cases())
-  for (uint32_t version : {kStateSeqVersion2, kStateSeqVersion3}) {
-    SCOPED_TRACE(fmt::format("{}, version {}", c.name, version));
-    const auto tokens = token_ids(c.n_tokens);
-    auto planned = plan_state_layout(c.shape, c.n_tokens, c.n_tokens, version);
-    ASSERT_TRUE(planned) << planned.error().what();
-    const auto file = pattern_file(*planned, tokens);
-    ASSERT_EQ(file.size(), planned->content_bytes);
+    for (uint32_t version : {kStateSeqVersion2, kStateSeqVersion3}) {
+      SCOPED_TRACE(fmt::format("{}, version {}", c.name, version));
+      const auto tokens = token_ids(c.n_tokens);
+      auto planned = plan_state_layout(c.shape, c.n_tokens, c.n_tokens, version);
+      ASSERT_TRUE(planned) << planned.error().what();
+      const auto file = pattern_file(*planned, tokens);
+      ASSERT_EQ(file.size(), planned->content_bytes);
 
-    for (const MemoryShape* expect : {&c.shape, static_cast<const MemoryShape*>(nullptr)}) {
-      auto decoded = decode_state_layout(file, expect, "case.bin");
-      ASSERT_TRUE(decoded) << decoded.error().what();
-      EXPECT_EQ(decoded->memory_kind, c.shape.kind);
-      EXPECT_EQ(decoded->version, version);
-      EXPECT_EQ(decoded->has_mrope_cells, c.shape.n_pos_per_embd > 1);
-      EXPECT_EQ(decoded->trailing_bytes, 0u);
-      EXPECT_EQ(decode_state_tokens(file, *decoded), tokens);
-      // Re-encoding what was decoded, rows taken from the file, gives the same bytes.
-      const auto again = encode_state_file(*decoded, tokens, [&](const StateSection& s) {
-        return std::span<const std::byte>(file).subspan(s.data_offset, s.data_bytes());
-      });
-      EXPECT_EQ(again, file);
-      ASSERT_EQ(decoded->blocks.size(), planned->blocks.size());
-      for (size_t b = 0; b < planned->blocks.size(); ++b) {
-        const auto& want = planned->blocks[b].streams;
-        const auto& got = decoded->blocks[b].streams;
-        ASSERT_EQ(got.size(), want.size());
-        for (size_t s = 0; s < want.size(); ++s) {
-          EXPECT_EQ(got[s].cells, want[s].cells);
-          ASSERT_EQ(got[s].sections.size(), want[s].sections.size());
-          for (size_t i = 0; i < want[s].sections.size(); ++i) {
-            EXPECT_EQ(got[s].sections[i].type, want[s].sections[i].type);
-            EXPECT_EQ(got[s].sections[i].n_embd, want[s].sections[i].n_embd);
-            EXPECT_EQ(got[s].sections[i].data_offset, want[s].sections[i].data_offset);
-            if (expect) {
-              EXPECT_EQ(got[s].sections[i].il, want[s].sections[i].il);
+      for (const MemoryShape* expect : {&c.shape, static_cast<const MemoryShape*>(nullptr)}) {
+        auto decoded = decode_state_layout(file, expect, "case.bin");
+        ASSERT_TRUE(decoded) << decoded.error().what();
+        EXPECT_EQ(decoded->memory_kind, c.shape.kind);
+        EXPECT_EQ(decoded->version, version);
+        EXPECT_EQ(decoded->has_mrope_cells, c.shape.n_pos_per_embd > 1);
+        EXPECT_EQ(decoded->trailing_bytes, 0u);
+        EXPECT_EQ(decode_state_tokens(file, *decoded), tokens);
+        // Re-encoding what was decoded, rows taken from the file, gives the same bytes.
+        const auto again = encode_state_file(*decoded, tokens, [&](const StateSection& s) {
+          return std::span<const std::byte>(file).subspan(s.data_offset, s.data_bytes());
+        });
+        EXPECT_EQ(again, file);
+        ASSERT_EQ(decoded->blocks.size(), planned->blocks.size());
+        for (size_t b = 0; b < planned->blocks.size(); ++b) {
+          const auto& want = planned->blocks[b].streams;
+          const auto& got = decoded->blocks[b].streams;
+          ASSERT_EQ(got.size(), want.size());
+          for (size_t s = 0; s < want.size(); ++s) {
+            EXPECT_EQ(got[s].cells, want[s].cells);
+            ASSERT_EQ(got[s].sections.size(), want[s].sections.size());
+            for (size_t i = 0; i < want[s].sections.size(); ++i) {
+              EXPECT_EQ(got[s].sections[i].type, want[s].sections[i].type);
+              EXPECT_EQ(got[s].sections[i].n_embd, want[s].sections[i].n_embd);
+              EXPECT_EQ(got[s].sections[i].data_offset, want[s].sections[i].data_offset);
+              if (expect) {
+                EXPECT_EQ(got[s].sections[i].il, want[s].sections[i].il);
+              }
             }
           }
         }
       }
     }
-  }
 }
 
 TEST(StateFormatDecode, AcceptsAndCountsTrailingBytesAsLlamaCppIgnoresThem) {
@@ -522,8 +522,7 @@ TEST(StateFormatDecode, RejectsACellWithTwoSequences) {
   std::memcpy(file.data() + 40 + 12 * 3 + 4, &two, 4);
   auto decoded = decode_state_layout(file, nullptr, "slot0.bin");
   ASSERT_FALSE(decoded);
-  EXPECT_NE(decoded.error().message().find("cell 3: n_seq_id is 2"), std::string::npos)
-      << decoded.error().message();
+  EXPECT_NE(decoded.error().message().find("cell 3: n_seq_id is 2"), std::string::npos) << decoded.error().message();
   EXPECT_NE(decoded.error().message().find("(offset 80)"), std::string::npos);
 }
 
@@ -682,7 +681,9 @@ TEST(StateFormatRecurrent, PlansAndReencodesTheLfm2ExampleByteForByte) {
   auto planned = plan_state_layout(lfm2_shape(), 5, 5, kStateSeqVersion3);
   ASSERT_TRUE(planned) << planned.error().what();
   EXPECT_EQ(planned->content_bytes, kLfm2End);
-  auto rows_of = [&](const StateSection& s) { return std::span<const std::byte>(file).subspan(s.data_offset, s.data_bytes()); };
+  auto rows_of = [&](const StateSection& s) {
+    return std::span<const std::byte>(file).subspan(s.data_offset, s.data_bytes());
+  };
   EXPECT_EQ(encode_state_file(*planned, ids, rows_of), file);
   auto decoded = decode_state_layout(file, nullptr, kLfm2Vector);
   ASSERT_TRUE(decoded) << decoded.error().what();
@@ -849,9 +850,9 @@ TEST(StateFormatRecurrent, NamesLayerFieldAndOffsetWhenTheShapeExpectsOtherSecti
   with_s.recurrent = kvshare::testing::recurrent_part(4, {0, 2}, 128, 16);
   decoded = decode_state_layout(file, &with_s, kLfm2Vector);
   ASSERT_FALSE(decoded);
-  EXPECT_EQ(decoded.error().message(),
-            fmt::format("state file {}: recurrent layer 0 S row size is 0 bytes, layout says 64 (offset 3788)",
-                        kLfm2Vector));
+  EXPECT_EQ(
+      decoded.error().message(),
+      fmt::format("state file {}: recurrent layer 0 S row size is 0 bytes, layout says 64 (offset 3788)", kLfm2Vector));
 
   auto wrong_n_layer = lfm2_shape();
   wrong_n_layer.recurrent->n_layer = 2;

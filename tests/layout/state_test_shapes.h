@@ -40,8 +40,8 @@ inline layout::MemoryShape iswa_shape(uint32_t n_swa = 8, bool v_trans = false) 
   layout::MemoryShape shape;
   shape.kind = layout::MemoryKind::kv_iswa;
   shape.n_ctx = shape.n_ctx_seq = 512;
-  shape.kv_caches.push_back(kv_cache_shape("base", 1, 128, layout::GgmlType::F16, layout::GgmlType::F16, v_trans,
-                                           512, 1));
+  shape.kv_caches.push_back(
+      kv_cache_shape("base", 1, 128, layout::GgmlType::F16, layout::GgmlType::F16, v_trans, 512, 1));
   auto swa = kv_cache_shape("swa", 1, 128, layout::GgmlType::F16, layout::GgmlType::F16, v_trans, 256, 0);
   swa.n_swa = n_swa;
   swa.swa_type = layout::SwaType::standard;

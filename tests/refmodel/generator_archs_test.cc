@@ -220,22 +220,19 @@ TEST(ModelGeneratorArchs, RefusesAHybridWithoutAnAttentionLayer) {
 TEST(ModelGeneratorArchs, RefusesAHybridWithoutARecurrentLayer) {
   GeneratorOptions o = arch("lfm2");
   o.attn_every = 1;
-  EXPECT_NE(error_of(o).find("--attn-every 1: a lfm2 model needs recurrent layers"), std::string::npos)
-      << error_of(o);
+  EXPECT_NE(error_of(o).find("--attn-every 1: a lfm2 model needs recurrent layers"), std::string::npos) << error_of(o);
 }
 
 TEST(ModelGeneratorArchs, RefusesSsmHeadsThatDoNotDivideMamba2sInnerSize) {
   GeneratorOptions o = arch("mamba2");
   o.ssm_n_head = 3;
-  EXPECT_NE(error_of(o).find("--ssm-heads 3 does not divide mamba2's d_inner 256"), std::string::npos)
-      << error_of(o);
+  EXPECT_NE(error_of(o).find("--ssm-heads 3 does not divide mamba2's d_inner 256"), std::string::npos) << error_of(o);
 }
 
 TEST(ModelGeneratorArchs, RefusesGdnValueHeadsThatAreNotAMultipleOfKeyHeads) {
   GeneratorOptions o = arch("qwen35");
   o.ssm_n_group = 3;
-  EXPECT_NE(error_of(o).find("--ssm-heads 4 (GDN value heads) is not a multiple of --ssm-groups 3"),
-            std::string::npos)
+  EXPECT_NE(error_of(o).find("--ssm-heads 4 (GDN value heads) is not a multiple of --ssm-groups 3"), std::string::npos)
       << error_of(o);
 }
 

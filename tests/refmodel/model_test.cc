@@ -46,18 +46,16 @@ std::string load_error(const std::vector<std::byte>& bytes) {
 }
 
 TEST(ModelLoad, RefusesAnUnknownArchitectureNamingIt) {
-  const auto msg = load_error(edited_model([](layout::GgufMetadata& md) {
-    md.set("general.architecture", {std::string("mamba")});
-  }));
+  const auto msg = load_error(
+      edited_model([](layout::GgufMetadata& md) { md.set("general.architecture", {std::string("mamba")}); }));
   EXPECT_NE(msg.find("bad.gguf"), std::string::npos) << msg;
   EXPECT_NE(msg.find("\"mamba\""), std::string::npos) << msg;
   EXPECT_NE(msg.find("llama, qwen2, qwen3"), std::string::npos) << msg;
 }
 
 TEST(ModelLoad, RefusesAMissingTensorNamingIt) {
-  const auto msg = load_error(edited_model(nullptr, [](GgufTensorInfo& t, std::vector<std::byte>&) {
-    return t.name != "blk.1.ffn_up.weight";
-  }));
+  const auto msg = load_error(edited_model(
+      nullptr, [](GgufTensorInfo& t, std::vector<std::byte>&) { return t.name != "blk.1.ffn_up.weight"; }));
   EXPECT_NE(msg.find("tensor \"blk.1.ffn_up.weight\" is missing"), std::string::npos) << msg;
 }
 
@@ -70,7 +68,8 @@ TEST(ModelLoad, RefusesATensorOfTheWrongShapeGivingBothShapes) {
     return true;
   }));
   EXPECT_NE(msg.find("tensor \"blk.0.attn_k_norm.weight\" has shape [32, 1, 1, 1], expected [64, 1, 1, 1]"),
-            std::string::npos) << msg;
+            std::string::npos)
+      << msg;
 }
 
 TEST(ModelLoad, RefusesAnUnsupportedRopeScalingTypeNamingIt) {

@@ -10,8 +10,8 @@
 #include <fstream>
 #include <string>
 
-#include "layout/tensor_type.h"
 #include "layout/half.h"
+#include "layout/tensor_type.h"
 #include "refmodel/quant.h"
 #include "support/test_support.h"
 
@@ -32,12 +32,24 @@ std::vector<uint8_t> construct(GgmlType type, int64_t n) {
     const uint16_t dmin = layout::fp32_to_fp16(0.0625f * static_cast<float>(b + 1));
     switch (type) {
       case GgmlType::Q8_0:
-      case GgmlType::Q4_0: put16(blk, d); break;
-      case GgmlType::Q4_K: put16(blk, d); put16(blk + 2, dmin); break;
-      case GgmlType::Q6_K: put16(blk + 208, d); break;
-      case GgmlType::F16: put16(blk, static_cast<uint16_t>(0x3000 + ((b * 97) % 0x1000) + ((b & 1) << 15))); break;
-      case GgmlType::BF16: put16(blk, static_cast<uint16_t>(0x3F00 + ((b * 13) % 0x100) + ((b & 1) << 15))); break;
-      default: break;
+      case GgmlType::Q4_0:
+        put16(blk, d);
+        break;
+      case GgmlType::Q4_K:
+        put16(blk, d);
+        put16(blk + 2, dmin);
+        break;
+      case GgmlType::Q6_K:
+        put16(blk + 208, d);
+        break;
+      case GgmlType::F16:
+        put16(blk, static_cast<uint16_t>(0x3000 + ((b * 97) % 0x1000) + ((b & 1) << 15)));
+        break;
+      case GgmlType::BF16:
+        put16(blk, static_cast<uint16_t>(0x3F00 + ((b * 13) % 0x100) + ((b & 1) << 15)));
+        break;
+      default:
+        break;
     }
   }
   return buf;

@@ -6,8 +6,8 @@
 #include <sstream>
 
 #include "refmodel/bpe_tokenizer.h"
-#include "support/test_support.h"
 #include "refmodel/tiny_model.h"
+#include "support/test_support.h"
 
 namespace kvshare::refmodel {
 namespace {

@@ -66,7 +66,9 @@ class RemoteTransfer : public ::testing::Test {
     return sender.finish({offer.share_id, offer.secret, n, bytes, hash}, Clock::now() + std::chrono::seconds(10));
   }
 
-  std::byte at(const layout::SharedTensor& t, uint64_t offset) const { return decoder_chunks_[t.chunk][t.offset + offset]; }
+  std::byte at(const layout::SharedTensor& t, uint64_t offset) const {
+    return decoder_chunks_[t.chunk][t.offset + offset];
+  }
   const layout::SharedTensor& k0() const { return *header_.layout.find(0, 0, layout::TensorKind::k); }
   std::string log_text() {
     std::lock_guard lock(log_mutex_);
@@ -182,8 +184,10 @@ TEST_F(RemoteTransfer, RefusesAWriteWithTheWrongSecretWithoutSpoilingTheShare) {
   ASSERT_TRUE(forger);
   // The forger knows the share_id and the granted cells, not the secret.
   std::vector<std::byte> evil(256, std::byte{0xee});
-  auto flushed = forger->write({offer->share_id, wrong_secret(*offer), k0().chunk, k0().offset, 256}, evil)
-                     .and_then([&] { return forger->flush(Clock::now() + std::chrono::seconds(10)); });
+  auto flushed =
+      forger->write({offer->share_id, wrong_secret(*offer), k0().chunk, k0().offset, 256}, evil).and_then([&] {
+        return forger->flush(Clock::now() + std::chrono::seconds(10));
+      });
   ASSERT_FALSE(flushed);
   EXPECT_EQ(flushed.error().errno_value(), ECONNREFUSED) << flushed.error().what();
   EXPECT_EQ(at(k0(), 0), std::byte{0}) << "the refused write's payload was received";

@@ -66,8 +66,9 @@ class PortSquatter {
       if (!client) continue;
       char request[1024];
       (void)!::read(client.get(), request, sizeof request);
-      const std::string reply = "HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\n\r\n"
-                                "{\"status\":\"ok\"}";
+      const std::string reply =
+          "HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\n\r\n"
+          "{\"status\":\"ok\"}";
       (void)!::write(client.get(), reply.data(), reply.size());
     }
   }

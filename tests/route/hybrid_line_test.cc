@@ -35,8 +35,8 @@ TEST(HybridLine, RemoteRouteSaysShareThenRemote) {
 }
 
 TEST(ForwardBody, SetsSlotZeroCachePromptAndLeaveOneTokenKeepingTheRest) {
-  const auto body = nlohmann::json::parse(forward_body({{"messages", nlohmann::json::array()}, {"id_slot", 3},
-                                                        {"cache_prompt", false}, {"max_tokens", 8}}));
+  const auto body = nlohmann::json::parse(forward_body(
+      {{"messages", nlohmann::json::array()}, {"id_slot", 3}, {"cache_prompt", false}, {"max_tokens", 8}}));
   EXPECT_EQ(body["id_slot"], 0);
   EXPECT_EQ(body["cache_prompt"], true);
   EXPECT_EQ(body["leave_one_token"], true);

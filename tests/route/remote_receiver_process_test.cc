@@ -24,8 +24,8 @@ constexpr std::chrono::milliseconds kCallTimeout{60000};
 
 class RemoteReceiverProcessTest : public kvshare::testing::FdLeakCheck {
  protected:
-  RemoteReceiverProcess::Options options(std::filesystem::path program = kvshare::testing::tool_path(
-                                             "kvshare-remote-receiver")) {
+  RemoteReceiverProcess::Options options(
+      std::filesystem::path program = kvshare::testing::tool_path("kvshare-remote-receiver")) {
     RemoteReceiverProcess::Options o;
     o.program = std::move(program);
     o.private_dir = dir_.path();

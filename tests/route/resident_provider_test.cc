@@ -28,7 +28,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr std::chrono::milliseconds kTimeout{60000};
 
-std::string fake_program() { return (kvshare::testing::tool_path("..") / "tests" / "kvshare-fake-resident-provider").string(); }
+std::string fake_program() {
+  return (kvshare::testing::tool_path("..") / "tests" / "kvshare-fake-resident-provider").string();
+}
 
 // A decoder's share as the broker hands it over: a header and memfd regions, the fds dup'ed.
 struct DecoderRegion {

@@ -88,7 +88,8 @@ TEST(ServeConfigValidate, PassesTheSlotCountToTheDecoder) {
 
 TEST(ServeConfigValidate, RefusesEachFlagTheRouteCannotHonourWithItsReason) {
   TempDir dir;
-  for (const std::string flag : {"--mtp", "--dflash", "--mmproj", "--moe-slots", "--embedding", "--reranking", "--pm"}) {
+  for (const std::string flag :
+       {"--mtp", "--dflash", "--mmproj", "--moe-slots", "--embedding", "--reranking", "--pm"}) {
     ServeConfig config = config_with_model(dir);
     config.refused_flags = {flag};
     auto valid = validate(config);
@@ -256,7 +257,8 @@ TEST(PrefillRemoteUrl, TakesHttpHostAndPortWithAnOptionalTrailingSlash) {
 }
 
 TEST(PrefillRemoteUrl, RefusesAnotherSchemeAPathOrABadPortByName) {
-  EXPECT_NE(parse_prefill_remote_url("https://h:1").error().message().find("expected http://HOST:PORT"), std::string::npos);
+  EXPECT_NE(parse_prefill_remote_url("https://h:1").error().message().find("expected http://HOST:PORT"),
+            std::string::npos);
   EXPECT_NE(parse_prefill_remote_url("http://h:1/prefill").error().message().find("no path"), std::string::npos);
   EXPECT_NE(parse_prefill_remote_url("http://h:99999").error().message().find("not 1..65535"), std::string::npos);
   EXPECT_NE(parse_prefill_remote_url("http://h:8x").error().message().find("not a number"), std::string::npos);

@@ -2,8 +2,8 @@
 // and the run of cells only when the share named them, so older providers keep serving.
 #include <gtest/gtest.h>
 
-#include "route/handoff.h"
 #include "kvshare/share/broker.h"
+#include "route/handoff.h"
 
 namespace kvshare::route {
 namespace {

@@ -54,7 +54,6 @@ TEST(SlotQueue, WaitIdleWaitsForEveryDecodeInFlight) {
   finisher.join();
 }
 
-
 TEST(SlotQueue, HoldsAsManyRequestsAsSlotsEachInItsOwnSlot) {
   SlotQueue queue(4);
   std::vector<SlotQueue::Hold> holds;

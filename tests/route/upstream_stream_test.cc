@@ -45,8 +45,9 @@ class BulkServer {
       if (got <= 0) return;
       request.append(buffer, static_cast<size_t>(got));
     }
-    const std::string head = "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: " +
-                             std::to_string(body_bytes_) + "\r\nConnection: close\r\n\r\n";
+    const std::string head =
+        "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: " + std::to_string(body_bytes_) +
+        "\r\nConnection: close\r\n\r\n";
     if (::write(client.get(), head.data(), head.size()) != static_cast<ssize_t>(head.size())) return;
     const std::string piece(64 * 1024, 'x');
     size_t sent = 0;

@@ -7,12 +7,12 @@
 #include <memory>
 #include <thread>
 
-#include "route/api_key.h"
-#include "route/decoder_client.h"
-#include "route/upstream_stream.h"
 #include "apps/decoder/fake_engine.h"
 #include "apps/decoder/http_client.h"
 #include "apps/decoder/http_server.h"
+#include "route/api_key.h"
+#include "route/decoder_client.h"
+#include "route/upstream_stream.h"
 #include "support/test_support.h"
 
 namespace kvshare::security {
@@ -167,8 +167,9 @@ TEST(ApiKeyList, SplitsCommasAndDropsEmptyEntriesAsLlamaServer) {
 TEST(ApiKeyList, ReadsAKeyFileSkippingCommentsAndNamesAMissingOne) {
   ::kvshare::testing::TempDir dir;
   const std::string text = "# keys\nk1\n\nk2\n";
-  ::kvshare::testing::write_file_bytes(dir / "keys", std::vector<std::byte>(reinterpret_cast<const std::byte*>(text.data()),
-                                                                            reinterpret_cast<const std::byte*>(text.data()) + text.size()));
+  ::kvshare::testing::write_file_bytes(
+      dir / "keys", std::vector<std::byte>(reinterpret_cast<const std::byte*>(text.data()),
+                                           reinterpret_cast<const std::byte*>(text.data()) + text.size()));
   auto keys = route::read_api_key_file(dir / "keys");
   ASSERT_TRUE(keys);
   EXPECT_EQ(*keys, (std::vector<std::string>{"k1", "k2"}));

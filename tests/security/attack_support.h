@@ -37,14 +37,14 @@ inline bool running_in_ci() {
   return ci != nullptr && std::string(ci) == "true";
 }
 
-#define KVSHARE_NEED_ROOT()                                                                          \
-  do {                                                                                               \
-    if (::geteuid() != 0) {                                                                          \
-      if (::kvshare::security::running_in_ci())                                                      \
+#define KVSHARE_NEED_ROOT()                                                                           \
+  do {                                                                                                \
+    if (::geteuid() != 0) {                                                                           \
+      if (::kvshare::security::running_in_ci())                                                       \
         GTEST_FAIL() << "CI=true but not root: the attack suite's cross-uid cases need root to drop " \
-                        "a child to nobody";                                                         \
-      GTEST_SKIP() << "needs root to play another uid (CI runs this as root)";                       \
-    }                                                                                                \
+                        "a child to nobody";                                                          \
+      GTEST_SKIP() << "needs root to play another uid (CI runs this as root)";                        \
+    }                                                                                                 \
   } while (0)
 
 // What a socket's reader saw: bytes and SCM_RIGHTS fds (each closed as it came).

@@ -44,8 +44,8 @@ struct Decoder {
     m.share_id = share_id;
     m.header_json = layout::to_json(share.header(), false);
     for (const auto& region : share.regions())
-      m.fds.push_back({region.chunk, std::string(region_backend_name(region.backend)), region.offset,
-                       region.size_bytes, region.layout_hash});
+      m.fds.push_back({region.chunk, std::string(region_backend_name(region.backend)), region.offset, region.size_bytes,
+                       region.layout_hash});
     return m;
   }
   std::vector<int> fds() const {
@@ -98,7 +98,8 @@ TEST_F(BrokerReceive, RefusesAPipe) {
   int ends[2];
   ASSERT_EQ(::pipe2(ends, O_CLOEXEC), 0);
   Fd read_end(ends[0]), write_end(ends[1]);
-  expect_refused(receive_with_first_fd(read_end.get()), EINVAL, "is neither a sealed memfd nor a dma-buf (it is \"pipe:");
+  expect_refused(receive_with_first_fd(read_end.get()), EINVAL,
+                 "is neither a sealed memfd nor a dma-buf (it is \"pipe:");
 }
 
 TEST_F(BrokerReceive, RefusesASocket) {
@@ -118,7 +119,8 @@ TEST_F(BrokerReceive, RefusesARegularFile) {
 
 TEST_F(BrokerReceive, RefusesAnUnsealedMemfd) {
   Fd memfd = sealed_memfd(decoder.chunk_bytes(), 0);
-  expect_refused(receive_with_first_fd(memfd.get()), EINVAL, "(chunk 0): memfd is not sealed against shrinking (seals 0x0)");
+  expect_refused(receive_with_first_fd(memfd.get()), EINVAL,
+                 "(chunk 0): memfd is not sealed against shrinking (seals 0x0)");
 }
 
 TEST_F(BrokerReceive, RefusesAMemfdSealedButStillWritableAndShrinkable) {

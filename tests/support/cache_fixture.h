@@ -9,10 +9,10 @@
 #include <span>
 #include <vector>
 
+#include "kvshare/scatter/scatter.h"
 #include "layout/half.h"
 #include "layout/memory_shape.h"
 #include "layout/share_layout.h"
-#include "kvshare/scatter/scatter.h"
 
 namespace kvshare::testing {
 
@@ -94,8 +94,8 @@ struct Region {
 // the source type. Values are small multiples of 1/16 plus noise so f16 and bf16 keep
 // most of them exactly.
 struct ProviderRows {
-  std::vector<float> f32;          // [n_tokens][n_k + n_v]
-  std::vector<std::byte> bytes;    // the same rows in src_type, row_stride apart
+  std::vector<float> f32;        // [n_tokens][n_k + n_v]
+  std::vector<std::byte> bytes;  // the same rows in src_type, row_stride apart
   uint64_t row_stride = 0;
 };
 
@@ -117,7 +117,8 @@ inline ProviderRows make_rows(uint32_t n_tokens, uint32_t n_k, uint32_t n_v, lay
       if (src_type == layout::GgmlType::F32) {
         std::memcpy(dst, &value, 4);
       } else {
-        const uint16_t h = src_type == layout::GgmlType::F16 ? layout::fp32_to_fp16(value) : layout::fp32_to_bf16(value);
+        const uint16_t h =
+            src_type == layout::GgmlType::F16 ? layout::fp32_to_fp16(value) : layout::fp32_to_bf16(value);
         std::memcpy(dst, &h, 2);
       }
     }

@@ -56,8 +56,9 @@ TEST(LayoutDumpTool, WritesAHeaderThatHeaderModeAccepts) {
   const auto header = dir / "layout.json";
   const CommandResult dump = run_command(tool() + " " + model.string() + " -c 8192 -np 2 --json");
   ASSERT_EQ(dump.exit_code, 0) << dump.err;
-  testing::write_file_bytes(header, std::vector<std::byte>(reinterpret_cast<const std::byte*>(dump.out.data()),
-                                                           reinterpret_cast<const std::byte*>(dump.out.data()) + dump.out.size()));
+  testing::write_file_bytes(
+      header, std::vector<std::byte>(reinterpret_cast<const std::byte*>(dump.out.data()),
+                                     reinterpret_cast<const std::byte*>(dump.out.data()) + dump.out.size()));
   const CommandResult check = run_command(tool() + " --header " + header.string());
   ASSERT_EQ(check.exit_code, 0) << check.err;
   EXPECT_NE(check.out.find("valid layout header, format version 1"), std::string::npos) << check.out;
@@ -70,8 +71,9 @@ TEST(LayoutDumpTool, FailsWithExitCode1OnAMalformedHeader) {
   TempDir dir;
   const auto header = dir / "bad.json";
   const std::string text = "{\"format\": \"kvshare-layout\", \"format_version\": 7}";
-  testing::write_file_bytes(header, std::vector<std::byte>(reinterpret_cast<const std::byte*>(text.data()),
-                                                           reinterpret_cast<const std::byte*>(text.data()) + text.size()));
+  testing::write_file_bytes(header,
+                            std::vector<std::byte>(reinterpret_cast<const std::byte*>(text.data()),
+                                                   reinterpret_cast<const std::byte*>(text.data()) + text.size()));
   const CommandResult result = run_command(tool() + " --header " + header.string());
   EXPECT_EQ(result.exit_code, 1);
   EXPECT_NE(result.err.find("format_version"), std::string::npos) << result.err;

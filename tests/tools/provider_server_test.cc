@@ -66,7 +66,8 @@ std::optional<HttpAnswer> http(int port, const std::string& method, const std::s
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   std::string request = method + " " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n";
   for (const auto& h : headers) request += h + "\r\n";
-  if (method == "POST") request += "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n";
+  if (method == "POST")
+    request += "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n";
   request += "\r\n" + body;
   std::string answer;
   if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
@@ -88,8 +89,15 @@ class ProviderServer {
  public:
   ProviderServer(const std::filesystem::path& model, std::vector<std::string> flags,
                  const std::vector<std::string>& env = {}) {
-    std::vector<std::string> args = {tool_path("kvshare-provider-server").string(), "-m", model.string(), "--host",
-                                     "127.0.0.1", "--port", "0", "-t", "1"};
+    std::vector<std::string> args = {tool_path("kvshare-provider-server").string(),
+                                     "-m",
+                                     model.string(),
+                                     "--host",
+                                     "127.0.0.1",
+                                     "--port",
+                                     "0",
+                                     "-t",
+                                     "1"};
     args.insert(args.end(), flags.begin(), flags.end());
     // The test's own environment, less any key it may carry, plus `env`.
     std::vector<std::string> environment;
@@ -286,7 +294,8 @@ TEST_F(ProviderServerKey, ServesWithoutAKeyOnlyWhenToldAndWarnsOnce) {
   ASSERT_TRUE(answer);
   EXPECT_EQ(answer->status, 400) << answer->body;
   const std::string err = server.stop();
-  const std::string warning = "warning: --no-api-key: anyone who reaches this port can make it prefill and push KV rows";
+  const std::string warning =
+      "warning: --no-api-key: anyone who reaches this port can make it prefill and push KV rows";
   const size_t first = err.find(warning);
   EXPECT_NE(first, std::string::npos) << err;
   EXPECT_EQ(err.find(warning, first + 1), std::string::npos) << "warned more than once:\n" << err;

@@ -3,8 +3,8 @@
 // the real-device test skips with the reason.
 #include "xdna/device.h"
 
-#include <libdrm/drm.h>
 #include <fcntl.h>
+#include <libdrm/drm.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -12,9 +12,9 @@
 #include <filesystem>
 #include <fstream>
 
+#include "fake_amdxdna.h"
 #include "kvshare/sys.h"
 #include "support/test_support.h"
-#include "fake_amdxdna.h"
 
 namespace kvshare::xdna {
 namespace {

@@ -11,10 +11,10 @@
 namespace kvshare::xdna {
 namespace {
 
-using layout::GgmlType;
 using kvshare::testing::CacheSpec;
 using kvshare::testing::make_rows;
 using kvshare::testing::Region;
+using layout::GgmlType;
 
 std::span<std::byte> tensor_bytes(Region& region, const std::string& name) {
   const layout::SharedTensor* placed = region.layout.find(name);
@@ -58,7 +58,8 @@ TEST(DmaPlan, WritesExactlyWhatTheCpuScatterWritesForRandomShapes) {
     auto plan = plan_layer_dma(by_dma.target(), batch);
     ASSERT_TRUE(plan) << plan.error().what();
     ASSERT_TRUE(plan->covers_k) << (plan->cpu_fallback.empty() ? "" : plan->cpu_fallback[0]);
-    ASSERT_TRUE(simulate_dma(*plan, rows.bytes, tensor_bytes(by_dma, "cache_k_l0"), tensor_bytes(by_dma, "cache_v_l0")));
+    ASSERT_TRUE(
+        simulate_dma(*plan, rows.bytes, tensor_bytes(by_dma, "cache_k_l0"), tensor_bytes(by_dma, "cache_v_l0")));
     const auto k_cpu = tensor_bytes(by_cpu, "cache_k_l0"), k_dma = tensor_bytes(by_dma, "cache_k_l0");
     ASSERT_TRUE(std::equal(k_cpu.begin(), k_cpu.end(), k_dma.begin())) << "iteration " << iteration;
     // A transposed f16 V has no plan: the reason is given and the V tensor is not touched.
@@ -125,8 +126,7 @@ TEST(DmaPlan, LeavesAVRowThatIsNotWholeWordsToTheCpu) {
   EXPECT_TRUE(plan->covers_k);
   EXPECT_FALSE(plan->covers_v);
   ASSERT_EQ(plan->cpu_fallback.size(), 1u);
-  EXPECT_NE(plan->cpu_fallback[0].find("a V row of 66 bytes is not a whole number of 32-bit words"),
-            std::string::npos)
+  EXPECT_NE(plan->cpu_fallback[0].find("a V row of 66 bytes is not a whole number of 32-bit words"), std::string::npos)
       << plan->cpu_fallback[0];
 }
 

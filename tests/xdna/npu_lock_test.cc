@@ -93,7 +93,10 @@ TEST_F(NpuLockTest, LetsAWaiterInOnceTheHolderReleases) {
 TEST_F(NpuLockTest, ClearsThePidWhenReleased) {
   TempDir dir;
   const std::string path = (dir / "npu.lock").string();
-  { auto lock = acquire_npu_lock(path, 0); ASSERT_TRUE(lock); }
+  {
+    auto lock = acquire_npu_lock(path, 0);
+    ASSERT_TRUE(lock);
+  }
   EXPECT_EQ(npu_lock_holder(path), 0);
 }
 

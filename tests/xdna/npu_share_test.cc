@@ -5,21 +5,21 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include "support/cache_fixture.h"
 #include "fake_amdxdna.h"
-#include "support/recurrent_fixture.h"
 #include "kvshare/region/exporter.h"
+#include "support/cache_fixture.h"
+#include "support/recurrent_fixture.h"
 #include "support/test_support.h"
 
 namespace kvshare::xdna {
 namespace {
 
-using kvshare::testing::FdLeakCheck;
 using kvshare::testing::CacheSpec;
+using kvshare::testing::FdLeakCheck;
+using kvshare::testing::make_memory;
 using kvshare::xdna::testing::fake_device;
 using kvshare::xdna::testing::FakeDriver;
 using kvshare::xdna::testing::ScopedFakeDriver;
-using kvshare::testing::make_memory;
 
 class NpuShareTest : public FdLeakCheck {
  protected:

@@ -74,8 +74,8 @@ TEST(SplitCeilingTool, PrintsTheEndToEndFactorsForAGivenSpeedup) {
 }
 
 TEST(SplitCeilingTool, ExitsWith2WithoutRatesOrSpeedup) {
-  auto result = kvshare::testing::run_command(kvshare::testing::tool_path("kvshare-split-ceiling").string() +
-                                              " --rows 100");
+  auto result =
+      kvshare::testing::run_command(kvshare::testing::tool_path("kvshare-split-ceiling").string() + " --rows 100");
   EXPECT_EQ(result.exit_code, 2);
   EXPECT_NE(result.err.find("--speedup"), std::string::npos);
 }

@@ -18,11 +18,11 @@
 #include <memory>
 #include <optional>
 
-#include "route/decoder_client.h"
-#include "route/state_version_probe.h"
+#include "apps/decoder/http_client.h"
 #include "kvshare/share/broker.h"
 #include "live_server.h"
-#include "apps/decoder/http_client.h"
+#include "route/decoder_client.h"
+#include "route/state_version_probe.h"
 #include "support/test_support.h"
 
 namespace kvshare::decoder {
@@ -63,8 +63,8 @@ class Backend {
       ADD_FAILURE() << "kvshare-mkmodel failed: " << made.err;
       return;
     }
-    const std::vector<std::string> args = {"-m", model_.string(), "-c", std::to_string(kCtx), "-np", "1",
-                                           "-fa", flash_attn, "--slot-save-path", slots_.string()};
+    const std::vector<std::string> args = {"-m", model_.string(), "-c",       std::to_string(kCtx), "-np",
+                                           "1",  "-fa",           flash_attn, "--slot-save-path",   slots_.string()};
     if (is_llama_server(kind)) {
       // The share flag reaches a llama-server only when a test passes it.
       server_ = std::make_unique<LiveServer>(env_or_empty(binary_variable(kind)), args, dir_ / "server.log", env,
@@ -190,10 +190,10 @@ void expect_kvshare_prefill_file_decodes_like_own_prefill(const Backend& b, cons
     std::ofstream out(ids);
     for (size_t i = 0; i + 1 < prompt.size(); ++i) out << prompt[i] << "\n";
   }
-  const auto made = run_command(tool_path("kvshare-prefill").string() + " --tokens " + ids.string() + " --out " +
-                                (b.slots() / "prefill.bin").string() + " --model " + b.model().string() + " -c " +
-                                std::to_string(kCtx) + " -fa " + flash_attn + " --state-version " +
-                                std::to_string(*version));
+  const auto made =
+      run_command(tool_path("kvshare-prefill").string() + " --tokens " + ids.string() + " --out " +
+                  (b.slots() / "prefill.bin").string() + " --model " + b.model().string() + " -c " +
+                  std::to_string(kCtx) + " -fa " + flash_attn + " --state-version " + std::to_string(*version));
   ASSERT_EQ(made.exit_code, 0) << made.err;
   const Json restored = b.post_json("/slots/0?action=restore", {{"filename", "prefill.bin"}});
   EXPECT_EQ(restored["n_restored"], static_cast<int>(prompt.size()) - 1);
@@ -239,7 +239,8 @@ TEST_P(DecoderProcess, StreamsNativeCompletionsAsSseDataEventsWithAFinalTimingsE
   const std::vector<int32_t> prompt = backend_->tokenize(kText);
   const Json plain = backend_->greedy(prompt, 6, false);
   const HttpReply reply = backend_->post(
-      "/completion", {{"prompt", prompt}, {"n_predict", 6}, {"temperature", 0}, {"stream", true}, {"cache_prompt", false}});
+      "/completion",
+      {{"prompt", prompt}, {"n_predict", 6}, {"temperature", 0}, {"stream", true}, {"cache_prompt", false}});
   ASSERT_EQ(reply.status, 200);
   EXPECT_NE(reply.content_type.find("text/event-stream"), std::string::npos);
   auto events = parse_sse_events(reply.body);
@@ -295,8 +296,8 @@ TEST_P(DecoderProcess, TemplatesAndTokenizesAsTheChatEndpointDoes) {
   const Json messages = {{{"role", "user"}, {"content", "Say something."}}};
   const std::string templated = backend_->post_json("/apply-template", {{"messages", messages}})["prompt"];
   const std::vector<int32_t> ids = backend_->tokenize(templated);
-  const Json chat = backend_->post_json("/v1/chat/completions",
-                                        {{"messages", messages}, {"max_tokens", 1}, {"temperature", 0}, {"cache_prompt", false}});
+  const Json chat = backend_->post_json(
+      "/v1/chat/completions", {{"messages", messages}, {"max_tokens", 1}, {"temperature", 0}, {"cache_prompt", false}});
   EXPECT_EQ(chat["usage"]["prompt_tokens"], static_cast<int>(ids.size()));
   const Json detok = backend_->post_json("/detokenize", {{"tokens", ids}});
   EXPECT_EQ(detok["content"], templated);
@@ -437,8 +438,15 @@ class SharedRoute : public WithBackend {
       std::ofstream out(ids);
       for (int32_t id : head) out << id << "\n";
     }
-    std::vector<std::string> argv = {tool_path("kvshare-prefill").string(), "--tokens", ids.string(), "--model",
-                                     backend_->model().string(), "--layout", "{layout}", "--fds", "{fds}"};
+    std::vector<std::string> argv = {tool_path("kvshare-prefill").string(),
+                                     "--tokens",
+                                     ids.string(),
+                                     "--model",
+                                     backend_->model().string(),
+                                     "--layout",
+                                     "{layout}",
+                                     "--fds",
+                                     "{fds}"};
     argv.insert(argv.end(), cached_flag.begin(), cached_flag.end());
     auto run = broker->run_provider(*share, argv, 60000);
     EXPECT_TRUE(run) << run.error().what();
@@ -473,8 +481,9 @@ TEST_P(SharedRoute, DecodesTurnTwoAfterAnIncrementalHandoffLikeItsOwnPrefill) {
   ASSERT_FALSE(turn_one_reply.empty());
   std::vector<int32_t> turn_two = turn_one;
   turn_two.insert(turn_two.end(), turn_one_reply.begin(), turn_one_reply.end());
-  const auto message = b.post_json("/tokenize", {{"content", " And then what did the fox do?"}, {"add_special", false}})
-                           ["tokens"].get<std::vector<int32_t>>();
+  const auto message =
+      b.post_json("/tokenize", {{"content", " And then what did the fox do?"}, {"add_special", false}})["tokens"]
+          .get<std::vector<int32_t>>();
   turn_two.insert(turn_two.end(), message.begin(), message.end());
   const Json own = b.greedy(turn_two, 12, false);
 
@@ -528,7 +537,8 @@ TEST_P(SharedRoute, RefusesAStaleShareIdAndTooManyTokensWith400) {
 }
 
 TEST_P(SharedRoute, AnswersShareWith500NamingTheSocketWhenNoBrokerListens) {
-  const HttpReply reply = backend_->post("/slots/0?action=share", {{"socket", (backend_->slots() / "none.sock").string()}});
+  const HttpReply reply =
+      backend_->post("/slots/0?action=share", {{"socket", (backend_->slots() / "none.sock").string()}});
   expect_error(reply, 500, "server_error");
   EXPECT_NE(reply.body.find("none.sock"), std::string::npos);
   // A share that reached no broker leaves nothing to adopt.
@@ -569,7 +579,8 @@ TEST_P(SharedRoute, NeverConnectsToAnAbstractNamespaceSocket) {
   address.sun_family = AF_UNIX;
   std::memcpy(address.sun_path, name.data(), name.size());
   ASSERT_EQ(::bind(listener.get(), reinterpret_cast<sockaddr*>(&address),
-                   static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + name.size())), 0);
+                   static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + name.size())),
+            0);
   ASSERT_EQ(::listen(listener.get(), 1), 0);
   const HttpReply reply = backend_->post("/slots/0?action=share", {{"socket", name}});
   if (GetParam() == "kvshare-decoder") {
@@ -600,8 +611,8 @@ class KeyedSlotActions : public WithBackend {
       GTEST_SKIP() << binary_variable(GetParam()) << " is not set: no " << GetParam() << " to run with --api-key";
     if (!env_or_empty("KVSHARE_DECODER_URL").empty() && !is_llama_server(GetParam()))
       GTEST_SKIP() << "KVSHARE_DECODER_URL: the server's key is not ours to set";
-    backend_ = std::make_unique<Backend>(GetParam(),
-                                         std::vector<std::string>{"ONEBIT_KV_SHARE=1", std::string("LLAMA_API_KEY=") + kKey});
+    backend_ = std::make_unique<Backend>(
+        GetParam(), std::vector<std::string>{"ONEBIT_KV_SHARE=1", std::string("LLAMA_API_KEY=") + kKey});
     if (!backend_->ready()) GTEST_FAIL() << GetParam() << " did not start";
   }
   HttpReply post_with(const std::string& authorization, const std::string& path, const Json& body) const {

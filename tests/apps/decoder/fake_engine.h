@@ -130,8 +130,9 @@ class FakeEngine : public SlotEngine {
   tl::expected<void, AdoptError> adopt(std::span<const int32_t> tokens, uint64_t share_id) override {
     std::lock_guard lock(mutex_);
     if (share_id != share_id_ || share_id == 0) {
-      return tl::unexpected(AdoptError{AdoptRefusal::stale_share_id,
-                                       Error(ESTALE, fmt::format("share_id {} is not the latest ({})", share_id, share_id_))});
+      return tl::unexpected(
+          AdoptError{AdoptRefusal::stale_share_id,
+                     Error(ESTALE, fmt::format("share_id {} is not the latest ({})", share_id, share_id_))});
     }
     if (static_cast<int32_t>(tokens.size()) > n_ctx_) {
       return tl::unexpected(AdoptError{AdoptRefusal::too_many_tokens, Error(ENOSPC, "too many tokens")});
@@ -163,10 +164,14 @@ class FakeEngine : public SlotEngine {
  private:
   static std::string special_text(int32_t id) {
     switch (id) {
-      case kBos: return "<s>";
-      case kEos: return "</s>";
-      case kImStart: return "<|im_start|>";
-      case kImEnd: return "<|im_end|>";
+      case kBos:
+        return "<s>";
+      case kEos:
+        return "</s>";
+      case kImStart:
+        return "<|im_start|>";
+      case kImEnd:
+        return "<|im_end|>";
     }
     return {};
   }

@@ -6,9 +6,9 @@
 #include <memory>
 #include <thread>
 
-#include "fake_engine.h"
 #include "apps/decoder/http_client.h"
 #include "apps/decoder/http_server.h"
+#include "fake_engine.h"
 #include "support/test_support.h"
 
 namespace kvshare::decoder {
@@ -126,8 +126,7 @@ TEST(DecoderHttpFake, TokenizesWithLlamaServerDefaults) {
 
 TEST(DecoderHttpFake, AppliesTheChatTemplateWithoutALeadingBos) {
   FakeServer server;
-  const Json reply =
-      server.post("/apply-template", {{"messages", {{{"role", "user"}, {"content", "hi"}}}}}).json();
+  const Json reply = server.post("/apply-template", {{"messages", {{{"role", "user"}, {"content", "hi"}}}}}).json();
   EXPECT_EQ(reply["prompt"], "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
   expect_error(server.post("/apply-template", Json::object()), 400, "invalid_request_error", "'messages' is required");
 }
@@ -208,7 +207,8 @@ TEST(DecoderHttpFake, DecodesAdoptedCellsWithOneEvaluatedToken) {
   EXPECT_EQ(server.engine().last_socket(), "/nonexistent/sock");
   const std::vector<int32_t> head(kPrompt.begin(), kPrompt.end() - 1);
   server.engine().provider_writes(head);
-  const Json adopted = server.post("/slots/0?action=adopt", {{"tokens", head}, {"share_id", shared["share_id"]}}).json();
+  const Json adopted =
+      server.post("/slots/0?action=adopt", {{"tokens", head}, {"share_id", shared["share_id"]}}).json();
   EXPECT_EQ(adopted["n_adopted"], static_cast<int>(head.size()));
   const int64_t before = server.engine().n_evaluated();
   const Json reply =
@@ -228,8 +228,9 @@ TEST(DecoderHttpFake, RefusesAStaleShareIdAndTooManyTokensWith400) {
   ASSERT_NE(first["share_id"], second["share_id"]);
   expect_error(server.post("/slots/0?action=adopt", {{"tokens", {1, 2}}, {"share_id", first["share_id"]}}), 400,
                "invalid_request_error", "not the latest");
-  expect_error(server.post("/slots/0?action=adopt", {{"tokens", std::vector<int32_t>(16, 1)}, {"share_id", second["share_id"]}}),
-               400, "invalid_request_error", "do not fit");
+  expect_error(
+      server.post("/slots/0?action=adopt", {{"tokens", std::vector<int32_t>(16, 1)}, {"share_id", second["share_id"]}}),
+      400, "invalid_request_error", "do not fit");
   expect_error(server.post("/slots/0?action=adopt", {{"tokens", {1, 2}}}), 400, "invalid_request_error", "share_id");
   expect_error(server.post("/slots/0?action=share", Json::object()), 400, "invalid_request_error", "socket");
 }
@@ -239,8 +240,11 @@ TEST(DecoderHttpFake, RefusesAStaleShareIdAndTooManyTokensWith400) {
 std::vector<int32_t> complete_turn_one(const FakeServer& server, const std::vector<int32_t>& prompt, int n_predict,
                                        std::vector<int32_t>* reply_tokens = nullptr) {
   const Json reply = server
-                         .post("/completion", {{"prompt", prompt}, {"n_predict", n_predict}, {"temperature", 0},
-                                               {"return_tokens", true}, {"cache_prompt", false}})
+                         .post("/completion", {{"prompt", prompt},
+                                               {"n_predict", n_predict},
+                                               {"temperature", 0},
+                                               {"return_tokens", true},
+                                               {"cache_prompt", false}})
                          .json();
   const auto generated = reply["tokens"].get<std::vector<int32_t>>();
   EXPECT_FALSE(generated.empty()) << reply.dump();
@@ -338,14 +342,17 @@ TEST(DecoderHttpFake, RefusesAnAdoptWhoseCachedTokensTheSlotNoLongerHoldsAndKeep
   expect_error(server.post("/slots/0?action=adopt", adopt_body), 400, "invalid_request_error",
                "the slot holds only 0 of these tokens");
   // An n_cached past the tokens, or not a count, is a bad body.
-  expect_error(server.post("/slots/0?action=adopt", {{"tokens", {1, 2}}, {"share_id", shared["share_id"]}, {"n_cached", 3}}),
-               400, "invalid_request_error", "n_cached");
-  expect_error(server.post("/slots/0?action=adopt", {{"tokens", {1, 2}}, {"share_id", shared["share_id"]}, {"n_cached", -1}}),
-               400, "invalid_request_error", "n_cached");
+  expect_error(
+      server.post("/slots/0?action=adopt", {{"tokens", {1, 2}}, {"share_id", shared["share_id"]}, {"n_cached", 3}}),
+      400, "invalid_request_error", "n_cached");
+  expect_error(
+      server.post("/slots/0?action=adopt", {{"tokens", {1, 2}}, {"share_id", shared["share_id"]}, {"n_cached", -1}}),
+      400, "invalid_request_error", "n_cached");
   // The refusals spent nothing: the share is still adoptable without the cached prefix.
   server.engine().provider_writes(head);
   const Json adopted =
-      server.post("/slots/0?action=adopt", {{"tokens", head}, {"share_id", shared["share_id"]}, {"n_cached", 0}}).json();
+      server.post("/slots/0?action=adopt", {{"tokens", head}, {"share_id", shared["share_id"]}, {"n_cached", 0}})
+          .json();
   EXPECT_EQ(adopted["n_adopted"], static_cast<int>(head.size())) << adopted.dump();
 }
 
@@ -386,8 +393,7 @@ TEST(DecoderHttpFake, ChecksSlotIdThenActionThenFilenameInLlamaServersOrder) {
   }
   // An overlong "/" (0xC0 0xAF) never reaches the name check: the JSON parser refuses the
   // body first (500, as llama-server's nlohmann parse does); SlotFilename covers the rule.
-  expect_error(server.post_raw("/slots/0?action=save", "{\"filename\": \"a\xC0\xAF\"}"), 500, "server_error",
-               "UTF-8");
+  expect_error(server.post_raw("/slots/0?action=save", "{\"filename\": \"a\xC0\xAF\"}"), 500, "server_error", "UTF-8");
   // One slot: every id wraps to slot 0 and the reply echoes the id that was sent.
   EXPECT_EQ(server.post("/slots/3?action=save", {{"filename", "a.bin"}}).json()["id_slot"], 3);
   EXPECT_EQ(server.post("/slots/-1?action=erase", Json::object()).json()["id_slot"], -1);
@@ -409,7 +415,8 @@ TEST(DecoderHttpFake, GivesLlamaServerStatusesForBadCompletionRequests) {
   expect_error(server.post("/completion", {{"n_predict", 1}}), 400, "invalid_request_error", "prompt");
   expect_error(server.post_raw("/completion", "{not json"), 500, "server_error", "parse error");
   expect_error(server.post("/completion", {{"prompt", {1, 99999}}}), 400, "invalid_request_error", "invalid tokens");
-  expect_error(server.post("/completion", {{"prompt", Json::array()}}), 400, "invalid_request_error", "must not be empty");
+  expect_error(server.post("/completion", {{"prompt", Json::array()}}), 400, "invalid_request_error",
+               "must not be empty");
   expect_error(server.post("/completion", {{"prompt", "x"}, {"n_predict", "many"}}), 400, "invalid_request_error",
                "Field 'n_predict'");
   expect_error(server.post("/completion", {{"prompt", "x"}, {"n_predict", -2}}), 400, "invalid_request_error",
@@ -427,10 +434,12 @@ TEST(DecoderHttpFake, StopsAtAStopWordAndLeavesItOut) {
   FakeServer server;
   // A prompt whose greedy continuation runs for at least 3 letters before any end token.
   std::vector<int32_t> prompt = kPrompt;
-  while (expected_continuation(prompt, 8).size() < 3 || expected_continuation(prompt, 8)[2] >= 256) prompt.push_back('x');
+  while (expected_continuation(prompt, 8).size() < 3 || expected_continuation(prompt, 8)[2] >= 256)
+    prompt.push_back('x');
   const auto continuation = expected_continuation(prompt, 8);
   const std::string stop(1, static_cast<char>(continuation[2]));
-  const Json reply = server.post("/completion", {{"prompt", prompt}, {"n_predict", 8}, {"temperature", 0}, {"stop", stop}}).json();
+  const Json reply =
+      server.post("/completion", {{"prompt", prompt}, {"n_predict", 8}, {"temperature", 0}, {"stop", stop}}).json();
   EXPECT_EQ(reply["stop_type"], "word");
   EXPECT_EQ(reply["stopping_word"], stop);
   EXPECT_EQ(reply["content"].get<std::string>().find(stop), std::string::npos);
@@ -487,10 +496,11 @@ TEST(DecoderHttpFake, StreamsChatCompletionsWithRoleFirstFinishChunkAndDone) {
   EXPECT_TRUE(usage["choices"].empty());
   EXPECT_GT(usage["usage"]["prompt_tokens"].get<int>(), 0);
   EXPECT_TRUE(usage.contains("timings"));
-  const Json plain = server.post("/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "hi"}}}},
-                                                          {"max_tokens", 4},
-                                                          {"temperature", 0}})
-                         .json();
+  const Json plain =
+      server
+          .post("/v1/chat/completions",
+                {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 4}, {"temperature", 0}})
+          .json();
   EXPECT_EQ(plain["choices"][0]["message"]["content"], content);
   EXPECT_EQ(plain["object"], "chat.completion");
   EXPECT_EQ(plain["usage"]["prompt_tokens_details"]["cached_tokens"], usage["usage"]["prompt_tokens"].get<int>() - 1);
@@ -532,8 +542,10 @@ TEST(DecoderHttpFake, SerializesConcurrentRequestsOnTheOneSlot) {
   std::vector<Json> replies(6);
   for (size_t i = 0; i < replies.size(); ++i) {
     threads.emplace_back([&, i] {
-      replies[i] = server.post("/completion", {{"prompt", kPrompt}, {"n_predict", 6}, {"temperature", 0}, {"return_tokens", true}})
-                       .json();
+      replies[i] =
+          server
+              .post("/completion", {{"prompt", kPrompt}, {"n_predict", 6}, {"temperature", 0}, {"return_tokens", true}})
+              .json();
     });
   }
   for (auto& t : threads) t.join();

@@ -15,9 +15,9 @@
 #include <string>
 #include <tuple>
 
-#include "route/state_version_probe.h"
-#include "live_server.h"
 #include "apps/decoder/http_client.h"
+#include "live_server.h"
+#include "route/state_version_probe.h"
 #include "support/test_support.h"
 
 namespace kvshare::decoder {
@@ -57,14 +57,14 @@ class LlamaServerKvMatch : public ::testing::TestWithParam<Case> {
     model_ = dir_ / "model.gguf";
     slots_ = dir_ / "slots";
     std::filesystem::create_directories(slots_);
-    const auto made = support::run_command(support::tool_path("kvshare-mkmodel").string() + " --arch " + arch + " --wtype " + wtype +
-                                  " --residual-gain 3 --seed 5 " + model_.string());
+    const auto made = support::run_command(support::tool_path("kvshare-mkmodel").string() + " --arch " + arch +
+                                           " --wtype " + wtype + " --residual-gain 3 --seed 5 " + model_.string());
     ASSERT_EQ(made.exit_code, 0) << made.err;
-    server_ = std::make_unique<testing::LiveServer>(server, std::vector<std::string>{"-m", model_.string(), "-c",
-                                                                            std::to_string(kContextSize), "-np", "1", "-fa",
-                                                                            "on", "-ctk", cache, "-ctv", cache,
-                                                                            "--slot-save-path", slots_.string()},
-                                           dir_ / "server.log");
+    server_ = std::make_unique<testing::LiveServer>(
+        server,
+        std::vector<std::string>{"-m", model_.string(), "-c", std::to_string(kContextSize), "-np", "1", "-fa", "on",
+                                 "-ctk", cache, "-ctv", cache, "--slot-save-path", slots_.string()},
+        dir_ / "server.log");
     ASSERT_TRUE(server_->ready()) << "llama-server did not start:\n" << server_->log_text();
   }
 
@@ -76,8 +76,12 @@ class LlamaServerKvMatch : public ::testing::TestWithParam<Case> {
     return Json::parse(reply->body);
   }
   Json greedy(const std::vector<int32_t>& prompt, int n_predict, bool cache_prompt) const {
-    return post("/completion", {{"prompt", prompt}, {"n_predict", n_predict}, {"temperature", 0}, {"id_slot", 0},
-                                {"cache_prompt", cache_prompt}, {"return_tokens", true}});
+    return post("/completion", {{"prompt", prompt},
+                                {"n_predict", n_predict},
+                                {"temperature", 0},
+                                {"id_slot", 0},
+                                {"cache_prompt", cache_prompt},
+                                {"return_tokens", true}});
   }
 
   support::TempDir dir_;
@@ -110,15 +114,15 @@ TEST_P(LlamaServerKvMatch, PrefillKvEqualsLlamaServersOwnAndRestoresToTheSameRep
     std::ofstream out(ids);
     for (int32_t id : head) out << id << "\n";
   }
-  const auto prefilled = support::run_command(support::tool_path("kvshare-prefill").string() + " --tokens " + ids.string() +
-                                     " --out " + (slots_ / "ours.bin").string() + " --model " + model_.string() +
-                                     " -c " + std::to_string(kContextSize) + " -ctk " + cache + " -ctv " + cache + " -fa on" +
-                                     " --state-version " + std::to_string(*version));
+  const auto prefilled = support::run_command(
+      support::tool_path("kvshare-prefill").string() + " --tokens " + ids.string() + " --out " +
+      (slots_ / "ours.bin").string() + " --model " + model_.string() + " -c " + std::to_string(kContextSize) +
+      " -ctk " + cache + " -ctv " + cache + " -fa on" + " --state-version " + std::to_string(*version));
   ASSERT_EQ(prefilled.exit_code, 0) << prefilled.err;
 
-  const auto diff = support::run_command(support::tool_path("kvshare-state").string() + " diff " + (slots_ / "theirs.bin").string() +
-                                " " + (slots_ / "ours.bin").string() + " --head-dim 64 --tolerance " +
-                                std::to_string(tolerance(wtype, cache)));
+  const auto diff = support::run_command(support::tool_path("kvshare-state").string() + " diff " +
+                                         (slots_ / "theirs.bin").string() + " " + (slots_ / "ours.bin").string() +
+                                         " --head-dim 64 --tolerance " + std::to_string(tolerance(wtype, cache)));
   // kvshare-state diff's last line ("max abs difference X, tolerance T: within"), for the record.
   const auto summary = diff.out.find("max abs difference");
   if (summary != std::string::npos) std::cout << "[ kv diff  ] " << diff.out.substr(summary);
@@ -129,8 +133,8 @@ TEST_P(LlamaServerKvMatch, PrefillKvEqualsLlamaServersOwnAndRestoresToTheSameRep
   EXPECT_EQ(restored["n_restored"], static_cast<int>(head.size()));
   const Json reply = greedy(prompt, kReplyTokens, true);
   EXPECT_EQ(reply["timings"]["prompt_n"], 1) << reply["timings"].dump();
-  EXPECT_EQ(reply["tokens"], own["tokens"]) << "after restore: " << reply["content"] << "\nown prefill: "
-                                            << own["content"];
+  EXPECT_EQ(reply["tokens"], own["tokens"])
+      << "after restore: " << reply["content"] << "\nown prefill: " << own["content"];
 }
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
@@ -139,8 +143,8 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
 }
 
 INSTANTIATE_TEST_SUITE_P(ModelsAndCaches, LlamaServerKvMatch,
-                         ::testing::Combine(::testing::Values("qwen3", "llama"), ::testing::Values("f32", "f16", "q8_0"),
-                                            ::testing::Values("f16", "q8_0")),
+                         ::testing::Combine(::testing::Values("qwen3", "llama"),
+                                            ::testing::Values("f32", "f16", "q8_0"), ::testing::Values("f16", "q8_0")),
                          case_name);
 
 }  // namespace

@@ -7,9 +7,9 @@
 #include <random>
 #include <thread>
 
-#include "fake_engine.h"
 #include "apps/decoder/http_client.h"
 #include "apps/decoder/http_server.h"
+#include "fake_engine.h"
 #include "support/test_support.h"
 
 namespace kvshare::decoder {
@@ -47,27 +47,66 @@ class InProcessDecoder {
 };
 
 const char* const kRoutes[] = {
-    "/completion", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/apply-template",
-    "/slots/0?action=save", "/slots/0?action=restore", "/slots/0?action=erase", "/slots/0?action=share",
-    "/slots/0?action=adopt", "/slots/0?action=", "/props",
+    "/completion",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/tokenize",
+    "/detokenize",
+    "/apply-template",
+    "/slots/0?action=save",
+    "/slots/0?action=restore",
+    "/slots/0?action=erase",
+    "/slots/0?action=share",
+    "/slots/0?action=adopt",
+    "/slots/0?action=",
+    "/props",
 };
 
 const char* const kBodies[] = {
-    "", "{", "}", "null", "[]", "0", "\"x\"", "{\"prompt\": null}", "{\"prompt\": {}}", "{\"prompt\": [[1]]}",
-    "{\"prompt\": [1.5]}", "{\"prompt\": [-1]}", "{\"prompt\": true}", "{\"prompt\": \"x\", \"stop\": 3}",
-    "{\"prompt\": \"x\", \"stream\": \"yes\"}", "{\"prompt\": \"x\", \"n_predict\": 1e30}",
-    "{\"prompt\": \"x\", \"temperature\": -5, \"n_predict\": 2}", "{\"prompt\": \"x\", \"seed\": -1, \"n_predict\": 1}",
-    "{\"prompt\": \"x\", \"temperature\": 1e300, \"n_predict\": 1}", "{\"prompt\": \"x\", \"seed\": -1e30}",
-    "{\"prompt\": \"x\", \"n_keep\": -1e300}", "{\"prompt\": \"x\", \"n_predict\": 2.5}",
+    "",
+    "{",
+    "}",
+    "null",
+    "[]",
+    "0",
+    "\"x\"",
+    "{\"prompt\": null}",
+    "{\"prompt\": {}}",
+    "{\"prompt\": [[1]]}",
+    "{\"prompt\": [1.5]}",
+    "{\"prompt\": [-1]}",
+    "{\"prompt\": true}",
+    "{\"prompt\": \"x\", \"stop\": 3}",
+    "{\"prompt\": \"x\", \"stream\": \"yes\"}",
+    "{\"prompt\": \"x\", \"n_predict\": 1e30}",
+    "{\"prompt\": \"x\", \"temperature\": -5, \"n_predict\": 2}",
+    "{\"prompt\": \"x\", \"seed\": -1, \"n_predict\": 1}",
+    "{\"prompt\": \"x\", \"temperature\": 1e300, \"n_predict\": 1}",
+    "{\"prompt\": \"x\", \"seed\": -1e30}",
+    "{\"prompt\": \"x\", \"n_keep\": -1e300}",
+    "{\"prompt\": \"x\", \"n_predict\": 2.5}",
     "{\"prompt\": \"x\", \"stream_options\": 7, \"stream\": true, \"n_predict\": 1}",
-    "{\"messages\": [{\"role\": 1, \"content\": 2}]}", "{\"messages\": [null]}", "{\"messages\": [{\"content\": [1]}]}",
+    "{\"messages\": [{\"role\": 1, \"content\": 2}]}",
+    "{\"messages\": [null]}",
+    "{\"messages\": [{\"content\": [1]}]}",
     "{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image_url\"}]}]}",
-    "{\"content\": {}}", "{\"content\": [\"a\", {}]}", "{\"tokens\": \"abc\"}", "{\"tokens\": [99999]}",
-    "{\"filename\": 5}", "{\"filename\": \"\"}", "{\"filename\": \"a\\u0000b\"}", "{\"socket\": 5}",
-    "{\"socket\": \"/nonexistent/dir/sock\"}", "{\"tokens\": [1, \"a\"], \"share_id\": 1}",
-    "{\"tokens\": [1], \"share_id\": -1}", "{\"tokens\": null, \"share_id\": null}",
-    "{\"transport\": \"ucx\"}", "{\"transport\": \"ucx\", \"n_tokens\": 0}", "{\"transport\": 7, \"n_tokens\": 1}",
-    "{\"transport\": \"ucx\", \"n_tokens\": 3}", "{\"transport\": \"ucx\", \"n_tokens\": 1e30}",
+    "{\"content\": {}}",
+    "{\"content\": [\"a\", {}]}",
+    "{\"tokens\": \"abc\"}",
+    "{\"tokens\": [99999]}",
+    "{\"filename\": 5}",
+    "{\"filename\": \"\"}",
+    "{\"filename\": \"a\\u0000b\"}",
+    "{\"socket\": 5}",
+    "{\"socket\": \"/nonexistent/dir/sock\"}",
+    "{\"tokens\": [1, \"a\"], \"share_id\": 1}",
+    "{\"tokens\": [1], \"share_id\": -1}",
+    "{\"tokens\": null, \"share_id\": null}",
+    "{\"transport\": \"ucx\"}",
+    "{\"transport\": \"ucx\", \"n_tokens\": 0}",
+    "{\"transport\": 7, \"n_tokens\": 1}",
+    "{\"transport\": \"ucx\", \"n_tokens\": 3}",
+    "{\"transport\": \"ucx\", \"n_tokens\": 1e30}",
 };
 
 TEST(DecoderMalformedRequests, AnswerEveryBadBodyOnEveryRouteWithJsonAndKeepServing) {

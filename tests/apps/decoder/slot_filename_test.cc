@@ -26,11 +26,13 @@ TEST(SlotFilename, RefusesReservedCharactersAndEdgeSpacesAndTrailingDots) {
 }
 
 TEST(SlotFilename, RefusesControlsLookalikesAndBrokenUtf8) {
-  for (const char* name : {"a\x01", "a\x7F", "a\xC2\x85",             // C0, DEL, C1
-                           "a\xEF\xBC\x8E", "a\xE2\x88\x95",          // U+FF0E, U+2215
-                           "a\xE2\x88\x96", "a\xEF\xBF\xBD",          // U+2216, U+FFFD
-                           "\xEF\xBB\xBF" "a", "a\xED\xA0\x80",       // BOM, surrogate
-                           "a\xC0\xAE", "a\xE0\x80\xAE",              // overlong '.'
+  for (const char* name : {"a\x01", "a\x7F", "a\xC2\x85",     // C0, DEL, C1
+                           "a\xEF\xBC\x8E", "a\xE2\x88\x95",  // U+FF0E, U+2215
+                           "a\xE2\x88\x96", "a\xEF\xBF\xBD",  // U+2216, U+FFFD
+                           "\xEF\xBB\xBF"
+                           "a",
+                           "a\xED\xA0\x80",               // BOM, surrogate
+                           "a\xC0\xAE", "a\xE0\x80\xAE",  // overlong '.'
                            "a\x80", "a\xC3", "a\xF8\x88\x80\x80\x80"}) {
     EXPECT_FALSE(is_valid_slot_filename(name)) << name;
   }

@@ -11,14 +11,14 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "apps/decoder/refmodel_engine.h"
+#include "apps/provider/prefill_provider.h"
 #include "layout/row_convert.h"
 #include "layout/share_header.h"
 #include "layout/tensor_type.h"
-#include "apps/decoder/refmodel_engine.h"
 #include "refmodel/model_generator.h"
-#include "apps/provider/prefill_provider.h"
-#include "support/test_support.h"
 #include "refmodel/tiny_model.h"
+#include "support/test_support.h"
 
 namespace kvshare::refmodel {
 namespace {
@@ -176,9 +176,9 @@ TEST_F(PrefillTool, WritesTheStateVersionOfTheFlagElseTheEnvironmentElseThree) {
     const auto out = dir / "v.bin";
     std::filesystem::remove(out);
     write_text(dir / "ids.txt", "1\n2\n3\n");
-    auto r = run_command(fmt::format("env -u ONEBIT_HYBRID_STATE_VERSION {} {} --tokens {} --model {} --out {} {}",
-                                     env, tool_path("kvshare-prefill").string(), (dir / "ids.txt").string(),
-                                     model.string(), out.string(), flag));
+    auto r = run_command(fmt::format("env -u ONEBIT_HYBRID_STATE_VERSION {} {} --tokens {} --model {} --out {} {}", env,
+                                     tool_path("kvshare-prefill").string(), (dir / "ids.txt").string(), model.string(),
+                                     out.string(), flag));
     if (r.exit_code != 0) return -r.exit_code;
     const auto bytes = kvshare::testing::read_file_bytes(out);
     return bytes.size() >= 8 ? static_cast<int>(bytes[4]) : -100;
@@ -188,8 +188,8 @@ TEST_F(PrefillTool, WritesTheStateVersionOfTheFlagElseTheEnvironmentElseThree) {
   EXPECT_EQ(written("", "--state-version 2"), 2);
   EXPECT_EQ(written("ONEBIT_HYBRID_STATE_VERSION=2", "--state-version 3"), 3);
   EXPECT_EQ(written("ONEBIT_HYBRID_STATE_VERSION=3", "--state-version 2"), 2);
-  EXPECT_LT(written("", "--state-version 4"), 0);                 // refused by the option's check
-  EXPECT_EQ(written("ONEBIT_HYBRID_STATE_VERSION=4", ""), -2);   // bad usage, not ignored
+  EXPECT_LT(written("", "--state-version 4"), 0);               // refused by the option's check
+  EXPECT_EQ(written("ONEBIT_HYBRID_STATE_VERSION=4", ""), -2);  // bad usage, not ignored
 }
 
 // The handoff of docs/hybrid.md: the provider gets the prompt minus its last token, the decoder
@@ -201,10 +201,10 @@ void expect_state_file_decode_matches(const GeneratorOptions& o, const std::stri
   const auto prompt = chat_prompt(*model);
   const std::vector<int32_t> handed(prompt.begin(), prompt.end() - 1);
   write_text(dir / "ids.txt", ids_lines(handed));
-  auto r = run_command(fmt::format("{} --tokens {} --model {} --out {} -c 512 -ctk {} -ctv {} -fa {}",
-                                   tool_path("kvshare-prefill").string(), (dir / "ids.txt").string(),
-                                   model_path.string(), (dir / "slot.bin").string(), ctk, ctk,
-                                   flash_attn ? "on" : "off"));
+  auto r =
+      run_command(fmt::format("{} --tokens {} --model {} --out {} -c 512 -ctk {} -ctv {} -fa {}",
+                              tool_path("kvshare-prefill").string(), (dir / "ids.txt").string(), model_path.string(),
+                              (dir / "slot.bin").string(), ctk, ctk, flash_attn ? "on" : "off"));
   ASSERT_EQ(r.exit_code, 0) << r.err;
 
   decoder::RefEngineOptions eo;
@@ -275,16 +275,17 @@ TEST_F(SharedRegion, GreedyDecodeFromAdoptedCellsEqualsOwnGreedyDecode) {
   }
   const auto prompt = chat_prompt(*model);
   const std::vector<int32_t> handed(prompt.begin(), prompt.end() - 1);
-  write_text(dir / "ids.json", "[" + [&] {
-    std::string s;
-    for (size_t i = 0; i < handed.size(); ++i) s += (i ? "," : "") + std::to_string(handed[i]);
-    return s;
-  }() + "]");
+  write_text(
+      dir / "ids.json", "[" + [&] {
+        std::string s;
+        for (size_t i = 0; i < handed.size(); ++i) s += (i ? "," : "") + std::to_string(handed[i]);
+        return s;
+      }() + "]");
   std::string fd_list;
   for (size_t i = 0; i < fds.size(); ++i) fd_list += (i ? "," : "") + std::to_string(fds[i]);
-  auto r = run_command(fmt::format("{} --tokens {} --model {} --layout {} --fds {}", tool_path("kvshare-prefill").string(),
-                                   (dir / "ids.json").string(), model_path.string(), (dir / "layout.json").string(),
-                                   fd_list));
+  auto r = run_command(fmt::format("{} --tokens {} --model {} --layout {} --fds {}",
+                                   tool_path("kvshare-prefill").string(), (dir / "ids.json").string(),
+                                   model_path.string(), (dir / "layout.json").string(), fd_list));
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(last_line(r.out).rfind("{\"prefill_ms\": ", 0), 0u) << r.out;
 
@@ -424,7 +425,8 @@ TEST_P(SharedRegionCached, ExtendsCachedCellsToTheCellsOfAWholePrefill) {
       for (uint32_t c = 0; c < n; ++c) {
         const auto a = cell_values(whole, il, kind, c);
         const auto b = cell_values(incremental, il, kind, c);
-        for (size_t j = 0; j < a.size(); ++j) max_diff = std::max(max_diff, static_cast<double>(std::fabs(a[j] - b[j])));
+        for (size_t j = 0; j < a.size(); ++j)
+          max_diff = std::max(max_diff, static_cast<double>(std::fabs(a[j] - b[j])));
       }
       // Nothing past the prompt was written.
       for (uint32_t c = n; c < n + 4; ++c)
@@ -472,8 +474,8 @@ TEST_F(PrefillTool, RefusesCachedOnTheFileRouteAsBadUsage) {
 
 TEST_F(PrefillTool, RefusesCachedThatLeavesNoIdToPrefillAsBadUsage) {
   for (const char* cached : {"3", "7"}) {
-    auto r = run("1\n2\n3\n", fmt::format("--layout {} --fds 3 --cached {} 3</dev/null", (dir / "layout.json").string(),
-                                             cached));
+    auto r = run("1\n2\n3\n",
+                 fmt::format("--layout {} --fds 3 --cached {} 3</dev/null", (dir / "layout.json").string(), cached));
     EXPECT_EQ(r.exit_code, 2) << r.err;
     EXPECT_NE(r.err.find(fmt::format("--cached {}: the ids file", cached)), std::string::npos) << r.err;
     EXPECT_NE(r.err.find("holds 3 ids"), std::string::npos) << r.err;
@@ -501,8 +503,8 @@ TEST_F(PrefillTool, RefusesAStreamPastTheHeadersNStreamAsBadUsage) {
   auto params = testing::small_params(768);
   params.n_seq_max = 3;
   params.kv_unified = false;
-  auto header = layout::make_share_header(layout::model_fingerprint(m->metadata(), m->tensor_infos()), m->shape(),
-                                          params);
+  auto header =
+      layout::make_share_header(layout::model_fingerprint(m->metadata(), m->tensor_infos()), m->shape(), params);
   ASSERT_TRUE(header) << header.error().what();
   write_text(dir / "layout.json", layout::to_json(*header));
   auto r = run("1\n2\n3\n", fmt::format("--layout {} --fds 3 --stream 3 3</dev/null", (dir / "layout.json").string()));
@@ -524,14 +526,15 @@ TEST_F(SharedRegion, RefusesALayoutHeaderOfAnotherModel) {
   GeneratorOptions other;
   other.n_layer = 3;
   auto other_model = testing::load_generated(other);
-  auto header = layout::make_share_header(
-      layout::model_fingerprint(other_model->metadata(), other_model->tensor_infos()), other_model->shape(),
-      testing::small_params(256));
+  auto header =
+      layout::make_share_header(layout::model_fingerprint(other_model->metadata(), other_model->tensor_infos()),
+                                other_model->shape(), testing::small_params(256));
   ASSERT_TRUE(header);
   write_text(dir / "layout.json", layout::to_json(*header));
   write_text(dir / "ids.txt", "1\n2\n");
-  auto r = run_command(fmt::format("{} --tokens {} --model {} --layout {} --fds 3 3</dev/null", tool_path("kvshare-prefill").string(),
-                                   (dir / "ids.txt").string(), model_path.string(), (dir / "layout.json").string()));
+  auto r = run_command(fmt::format("{} --tokens {} --model {} --layout {} --fds 3 3</dev/null",
+                                   tool_path("kvshare-prefill").string(), (dir / "ids.txt").string(),
+                                   model_path.string(), (dir / "layout.json").string()));
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.err.find("layout.json"), std::string::npos) << r.err;
 }

@@ -3,8 +3,8 @@
 // longer prompt left in it never reaches a shorter one's rows.
 #include <gtest/gtest.h>
 
-#include "refmodel/model_impl.h"
 #include "apps/provider/private_kv.h"
+#include "refmodel/model_impl.h"
 #include "refmodel/tiny_model.h"
 
 namespace kvshare::refmodel {

@@ -14,6 +14,8 @@
 #include <fstream>
 #include <thread>
 
+#include "apps/provider/prefill_provider.h"
+#include "apps/provider/resident_provider.h"
 #include "kvshare/fd.h"
 #include "kvshare/handshake/message.h"
 #include "kvshare/handshake/transport.h"
@@ -23,8 +25,6 @@
 #include "layout/share_header.h"
 #include "layout/tensor_type.h"
 #include "refmodel/model_generator.h"
-#include "apps/provider/prefill_provider.h"
-#include "apps/provider/resident_provider.h"
 #include "refmodel/tiny_model.h"
 #include "support/test_support.h"
 
@@ -126,7 +126,8 @@ ProviderRequest region_request(uint64_t region_id, const layout::ShareHeader& he
   request.share.type = handshake::MessageType::share;
   request.share.share_id = 100 + region_id;
   for (uint32_t c = 0; c < header.layout.chunks.size(); ++c)
-    request.share.fds.push_back({c, "memfd", 0, header.layout.chunks[c].size_bytes, header.layout.chunks[c].layout_hash});
+    request.share.fds.push_back(
+        {c, "memfd", 0, header.layout.chunks[c].size_bytes, header.layout.chunks[c].layout_hash});
   request.share.header_json = layout::to_json(header, false);
   return request;
 }
@@ -766,9 +767,9 @@ TEST_F(ResidentTool, ServesItsInheritedChannelAndExitsZeroWhenServeClosesIt) {
   SpawnOptions spawn;
   spawn.inherit_fds = {{theirs.get(), 3}};
   spawn.capture_stderr = true;
-  auto child = ChildProcess::spawn({tool_path("kvshare-prefill").string(), "--serve-fd", "3", "--model",
-                                    (dir_ / "m.gguf").string(), "-t", "1"},
-                                   spawn);
+  auto child = ChildProcess::spawn(
+      {tool_path("kvshare-prefill").string(), "--serve-fd", "3", "--model", (dir_ / "m.gguf").string(), "-t", "1"},
+      spawn);
   ASSERT_TRUE(child) << child.error().what();
   theirs.reset();
   auto hello = serve.receive();
@@ -799,9 +800,9 @@ TEST_F(ResidentTool, ListensServesOneServeAfterAnotherAndExitsZeroOnSigterm) {
   const auto socket_path = (dir_ / "provider.sock").string();
   SpawnOptions spawn;
   spawn.capture_stderr = true;
-  auto child = ChildProcess::spawn({tool_path("kvshare-prefill").string(), "--serve", socket_path, "--model",
-                                    (dir_ / "m.gguf").string(), "-t", "1"},
-                                   spawn);
+  auto child = ChildProcess::spawn(
+      {tool_path("kvshare-prefill").string(), "--serve", socket_path, "--model", (dir_ / "m.gguf").string(), "-t", "1"},
+      spawn);
   ASSERT_TRUE(child) << child.error().what();
   const auto connect = [&]() -> std::optional<ServeEnd> {
     std::optional<ServeEnd> serve;
@@ -830,9 +831,10 @@ TEST_F(ResidentTool, ListensServesOneServeAfterAnotherAndExitsZeroOnSigterm) {
 }
 
 TEST_F(ResidentTool, RefusesPerRequestFlagsAndBadServeArgumentsAsBadUsage) {
-  for (const std::string flags : {"--serve-fd 3 --tokens ids.txt", "--serve-fd 3 --out s.bin", "--serve-fd 3 --cached 1",
-                                  "--serve-fd 3 -c 512", "--serve /tmp/x.sock --layout l.json",
-                                  "--serve /tmp/x.sock --serve-fd 3", "--serve-fd 2", "--serve relative.sock", ""}) {
+  for (const std::string flags :
+       {"--serve-fd 3 --tokens ids.txt", "--serve-fd 3 --out s.bin", "--serve-fd 3 --cached 1", "--serve-fd 3 -c 512",
+        "--serve /tmp/x.sock --layout l.json", "--serve /tmp/x.sock --serve-fd 3", "--serve-fd 2",
+        "--serve relative.sock", ""}) {
     const auto r = run(flags);
     EXPECT_EQ(r.exit_code, 2) << flags << ": " << r.err;
   }

@@ -87,16 +87,15 @@ TEST(HandshakeMessage, SkipsAHeaderWhoseBytesAreTheKnownOnesAndParsesAnyOtherInF
   EXPECT_FALSE(doubled->header_is_known);
   // The known bytes at the end of a message whose envelope is not a whole object (an open
   // string swallows them): refused as invalid JSON, exactly as without the shortcut.
-  const std::string open_string =
-      R"({"kvshare_handshake":1,"type":"share","share_id":7,"x":")" + std::string(",\"header\":") +
-      message.header_json + "}";
+  const std::string open_string = R"({"kvshare_handshake":1,"type":"share","share_id":7,"x":")" +
+                                  std::string(",\"header\":") + message.header_json + "}";
   auto broken = parse_json(open_string, "test", message.header_json);
   ASSERT_FALSE(broken);
   EXPECT_EQ(broken.error().errno_value(), EINVAL);
   // A refusal whose envelope parses: the shortcut gives what the full parse gives.
-  auto refused = parse_json(R"({"kvshare_handshake":1,"type":"share","share_id":0,"fds":[],"header":)" +
-                                message.header_json + "}",
-                            "test", message.header_json);
+  auto refused =
+      parse_json(R"({"kvshare_handshake":1,"type":"share","share_id":0,"fds":[],"header":)" + message.header_json + "}",
+                 "test", message.header_json);
   ASSERT_FALSE(refused);
   EXPECT_NE(refused.error().message().find("share_id"), std::string::npos) << refused.error().message();
 }
@@ -106,7 +105,8 @@ TEST(HandshakeMessage, WritesTheLayoutHashAsSixteenHexDigits) {
 }
 
 TEST(HandshakeMessage, RoundTripsARefusalNamingTheField) {
-  const Message refusal = make_refusal(3, "params.type_k", "field \"params.type_k\" is \"q8_0\", this decoder uses \"f16\"");
+  const Message refusal =
+      make_refusal(3, "params.type_k", "field \"params.type_k\" is \"q8_0\", this decoder uses \"f16\"");
   auto parsed = parse_json(json_of(refusal), "test");
   ASSERT_TRUE(parsed) << parsed.error().what();
   EXPECT_EQ(parsed->type, MessageType::refuse);
@@ -176,8 +176,9 @@ TEST(HandshakeMessage, RefusesAShareWithNoFdsOrMoreThanScmMaxFd) {
                  "field \"fds\" must be an array of 1..253");
   std::string many = R"({"kvshare_handshake":1,"type":"share","share_id":1,"fds":[)";
   for (int i = 0; i < 254; ++i)
-    many += fmt::format(R"({}{{"chunk":{},"kind":"memfd","offset":0,"size_bytes":4096,"layout_hash":"0x0000000000000000"}})",
-                        i ? "," : "", i);
+    many += fmt::format(
+        R"({}{{"chunk":{},"kind":"memfd","offset":0,"size_bytes":4096,"layout_hash":"0x0000000000000000"}})",
+        i ? "," : "", i);
   many += R"(],"header":{}})";
   expect_refused(many, EINVAL, "1..253");
 }

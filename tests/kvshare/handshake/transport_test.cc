@@ -36,8 +36,7 @@ Fd memfd_of(uint64_t size_bytes) {
 Message share_with(size_t n_fds) {
   Message message;
   message.share_id = 11;
-  for (size_t i = 0; i < n_fds; ++i)
-    message.fds.push_back({static_cast<uint32_t>(i), "memfd", 0, 4096, 0x42 + i});
+  for (size_t i = 0; i < n_fds; ++i) message.fds.push_back({static_cast<uint32_t>(i), "memfd", 0, 4096, 0x42 + i});
   message.header_json = R"({"format_version":1})";
   return message;
 }
@@ -99,7 +98,8 @@ TEST_F(HandshakeTransport, ClosesEveryReceivedFdWhenJsonIsMalformed) {
   Fd a = memfd_of(4096), b = memfd_of(4096);
   const int fds[] = {a.get(), b.get()};
   raw_send(pair.sender.get(), frame_text(R"({"kvshare_handshake":1,"type":)"), fds);
-  expect_error(receive_message(pair.receiver.get(), 1000, "pid 9"), EINVAL, "handshake from pid 9: message is not valid JSON");
+  expect_error(receive_message(pair.receiver.get(), 1000, "pid 9"), EINVAL,
+               "handshake from pid 9: message is not valid JSON");
 }
 
 TEST_F(HandshakeTransport, RefusesMoreFdsThanTheMessageDeclares) {

@@ -2,17 +2,17 @@
 // of the provider's mapping (ScatterTarget::chunk_files). The mapping a test hands in is
 // MAP_PRIVATE, so bytes written through it never reach the memfd: what the memfd holds
 // afterwards is exactly what went through the descriptor.
-#include <gtest/gtest.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <vector>
 
-#include "support/cache_fixture.h"
 #include "kvshare/fd.h"
 #include "kvshare/scatter/scatter.h"
+#include "support/cache_fixture.h"
 #include "support/test_support.h"
 
 namespace kvshare {
@@ -112,8 +112,9 @@ TEST_F(ScatterThroughFile, KeepsTheMappingForATransposedV) {
   const std::byte* expected_k = reference.tensor("cache_k_l1");
   EXPECT_EQ(std::memcmp(file.data() + k->offset, expected_k, k->tensor.nbytes), 0);
   EXPECT_TRUE(all_fill(std::span(file.data() + v->offset, v->tensor.nbytes)));
-  EXPECT_EQ(std::memcmp(region.private_maps[v->chunk].data() + v->offset, reference.tensor("cache_v_l1"),
-                        v->tensor.nbytes), 0);
+  EXPECT_EQ(
+      std::memcmp(region.private_maps[v->chunk].data() + v->offset, reference.tensor("cache_v_l1"), v->tensor.nbytes),
+      0);
 }
 
 TEST_F(ScatterThroughFile, UsesTheMappingForAChunkWithoutADescriptor) {

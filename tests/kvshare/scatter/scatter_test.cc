@@ -6,9 +6,9 @@
 
 #include <cstring>
 
-#include "support/cache_fixture.h"
 #include "layout/half.h"
 #include "layout/row_convert.h"
+#include "support/cache_fixture.h"
 
 namespace kvshare {
 namespace {
@@ -55,8 +55,8 @@ TEST(Scatter, LeavesOtherCellsAndLayersUntouched) {
   const auto rows = make_rows(3, 32, 32, GgmlType::F16, 2);
   ASSERT_TRUE(scatter(region.target(), one_layer_batch(0, rows, 32, 32, GgmlType::F16, 4, 3)));
   const std::byte* k0 = region.tensor("cache_k_l0");
-  for (uint64_t b = 0; b < 4 * 64; ++b) ASSERT_EQ(k0[b], std::byte{0xAB}) << b;          // cells 0..3
-  for (uint64_t b = 7 * 64; b < 16 * 64; ++b) ASSERT_EQ(k0[b], std::byte{0xAB}) << b;    // cells 7..15
+  for (uint64_t b = 0; b < 4 * 64; ++b) ASSERT_EQ(k0[b], std::byte{0xAB}) << b;        // cells 0..3
+  for (uint64_t b = 7 * 64; b < 16 * 64; ++b) ASSERT_EQ(k0[b], std::byte{0xAB}) << b;  // cells 7..15
   const std::byte* k1 = region.tensor("cache_k_l1");
   for (uint64_t b = 0; b < 16 * 64; ++b) ASSERT_EQ(k1[b], std::byte{0xAB}) << b;
   // f16 -> f16 is a byte copy of the K part of each row.
@@ -182,7 +182,8 @@ TEST(Scatter, RefusesAChunkMappingShorterThanTheLayout) {
   const auto rows = make_rows(1, 32, 32, GgmlType::F32, 10);
   auto result = scatter(target, one_layer_batch(0, rows, 32, 32, GgmlType::F32, 0, 1));
   ASSERT_FALSE(result);
-  EXPECT_NE(result.error().message().find("whose mapping has 100 bytes"), std::string::npos) << result.error().message();
+  EXPECT_NE(result.error().message().find("whose mapping has 100 bytes"), std::string::npos)
+      << result.error().message();
 }
 
 TEST(Scatter, RefusesAQuantizedCacheWithoutTheHeadSizeItsRotationNeeds) {

@@ -1,19 +1,19 @@
 // kvshare::write_state and state_width: a recurrent layer's R or S row for one cell, on
 // memories derived from GGUF metadata (mamba2: recurrent; lfm2: hybrid with a 0-wide S)
 // and placed by layout::share_layout, in vector-backed chunks filled with a sentinel.
-#include <gtest/gtest.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <vector>
 
-#include "support/cache_fixture.h"
 #include "kvshare/fd.h"
+#include "kvshare/scatter/scatter.h"
+#include "support/cache_fixture.h"
 #include "support/recurrent_fixture.h"
 #include "support/test_support.h"
-#include "kvshare/scatter/scatter.h"
 
 namespace kvshare {
 namespace {
@@ -148,8 +148,7 @@ TEST(WriteState, RefusesALayerPastTheModelNamingIt) {
   ASSERT_FALSE(written);
   EXPECT_EQ(written.error().errno_value(), EINVAL);
   EXPECT_NE(written.error().message().find("layer 7 has no cache_r_l7"), std::string::npos) << written.error().what();
-  EXPECT_NE(written.error().message().find("2 recurrent layer(s) (0, 1)"), std::string::npos)
-      << written.error().what();
+  EXPECT_NE(written.error().message().find("2 recurrent layer(s) (0, 1)"), std::string::npos) << written.error().what();
   EXPECT_TRUE(untouched(region));
 }
 

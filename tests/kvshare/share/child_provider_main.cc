@@ -39,11 +39,16 @@ int main(int argc, char** argv) {
   uint64_t n_tokens = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
-    if (flag == "--layout") layout_path = argv[i + 1];
-    else if (flag == "--fds") fd_text = argv[i + 1];
-    else if (flag == "--tokens") n_tokens = std::strtoull(argv[i + 1], nullptr, 10);
-    else if (flag == "--type-k") type_k = argv[i + 1];
-    else return fail_with(2, "unknown flag " + flag);
+    if (flag == "--layout")
+      layout_path = argv[i + 1];
+    else if (flag == "--fds")
+      fd_text = argv[i + 1];
+    else if (flag == "--tokens")
+      n_tokens = std::strtoull(argv[i + 1], nullptr, 10);
+    else if (flag == "--type-k")
+      type_k = argv[i + 1];
+    else
+      return fail_with(2, "unknown flag " + flag);
   }
   auto fds = kvshare::parse_fd_list(fd_text);
   if (!fds) return fail_with(2, fds.error().what());

@@ -73,8 +73,8 @@ void send_request(int socket_fd, const ProviderRequest& request, std::span<const
 }
 
 Result<ProviderReply> receive_reply(int socket_fd) {
-  auto frame = handshake::receive_frame(socket_fd, kDeadlineMs, "the provider", -1, "test reply",
-                                        kMaxProviderMessageBytes);
+  auto frame =
+      handshake::receive_frame(socket_fd, kDeadlineMs, "the provider", -1, "test reply", kMaxProviderMessageBytes);
   if (!frame) return fail(frame.error());
   if (!frame->fds.empty()) return fail(EPROTO, "a reply carried {} fd(s)", frame->fds.size());
   return parse_provider_reply({reinterpret_cast<const char*>(frame->body.data()), frame->body.size()}, "reply");
@@ -111,8 +111,12 @@ struct Region {
   }
 };
 
-const ProviderRequest kSharedPrefill{.op = ProviderOp::prefill, .region_id = 1, .route = PrefillRoute::shared,
-                                     .share_id = 2, .n_cached = 1, .tokens = {1, 2, 3}};
+const ProviderRequest kSharedPrefill{.op = ProviderOp::prefill,
+                                     .region_id = 1,
+                                     .route = PrefillRoute::shared,
+                                     .share_id = 2,
+                                     .n_cached = 1,
+                                     .tokens = {1, 2, 3}};
 
 class ProviderChannelTest : public FdLeakCheck {};
 
@@ -129,8 +133,12 @@ TEST_F(ProviderChannelTest, SaysHelloThenTakesRequestsAndRepliesInOrder) {
   EXPECT_TRUE(said->takes_shared);
   EXPECT_FALSE(said->takes_file);
 
-  const ProviderRequest file{.op = ProviderOp::prefill, .route = PrefillRoute::file, .tokens = {9, 8},
-                             .state_file = "/tmp/x.state", .state_version = 3, .kv = {512, "f16", "q8_0", false}};
+  const ProviderRequest file{.op = ProviderOp::prefill,
+                             .route = PrefillRoute::file,
+                             .tokens = {9, 8},
+                             .state_file = "/tmp/x.state",
+                             .state_version = 3,
+                             .kv = {512, "f16", "q8_0", false}};
   send_request(channel.serve.get(), kSharedPrefill);
   send_request(channel.serve.get(), file);
   auto first = channel.provider->next(kDeadlineMs);

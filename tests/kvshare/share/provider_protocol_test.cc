@@ -203,10 +203,17 @@ TEST(ProviderProtocol, DecodesTheStaleRegionRefusalVectorWithItsErrnoAndSentence
 }
 
 TEST(ProviderProtocol, RoundTripsBothPrefillRoutes) {
-  const ProviderRequest shared{.op = ProviderOp::prefill, .region_id = 9, .route = PrefillRoute::shared,
-                               .share_id = 12, .n_cached = 0, .tokens = {0, 2147483647}};
-  const ProviderRequest file{.op = ProviderOp::prefill, .route = PrefillRoute::file, .tokens = {7},
-                             .state_file = "/a b/\"quoted\".state", .state_version = 0,
+  const ProviderRequest shared{.op = ProviderOp::prefill,
+                               .region_id = 9,
+                               .route = PrefillRoute::shared,
+                               .share_id = 12,
+                               .n_cached = 0,
+                               .tokens = {0, 2147483647}};
+  const ProviderRequest file{.op = ProviderOp::prefill,
+                             .route = PrefillRoute::file,
+                             .tokens = {7},
+                             .state_file = "/a b/\"quoted\".state",
+                             .state_version = 0,
                              .kv = {1u << 20, "q4_0", "f16", false}};
   for (const ProviderRequest& request : {shared, file}) {
     auto back = parse_provider_request(encode_provider_request(request), "test");
@@ -235,12 +242,13 @@ TEST(ProviderProtocol, RoundTripsARegionRequestWhoseHeaderIsAnObject) {
 }
 
 TEST(ProviderProtocol, RoundTripsEveryReply) {
-  const ProviderReply hello_shared_only{.op = ProviderOp::hello, .pid = 77, .takes_file = false,
-                                        .takes_cached = false};
+  const ProviderReply hello_shared_only{.op = ProviderOp::hello, .pid = 77, .takes_file = false, .takes_cached = false};
   const ProviderReply hello_file_only{.op = ProviderOp::hello, .pid = 78, .takes_shared = false};
   const ProviderReply region{.op = ProviderOp::region, .region_id = 3, .region_ms = 12.5};
   const ProviderReply prefill{.op = ProviderOp::prefill, .prefill_ms = 0, .n_prefilled = 4294967295u};
-  const ProviderReply refused{.op = ProviderOp::region, .ok = false, .error_errno = ENOMEM,
+  const ProviderReply refused{.op = ProviderOp::region,
+                              .ok = false,
+                              .error_errno = ENOMEM,
                               .error = "mmap of chunk 0 (262144 bytes): \"quoted\"\nsecond line"};
   for (const ProviderReply& reply : {hello_shared_only, hello_file_only, region, prefill, refused}) {
     const std::string text = encode_provider_reply(reply);
@@ -293,8 +301,10 @@ void expect_reply_refusals(const std::vector<Refusal>& cases) {
 // A shared prefill with one field replaced (or, for a null value, removed).
 std::string shared_prefill_with(const std::string& key, const std::string& value) {
   nlohmann::ordered_json json = nlohmann::ordered_json::parse(vector_text("provider-prefill-shared-request-v1.json"));
-  if (value == "null") json.erase(key);
-  else json[key] = nlohmann::ordered_json::parse(value);
+  if (value == "null")
+    json.erase(key);
+  else
+    json[key] = nlohmann::ordered_json::parse(value);
   return json.dump();
 }
 
@@ -307,8 +317,10 @@ std::string file_prefill_with(const std::string& key, const std::string& value,
     target = &json["kv"];
     field = key.substr(3);
   }
-  if (value == "null") target->erase(field);
-  else (*target)[field] = nlohmann::ordered_json::parse(value);
+  if (value == "null")
+    target->erase(field);
+  else
+    (*target)[field] = nlohmann::ordered_json::parse(value);
   return json.dump();
 }
 
@@ -415,9 +427,8 @@ TEST(ProviderProtocol, DecodesTheFilePrefillForFourSlotsVectorAndReencodesItToTh
   EXPECT_EQ(older->kv.n_seq_max, 1u);
   EXPECT_TRUE(older->kv.kv_unified);
   // Several slots, unified (-kvu): one stream of every slot's cells.
-  auto unified =
-      parse_provider_request(file_prefill_with("kv.kv_unified", "true", "provider-prefill-file-slots-request-v1.json"),
-                             "vector");
+  auto unified = parse_provider_request(
+      file_prefill_with("kv.kv_unified", "true", "provider-prefill-file-slots-request-v1.json"), "vector");
   ASSERT_TRUE(unified) << unified.error().what();
   EXPECT_EQ(unified->kv.n_seq_max, 4u);
   EXPECT_TRUE(unified->kv.kv_unified);
@@ -463,9 +474,12 @@ TEST(ProviderProtocol, SurfacesTheHandshakeErrorOfAMalformedShare) {
   auto region_with_share = [](const std::string& key, const std::string& value) {
     nlohmann::ordered_json json = nlohmann::ordered_json::parse(vector_text("provider-region-request-v1.json"));
     auto& share = json["share"];
-    if (key == "fds[0].kind") share["fds"][0]["kind"] = value;
-    else if (value == "null") share.erase(key);
-    else share[key] = nlohmann::ordered_json::parse(value);
+    if (key == "fds[0].kind")
+      share["fds"][0]["kind"] = value;
+    else if (value == "null")
+      share.erase(key);
+    else
+      share[key] = nlohmann::ordered_json::parse(value);
     return json.dump();
   };
   expect_request_refusals({
@@ -545,8 +559,8 @@ TEST(ProviderProtocol, RefusesAnOversizedMessageBeforeParsing) {
 }
 
 TEST(ProviderProtocol, RefusesDeepNestingBeforeParsing) {
-  const std::string deep = R"({"kvshare_provider":1,"op":"prefill","x":)" + std::string(100, '[') +
-                           std::string(100, ']') + "}";
+  const std::string deep =
+      R"({"kvshare_provider":1,"op":"prefill","x":)" + std::string(100, '[') + std::string(100, ']') + "}";
   auto request = parse_provider_request(deep, "peer");
   auto reply = parse_provider_reply(deep, "peer");
   ASSERT_FALSE(request);

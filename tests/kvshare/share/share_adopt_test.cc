@@ -29,8 +29,15 @@ ExportOptions memfd_only() {
 }
 
 std::vector<std::string> provider_argv(uint64_t n_tokens, const std::string& type_k = "f16") {
-  return {testing::tool_path("kvshare-test-child-provider").string(), "--layout", "{layout}", "--fds", "{fds}",
-          "--tokens", std::to_string(n_tokens), "--type-k", type_k};
+  return {testing::tool_path("kvshare-test-child-provider").string(),
+          "--layout",
+          "{layout}",
+          "--fds",
+          "{fds}",
+          "--tokens",
+          std::to_string(n_tokens),
+          "--type-k",
+          type_k};
 }
 
 class ShareAdopt : public FdLeakCheck {};
@@ -44,11 +51,11 @@ TEST_F(ShareAdopt, DecoderReadsTheProvidersWritesThroughItsOwnMappingAfterAdopt)
   ASSERT_TRUE(k0) << k0.error().what();
   ASSERT_EQ(k0->row(0)[0], std::byte{0});
 
-  auto broker = ShareBroker::listen();                       // 1. listen
+  auto broker = ShareBroker::listen();  // 1. listen
   ASSERT_TRUE(broker) << broker.error().what();
   auto share_id = decoder.share(broker->socket_path(), 0, 2000);  // 2. share
   ASSERT_TRUE(share_id) << share_id.error().what();
-  auto share = broker->receive(2000);                          // 3. fds
+  auto share = broker->receive(2000);  // 3. fds
   ASSERT_TRUE(share) << share.error().what();
   EXPECT_EQ(share->share_id, *share_id);
   EXPECT_EQ(share->peer.pid, ::getpid());
@@ -59,7 +66,7 @@ TEST_F(ShareAdopt, DecoderReadsTheProvidersWritesThroughItsOwnMappingAfterAdopt)
   ASSERT_EQ(run->status.describe(), "exit code 0") << run->err;
   EXPECT_EQ(run->last_stdout_line(), "child provider: wrote 5120 bytes into 4 tensors");
 
-  auto plan = decoder.adopt(kTokens, *share_id);              // 5. adopt
+  auto plan = decoder.adopt(kTokens, *share_id);  // 5. adopt
   ASSERT_TRUE(plan) << plan.error().what();
   EXPECT_EQ(plan->n_tokens, kTokens);
 
@@ -203,7 +210,8 @@ TEST_F(ShareAdopt, RefusesAStaleShareId) {
   EXPECT_NE(stale.error().message().find(fmt::format("share_id {}: it is stale, the later share {} of stream 0 (the "
                                                      "whole stream) overlaps its own (the whole stream)",
                                                      *first, *second)),
-            std::string::npos) << stale.error().message();
+            std::string::npos)
+      << stale.error().message();
   EXPECT_EQ(http_status_for(stale.error()), 409);
   ASSERT_TRUE(decoder.adopt(3, *second));
   auto again = decoder.adopt(3, *second);
@@ -374,9 +382,9 @@ TEST_F(ShareAdopt, DisjointRunsOfOneStreamAreBothAdoptable) {
     }
     return id;
   };
-  auto slot1 = share(ShareCells{0, 0, 60});    // cells 0..59
-  auto slot2 = share(ShareCells{0, 60, 57});   // cells 60..116
-  auto slot3 = share(ShareCells{0, 200, 0});   // 200..511
+  auto slot1 = share(ShareCells{0, 0, 60});   // cells 0..59
+  auto slot2 = share(ShareCells{0, 60, 57});  // cells 60..116
+  auto slot3 = share(ShareCells{0, 200, 0});  // 200..511
   ASSERT_TRUE(slot1 && slot2 && slot3);
   EXPECT_LT(*slot1, *slot2);
   EXPECT_LT(*slot2, *slot3);
@@ -412,18 +420,19 @@ TEST_F(ShareAdopt, AnOverlappingRunStalesTheEarlierShareOnly) {
     }
     return id;
   };
-  auto a = share(decoder, ShareCells{0, 0, 60});     // 0..59
-  auto b = share(decoder, ShareCells{0, 100, 20});   // 100..119
-  auto c = share(decoder, ShareCells{0, 59, 10});    // 59..68: overlaps a at 59
+  auto a = share(decoder, ShareCells{0, 0, 60});    // 0..59
+  auto b = share(decoder, ShareCells{0, 100, 20});  // 100..119
+  auto c = share(decoder, ShareCells{0, 59, 10});   // 59..68: overlaps a at 59
   ASSERT_TRUE(a && b && c);
   auto stale = decoder.adopt(10, *a, 0);
   ASSERT_FALSE(stale);
   EXPECT_EQ(stale.error().errno_value(), ESTALE);
   EXPECT_EQ(http_status_for(stale.error()), 409);
-  EXPECT_NE(stale.error().message().find(fmt::format(
-                "share_id {}: it is stale, the later share {} of stream 0 (cells 59..68) overlaps its own (cells 0..59)", *a,
-                *c)),
-            std::string::npos)
+  EXPECT_NE(
+      stale.error().message().find(fmt::format(
+          "share_id {}: it is stale, the later share {} of stream 0 (cells 59..68) overlaps its own (cells 0..59)", *a,
+          *c)),
+      std::string::npos)
       << stale.error().what();
   EXPECT_TRUE(decoder.adopt(20, *b, 0)) << "a run that overlaps only a made the disjoint b stale";
   // An adopted share is not made stale again, and the refusals above left c as it was.
@@ -488,7 +497,8 @@ TEST_F(ShareAdopt, RefusesARangePastKvSizeBeforeConnecting) {
   ASSERT_FALSE(id);
   EXPECT_EQ(id.error().errno_value(), EINVAL);
   EXPECT_NE(id.error().message().find("first_cell 500 n_cells 40: past the \"kv\" KV cache's kv_size 512"),
-            std::string::npos) << id.error().what();
+            std::string::npos)
+      << id.error().what();
   auto past_end = decoder.share((dir / "nobody.sock").string(), ShareCells{0, 512, 0}, 100);
   ASSERT_FALSE(past_end);
   EXPECT_EQ(past_end.error().errno_value(), EINVAL);
@@ -531,7 +541,8 @@ TEST_F(ShareAdopt, TheBrokerRefusesARangePastKvSizeNamingTheField) {
   EXPECT_EQ(refused.error().errno_value(), EINVAL);
   EXPECT_NE(refused.error().message().find(
                 "field \"n_cells\" is 40 from first_cell 500, past the header's \"kv\" KV cache's kv_size 512"),
-            std::string::npos) << refused.error().what();
+            std::string::npos)
+      << refused.error().what();
 }
 
 TEST_F(ShareAdopt, RefusesARecurrentStateOfSeveralSequencesForTheFileRoute) {
@@ -574,7 +585,8 @@ TEST_F(ShareAdopt, TheBrokerReceivesTheStreamAndRefusesOnePastNStream) {
   ASSERT_FALSE(refused);
   EXPECT_EQ(refused.error().errno_value(), EINVAL);
   EXPECT_NE(refused.error().message().find("field \"stream\" is 3, the header's \"kv\" KV cache has n_stream 3"),
-            std::string::npos) << refused.error().what();
+            std::string::npos)
+      << refused.error().what();
 }
 
 TEST_F(ShareAdopt, ADecoderWithoutTheFlagRefusesNamingBothCausesAndTellsTheBroker) {
@@ -605,7 +617,8 @@ TEST_F(ShareAdopt, ADecoderWhoseBackendCannotExportWarnsOnceAndRefuses) {
   auto decoder = DecoderShare::start(testing::small_share_header(), true, options);
   EXPECT_FALSE(decoder.can_share());
   EXPECT_NE(decoder.startup_warning().find("share_degrade: this decoder cannot export its KV memory"),
-            std::string::npos) << decoder.startup_warning();
+            std::string::npos)
+      << decoder.startup_warning();
   auto id = decoder.share((dir / "nobody.sock").string(), 0, 100);
   ASSERT_FALSE(id);
   EXPECT_EQ(id.error().errno_value(), ENOTSUP);
@@ -636,7 +649,8 @@ TEST(CheckCellsInMemory, ResolvesARangeToTheEndAndRefusesAStreamOrCellsPastTheCa
   ASSERT_FALSE(past);
   EXPECT_EQ(past.error().errno_value(), EINVAL);
   EXPECT_NE(past.error().message().find("first_cell 500 n_cells 40: past the \"kv\" KV cache's kv_size 512"),
-            std::string::npos) << past.error().what();
+            std::string::npos)
+      << past.error().what();
   auto stream = check_cells_in_memory(testing::three_stream_share_header(), ShareCells{3, 0, 0});
   ASSERT_FALSE(stream);
   EXPECT_EQ(stream.error().errno_value(), EINVAL);
@@ -659,7 +673,8 @@ TEST(CheckAdoptableMemoryKind, NamesTheKindAndTheKindsThatCanBeAdopted) {
   ASSERT_FALSE(refused);
   EXPECT_EQ(refused.error().errno_value(), ENOTSUP);
   EXPECT_NE(refused.error().message().find("hybrid_iswa cannot be adopted yet (plain, iSWA, recurrent and hybrid"),
-            std::string::npos) << refused.error().what();
+            std::string::npos)
+      << refused.error().what();
 }
 
 }  // namespace

@@ -229,7 +229,8 @@ TEST_F(Spawn, KillsTheProcessGroupAtTheDeadline) {
   testing::TempDir dir;
   const auto pid_file = dir / "grandchild.pid";
   const std::string outliving = testing::sleep_past_deadline();
-  auto child = ChildProcess::spawn({"/bin/sh", "-c", outliving + " & echo $! > \"$0\"; " + outliving, pid_file.string()}, {});
+  auto child =
+      ChildProcess::spawn({"/bin/sh", "-c", outliving + " & echo $! > \"$0\"; " + outliving, pid_file.string()}, {});
   ASSERT_TRUE(child) << child.error().what();
   // The deadline starts once the group has its leftover: a busy machine may take longer
   // than the deadline itself to get the shell that far.
@@ -250,7 +251,8 @@ TEST_F(Spawn, StartsTheChildWithNoBlockedSignalsAndSigpipeAtItsDefault) {
   sigemptyset(&block);
   sigaddset(&block, SIGTERM);
   ::pthread_sigmask(SIG_BLOCK, &block, &previous);
-  struct sigaction ignore {}, previous_pipe {};
+  struct sigaction ignore {
+  }, previous_pipe{};
   ignore.sa_handler = SIG_IGN;
   ::sigaction(SIGPIPE, &ignore, &previous_pipe);
   const auto result = run({"/bin/grep", "-E", "^Sig(Blk|Ign)", "/proc/self/status"});

@@ -36,10 +36,8 @@ struct Vector {
 };
 
 const Vector kVectors[] = {
-    {"state-dense-f16.bin", GgmlType::F16, false, 5276},
-    {"state-dense-f16-vtrans.bin", GgmlType::F16, true, 5276},
-    {"state-dense-bf16.bin", GgmlType::BF16, false, 5276},
-    {"state-dense-f32.bin", GgmlType::F32, false, 10396},
+    {"state-dense-f16.bin", GgmlType::F16, false, 5276},   {"state-dense-f16-vtrans.bin", GgmlType::F16, true, 5276},
+    {"state-dense-bf16.bin", GgmlType::BF16, false, 5276}, {"state-dense-f32.bin", GgmlType::F32, false, 10396},
     {"state-dense-q8_0.bin", GgmlType::Q8_0, false, 2876},
 };
 
@@ -55,9 +53,9 @@ TEST(StateGoldenVectors, DecodeFieldByField) {
     EXPECT_EQ(at<uint32_t>(bytes, 32), 1u);  // n_stream
     EXPECT_EQ(at<uint32_t>(bytes, 36), 5u);  // cell_count
     for (int32_t c = 0; c < 5; ++c) {
-      EXPECT_EQ(at<int32_t>(bytes, 40 + 12 * c), c);       // pos
-      EXPECT_EQ(at<uint32_t>(bytes, 44 + 12 * c), 1u);     // n_seq_id
-      EXPECT_EQ(at<int32_t>(bytes, 48 + 12 * c), 0);       // seq id
+      EXPECT_EQ(at<int32_t>(bytes, 40 + 12 * c), c);    // pos
+      EXPECT_EQ(at<uint32_t>(bytes, 44 + 12 * c), 1u);  // n_seq_id
+      EXPECT_EQ(at<int32_t>(bytes, 48 + 12 * c), 0);    // seq id
     }
     EXPECT_EQ(at<uint32_t>(bytes, 100), v.v_trans ? 1u : 0u);
     EXPECT_EQ(at<uint32_t>(bytes, 104), 2u);  // n_layer
@@ -124,7 +122,8 @@ class StateGoldenWriter : public kvshare::testing::FdLeakCheck {
     for (uint32_t il = 0; il < 2; ++il) {
       const auto k = f32_rows(TensorKind::k, il);
       const auto v = f32_rows(TensorKind::v, il);
-      if (auto rc = writer->write_layer(il, RowsView{GgmlType::F32, k.data(), 5, 0}, RowsView{GgmlType::F32, v.data(), 5, 0});
+      if (auto rc =
+              writer->write_layer(il, RowsView{GgmlType::F32, k.data(), 5, 0}, RowsView{GgmlType::F32, v.data(), 5, 0});
           !rc)
         return fail(rc.error());
     }
@@ -148,7 +147,8 @@ TEST_F(StateGoldenWriter, ReproducesLlamaCppsF16FileFromItsF32Rows) {
 // attention over the already quantized cache, so only layer 0 can match byte for byte.
 // q8_0 includes llama.cpp's Hadamard rotation (head size 64).
 TEST_F(StateGoldenWriter, QuantizesLayerZeroExactlyAsLlamaCppForQ8_0AndBf16) {
-  for (auto [type, name] : {std::pair{GgmlType::Q8_0, "state-dense-q8_0.bin"}, std::pair{GgmlType::BF16, "state-dense-bf16.bin"}}) {
+  for (auto [type, name] :
+       {std::pair{GgmlType::Q8_0, "state-dense-q8_0.bin"}, std::pair{GgmlType::BF16, "state-dense-bf16.bin"}}) {
     SCOPED_TRACE(name);
     auto ours = write_from_f32(type, false);
     ASSERT_TRUE(ours) << ours.error().what();
@@ -254,7 +254,8 @@ TEST_F(StateGoldenWriter, WritesVersion3AsLlamaServerSavesItButForThePlainIds) {
   for (uint32_t il = 0; il < 2; ++il) {
     const auto k = theirs->rows(*theirs->find_section(TensorKind::k, il));
     const auto v = theirs->rows(*theirs->find_section(TensorKind::v, il));
-    ASSERT_TRUE(writer->write_layer(il, RowsView{GgmlType::F16, k.data(), 5, 0}, RowsView{GgmlType::F16, v.data(), 5, 0}));
+    ASSERT_TRUE(
+        writer->write_layer(il, RowsView{GgmlType::F16, k.data(), 5, 0}, RowsView{GgmlType::F16, v.data(), 5, 0}));
   }
   ASSERT_TRUE(writer->commit());
   const auto ours = kvshare::testing::read_file_bytes(path);
@@ -288,7 +289,8 @@ TEST_F(StateGoldenWriter, WritesTheLfm2ExampleFromItsRowsWithAnEmptySState) {
     if (il % 2 == 1) {
       const auto k = theirs->rows(*theirs->find_section(TensorKind::k, il));
       const auto v = theirs->rows(*theirs->find_section(TensorKind::v, il));
-      ASSERT_TRUE(writer->write_layer(il, RowsView{GgmlType::F16, k.data(), 5, 0}, RowsView{GgmlType::F16, v.data(), 5, 0}));
+      ASSERT_TRUE(
+          writer->write_layer(il, RowsView{GgmlType::F16, k.data(), 5, 0}, RowsView{GgmlType::F16, v.data(), 5, 0}));
     } else {
       const auto r = theirs->rows(*theirs->find_section(TensorKind::r, il));
       auto rc = writer->write_recurrent_layer(il, RowsView{GgmlType::F32, r.data(), 1, 0}, RowsView{});

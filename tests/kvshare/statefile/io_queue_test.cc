@@ -60,8 +60,7 @@ class IoQueueTest : public IoQueueFiles, public ::testing::WithParamInterface<Mo
     // Regression: under seccomp the io_uring mode quietly ran on pread and passed; a host
     // without io_uring skips it, saying so.
     if (GetParam().allow_io_uring) {
-      if (const std::string missing = testing::io_uring_unavailable_reason(); !missing.empty())
-        GTEST_SKIP() << missing;
+      if (const std::string missing = testing::io_uring_unavailable_reason(); !missing.empty()) GTEST_SKIP() << missing;
     }
   }
   std::unique_ptr<IoQueue> make_queue(int fd, unsigned depth) { return make_queue(fd, path_.string(), depth); }

@@ -19,7 +19,6 @@
 #include <thread>
 
 #include "kvshare/mapping.h"
-#include "route/state_version_probe.h"
 #include "kvshare/statefile/state_file_reader.h"
 #include "kvshare/statefile/state_file_writer.h"
 #include "kvshare/statefile/state_tools.h"
@@ -27,6 +26,7 @@
 #include "layout/memory_shape.h"
 #include "layout/model_shape.h"
 #include "refmodel/model_generator.h"
+#include "route/state_version_probe.h"
 #include "support/test_support.h"
 
 extern char** environ;
@@ -54,8 +54,7 @@ int free_port() {
 // the destructor. Its output goes to a log file the test prints on failure.
 class LlamaServer {
  public:
-  LlamaServer(const std::string& binary, std::vector<std::string> args, const std::filesystem::path& log)
-      : log_(log) {
+  LlamaServer(const std::string& binary, std::vector<std::string> args, const std::filesystem::path& log) : log_(log) {
     port_ = free_port();
     args.insert(args.begin(), binary);
     for (const char* flag : {"--host", "127.0.0.1", "--port"}) args.push_back(flag);
@@ -146,15 +145,15 @@ TEST_P(LlamaServerRestore, RestoresOurFileAndEvaluatesOneToken) {
   std::filesystem::create_directory(slots);
   LlamaServer server(binary,
                      {"-m", model_path.string(), "-c", "512", "-np", "1", "-t", "1", "--no-warmup", "--cache-ram", "0",
-                      "-fa", c.flash_attn ? "on" : "off", "-ctk", std::string(layout::ggml_type_name(c.type_k)),
-                      "-ctv", std::string(layout::ggml_type_name(c.type_v)), "--slot-save-path", slots.string()},
+                      "-fa", c.flash_attn ? "on" : "off", "-ctk", std::string(layout::ggml_type_name(c.type_k)), "-ctv",
+                      std::string(layout::ggml_type_name(c.type_v)), "--slot-save-path", slots.string()},
                      dir / "server.log");
   ASSERT_TRUE(server.wait_ready(120)) << "llama-server did not come up:\n" << server.log();
 
   const std::string prompt = "The quick brown fox jumps over the lazy dog, again and again.";
   int status = 0;
-  auto tokenized = server.post("/tokenize", {{"content", prompt}, {"add_special", true}, {"parse_special", true}},
-                               &status);
+  auto tokenized =
+      server.post("/tokenize", {{"content", prompt}, {"add_special", true}, {"parse_special", true}}, &status);
   ASSERT_EQ(status, 200) << server.log();
   const auto tokens = tokenized["tokens"].get<std::vector<int32_t>>();
   ASSERT_GT(tokens.size(), 4u);
@@ -171,8 +170,8 @@ TEST_P(LlamaServerRestore, RestoresOurFileAndEvaluatesOneToken) {
   options.state_version = *version;
   options.n_embd_head_k = model->layers.at(0).n_embd_head_k;
   options.n_embd_head_v = model->layers.at(0).n_embd_head_v;
-  auto writer = StateFileWriter::create(slots / "ours.bin", *memory, tokens, static_cast<int32_t>(tokens.size()),
-                                        options);
+  auto writer =
+      StateFileWriter::create(slots / "ours.bin", *memory, tokens, static_cast<int32_t>(tokens.size()), options);
   ASSERT_TRUE(writer) << writer.error().what();
   std::mt19937 rng(5);
   std::normal_distribution<float> dist(0.0f, 1.0f);

@@ -65,9 +65,7 @@ RowsByLayer make_provider(const layout::StateLayout& layout, uint32_t n_tokens) 
   return out;
 }
 
-RowsView view_of(const ProviderRows& rows) {
-  return RowsView{GgmlType::F32, rows.values.data(), rows.n_rows, 0};
-}
+RowsView view_of(const ProviderRows& rows) { return RowsView{GgmlType::F32, rows.values.data(), rows.n_rows, 0}; }
 
 // What the section must hold: the kept rows converted with row_convert, element-major when
 // transposed. Computed independently of the writer's staging.
@@ -111,7 +109,8 @@ Result<CommitInfo> write_all(StateFileWriter& writer, const RowsByLayer& provide
       if (auto rc = writer.write_layer(il, view_of(*kinds.at(TensorKind::k)), v); !rc) return fail(rc.error());
     }
     if (kinds.count(TensorKind::r))
-      if (auto rc = writer.write_recurrent_layer(il, view_of(*kinds.at(TensorKind::r)), view_of(*kinds.at(TensorKind::s)));
+      if (auto rc =
+              writer.write_recurrent_layer(il, view_of(*kinds.at(TensorKind::r)), view_of(*kinds.at(TensorKind::s)));
           !rc)
         return fail(rc.error());
   }
@@ -217,7 +216,8 @@ TEST_F(StateFileWriterTest, ShowsNoFileUnderTheFinalNameBeforeCommit) {
   auto writer = StateFileWriter::create(path, dense_shape(), token_ids(5), 5);
   ASSERT_TRUE(writer);
   const auto provider = make_provider(writer->layout(), 5);
-  ASSERT_TRUE(writer->write_layer(0, view_of(provider.at({TensorKind::k, 0})), view_of(provider.at({TensorKind::v, 0}))));
+  ASSERT_TRUE(
+      writer->write_layer(0, view_of(provider.at({TensorKind::k, 0})), view_of(provider.at({TensorKind::v, 0}))));
   EXPECT_FALSE(std::filesystem::exists(path));
   size_t temporaries = 0;
   for (const auto& entry : std::filesystem::directory_iterator(dir_.path())) {
@@ -241,15 +241,15 @@ TEST_F(StateFileWriterTest, RefusesLayersOutOfOrderNamingBoth) {
   const auto provider = make_provider(writer->layout(), 5);
   auto rc = writer->write_section(TensorKind::k, 1, view_of(provider.at({TensorKind::k, 1})));
   ASSERT_FALSE(rc);
-  EXPECT_NE(rc.error().message().find("layer 1 K handed before layer 0 K"), std::string::npos)
-      << rc.error().message();
+  EXPECT_NE(rc.error().message().find("layer 1 K handed before layer 0 K"), std::string::npos) << rc.error().message();
 }
 
 TEST_F(StateFileWriterTest, RefusesToCommitWithALayerMissingAndLeavesNoFile) {
   auto writer = StateFileWriter::create(dir_ / "slot0.bin", dense_shape(), token_ids(5), 5);
   ASSERT_TRUE(writer);
   const auto provider = make_provider(writer->layout(), 5);
-  ASSERT_TRUE(writer->write_layer(0, view_of(provider.at({TensorKind::k, 0})), view_of(provider.at({TensorKind::v, 0}))));
+  ASSERT_TRUE(
+      writer->write_layer(0, view_of(provider.at({TensorKind::k, 0})), view_of(provider.at({TensorKind::v, 0}))));
   auto info = writer->commit();
   ASSERT_FALSE(info);
   EXPECT_NE(info.error().message().find("layer 1 K was never written"), std::string::npos) << info.error().message();
@@ -500,7 +500,8 @@ TEST_F(StateFileReaderTest, HandsBackTheRowsTheWriterTook) {
     StateFileWriterOptions options;
     options.n_embd_head_k = options.n_embd_head_v = 64;
     const auto path = dir_ / "r.bin";
-    auto writer = StateFileWriter::create(path, c.shape, token_ids(c.n_tokens), static_cast<int32_t>(c.n_tokens), options);
+    auto writer =
+        StateFileWriter::create(path, c.shape, token_ids(c.n_tokens), static_cast<int32_t>(c.n_tokens), options);
     ASSERT_TRUE(writer);
     const auto provider = make_provider(writer->layout(), c.n_tokens);
     ASSERT_TRUE(write_all(*writer, provider));

@@ -24,8 +24,8 @@ using layout::TensorKind;
 class StateToolsTest : public kvshare::testing::FdLeakCheck {
  protected:
   // Writes a file for `shape` with random f32 rows (the same rows for every call and seed).
-  std::filesystem::path write(const std::string& name, const MemoryShape& shape, uint32_t n_tokens,
-                              uint32_t seed = 3, float scale = 1.0f) {
+  std::filesystem::path write(const std::string& name, const MemoryShape& shape, uint32_t n_tokens, uint32_t seed = 3,
+                              float scale = 1.0f) {
     const auto path = dir_ / name;
     std::vector<int32_t> tokens(n_tokens);
     for (uint32_t i = 0; i < n_tokens; ++i) tokens[i] = static_cast<int32_t>(i + 1);
@@ -251,8 +251,7 @@ TEST_F(StateToolsTest, InspectReadsAnLfm2FileAsTwoRecurrentLayersOfFourWithNothi
   const auto vector = kvshare::testing::data_path("state-v3-lfm2-hybrid.bin");
   auto text = inspect_state_file(vector, false);
   ASSERT_TRUE(text) << text.error().what();
-  EXPECT_NE(text->find("recurrent: 1 cells x 2 recurrent of 4 layers (f32, R row 512 B, S row 0 B)"),
-            std::string::npos)
+  EXPECT_NE(text->find("recurrent: 1 cells x 2 recurrent of 4 layers (f32, R row 512 B, S row 0 B)"), std::string::npos)
       << *text;
   EXPECT_NE(text->find("2 of the 4 layers are recurrent"), std::string::npos) << *text;
   EXPECT_EQ(text->find("trailing"), std::string::npos) << *text;
@@ -333,8 +332,8 @@ TEST_F(StateVerifyTest, CountsThePromptsIdsNotThePackedWordsAgainstTheContext) {
   std::vector<int32_t> ids(n_ids), words{-1, 1, static_cast<int32_t>(n_ids)};
   for (uint32_t i = 0; i < n_ids; ++i) words.push_back(ids[i] = static_cast<int32_t>(i % 100 + 1));
   words.push_back(0);  // no media chunks
-  auto planned = layout::plan_state_layout(shape, static_cast<uint32_t>(words.size()), n_ids,
-                                           layout::kStateSeqVersion3);
+  auto planned =
+      layout::plan_state_layout(shape, static_cast<uint32_t>(words.size()), n_ids, layout::kStateSeqVersion3);
   ASSERT_TRUE(planned) << planned.error().what();
   std::vector<std::byte> rows(1 << 20, std::byte{0x3c});
   const auto bytes = layout::encode_state_file(*planned, words, [&](const layout::StateSection& section) {
