@@ -17,8 +17,9 @@ import sys
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
 RULE = re.compile(r"^([a-z_]+):\s*(.*)$")
 SOURCE_SUFFIXES = (".h", ".hpp", ".c", ".cc", ".cpp")
-# Not product code: tests, benches and fuzzers may include any layer.
-SKIPPED = ("tests", "build", ".git", "integrations", "docs", "scripts", ".ci")
+# Not product code: tests, benches and fuzzers may include any layer. Build trees in the
+# source tree (build/, build-asan/, any folder holding a CMakeCache.txt) are skipped too.
+SKIPPED = ("tests", "integrations", "docs", "scripts")
 
 
 def module_of(path):
@@ -61,7 +62,8 @@ def sources(root):
     for directory, dirs, files in os.walk(root):
         relative = os.path.relpath(directory, root)
         if relative == ".":
-            dirs[:] = [d for d in dirs if d not in SKIPPED]
+            dirs[:] = [d for d in dirs if d not in SKIPPED and not d.startswith((".", "build")) and
+                       not os.path.exists(os.path.join(directory, d, "CMakeCache.txt"))]
         for name in files:
             if name.endswith(SOURCE_SUFFIXES):
                 yield os.path.normpath(os.path.join(relative, name))
