@@ -1,12 +1,15 @@
 """What kvshare-serve's integration tests share: start serve on a free loopback port, read
 its stderr as it comes, send requests with timeouts, read the fakes' logs, and stop
 everything. Nothing here waits without a deadline."""
+import array
 import http.client
 import json
 import os
 import re
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -289,6 +292,56 @@ def wrapped_provider(work, name, body, real):
 
 def temp_dir():
     return tempfile.mkdtemp(prefix="kvshare-serve-test-")
+
+
+# The broker side of a llama-server share, as the slot tests play it (issue #27).
+def share_listener(work, name):
+    """A listening AF_UNIX socket in a fresh 0700 directory of `work`: (listener, path)."""
+    sock_dir = tempfile.mkdtemp(dir=work)  # 0700: the server sends only to such a directory
+    path = os.path.join(sock_dir, name + ".sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    return listener, path
+
+
+def receive_share(listener):
+    """The one share message the server sends to `listener` (then closed): (message, fds)."""
+    listener.settimeout(30)
+    conn, _ = listener.accept()
+    conn.settimeout(30)
+    fds = array.array("i")
+    try:
+        data, ancdata, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(16 * fds.itemsize))
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+        while len(data) < 4 or len(data) < 4 + struct.unpack("<I", data[:4])[0]:
+            more = conn.recv(1 << 20)
+            check(more, "the share frame ended after %d bytes" % len(data))
+            data += more
+    finally:
+        conn.close()
+        listener.close()
+    length = struct.unpack("<I", data[:4])[0]
+    return json.loads(data[4:4 + length]), list(fds)
+
+
+def top_logprobs(reply):
+    """Per generated token: [(id, logprob)] of its likeliest candidates."""
+    return [[(t["id"], t["logprob"]) for t in step["top_logprobs"]] for step in reply["completion_probabilities"]]
+
+
+def same_logprobs(a, b, tolerance=1e-3):
+    return len(a) == len(b) and all(len(x) == len(y) and all(i == j and abs(p - q) <= tolerance
+                                                             for (i, p), (j, q) in zip(x, y)) for x, y in zip(a, b))
+
+
+def timed(call):
+    start = time.monotonic()
+    result = call()
+    return result, (start, time.monotonic())
+
 
 
 class LlamaServer:

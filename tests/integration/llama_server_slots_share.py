@@ -24,7 +24,6 @@ with 501 naming the unified cache, so a caller falls back to the file route.
 
 usage: llama_server_slots_share.py BIN_DIR
 """
-import array
 import json
 import os
 import socket
@@ -35,7 +34,8 @@ import tempfile
 import threading
 import time
 
-from hybrid_common import LlamaServer, check, llama_kvshare_prefill, run_tests, temp_dir, wait_until
+from hybrid_common import (LlamaServer, check, llama_kvshare_prefill, receive_share, run_tests, same_logprobs,
+                           share_listener, temp_dir, timed, top_logprobs, wait_until)
 
 BIN = os.path.abspath(sys.argv[1])
 LLAMA = os.environ.get("LLAMA_SERVER_KVSHARE", "")
@@ -70,41 +70,9 @@ def model():
     return _model[0]
 
 
-def listen(name):
-    sock_dir = tempfile.mkdtemp(dir=WORK)  # 0700: the server sends only to such a directory
-    path = os.path.join(sock_dir, name + ".sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(1)
-    return listener, path
-
-
-def receive_share(listener):
-    """The one share message the server sends to `listener` (then closed): (message, fds)."""
-    listener.settimeout(30)
-    conn, _ = listener.accept()
-    conn.settimeout(30)
-    fds = array.array("i")
-    try:
-        # The fds ride on the frame's first bytes; the rest of the frame may come in pieces.
-        data, ancdata, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(16 * fds.itemsize))
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
-        while len(data) < 4 or len(data) < 4 + struct.unpack("<I", data[:4])[0]:
-            more = conn.recv(1 << 20)
-            check(more, "the share frame ended after %d bytes" % len(data))
-            data += more
-    finally:
-        conn.close()
-        listener.close()
-    length = struct.unpack("<I", data[:4])[0]
-    return json.loads(data[4:4 + length]), list(fds)
-
-
 def share(server, slot, name):
     """POST /slots/{slot}?action=share to a socket of ours: (reply, message, fds)."""
-    listener, path = listen(name)
+    listener, path = share_listener(WORK, name)
     status, reply = server.post("/slots/%d?action=share" % slot, {"socket": path})
     if status != 200:
         listener.close()
@@ -145,15 +113,6 @@ def completion(server, slot, ids, cache_prompt):
     return reply
 
 
-def top_logprobs(reply):
-    return [[(t["id"], t["logprob"]) for t in step["top_logprobs"]] for step in reply["completion_probabilities"]]
-
-
-def same_logprobs(a, b, tolerance=1e-3):
-    return len(a) == len(b) and all(len(x) == len(y) and all(i == j and abs(p - q) <= tolerance
-                                                             for (i, p), (j, q) in zip(x, y)) for x, y in zip(a, b))
-
-
 class Background:
     """Completions on slot 0, one after another, until stopped: the other slots' handoffs
     happen while slot 0 generates. Records each one's (start, end) and reply."""
@@ -190,12 +149,6 @@ class Background:
         check(len(set(content for _, _, content in self.runs)) == 1,
               "slot 0's greedy replies differ while other slots were handed over: %s" %
               sorted(set(content for _, _, content in self.runs)))
-
-
-def timed(call):
-    start = time.monotonic()
-    result = call()
-    return result, (start, time.monotonic())
 
 
 def test_slots_1_and_2_handed_over_while_slot_0_generates():
@@ -390,7 +343,7 @@ def test_unified_cache_refuses_slot_1():
     args = ["-m", model(), "-c", "768", "-np", "2", "-kvu", "--slot-save-path", WORK + "/"]
     with LlamaServer(LLAMA, args + COMMON_ARGS, log_path=os.path.join(WORK, name + ".log"),
                      env={"ONEBIT_KV_SHARE": "1"}) as server:
-        listener, path = listen(name)
+        listener, path = share_listener(WORK, name)
         try:
             status, body = server.post("/slots/1?action=share", {"socket": path})
         finally:

@@ -22,17 +22,16 @@ server started directly (ONEBIT_KV_SHARE=1, no kvshare-serve, which runs one slo
 
 usage: llama_server_streams.py BIN_DIR
 """
-import array
 import json
 import os
 import re
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
 
-from hybrid_common import LlamaServer, check, llama_kvshare_prefill, run_tests, temp_dir, wait_until
+from hybrid_common import (LlamaServer, check, llama_kvshare_prefill, receive_share, run_tests, same_logprobs,
+                           temp_dir, top_logprobs, wait_until)
 
 BIN = os.path.abspath(sys.argv[1])
 LLAMA = os.environ.get("LLAMA_SERVER_KVSHARE", "")
@@ -68,46 +67,11 @@ def model(arch):
     return MODELS[arch]
 
 
-def receive_share(listener):
-    """The one share message the server sends to `listener` (then closed): (message, fds)."""
-    listener.settimeout(30)
-    conn, _ = listener.accept()
-    conn.settimeout(30)
-    fds = array.array("i")
-    data = b""
-    try:
-        # The fds ride on the frame's first bytes; the rest of the frame may come in pieces.
-        msg, ancdata, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(16 * fds.itemsize))
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
-        data = msg
-        while len(data) < 4 or len(data) < 4 + struct.unpack("<I", data[:4])[0]:
-            more = conn.recv(1 << 20)
-            check(more, "the share frame ended after %d bytes" % len(data))
-            data += more
-    finally:
-        conn.close()
-        listener.close()
-    length = struct.unpack("<I", data[:4])[0]
-    return json.loads(data[4:4 + length]), list(fds)
-
-
 def completion(server, body):
     status, reply = server.post("/completion", dict({"prompt": PROMPT_IDS, "n_predict": N_PREDICT, "id_slot": 0,
                                                      "temperature": 0, "n_probs": 4}, **body))
     check(status == 200, "completion: %s %s" % (status, reply))
     return reply
-
-
-def top_logprobs(reply):
-    """Per generated token: [(id, logprob)] of its 4 likeliest candidates."""
-    return [[(t["id"], t["logprob"]) for t in step["top_logprobs"]] for step in reply["completion_probabilities"]]
-
-
-def same_logprobs(a, b, tolerance=1e-3):
-    return len(a) == len(b) and all(len(x) == len(y) and all(i == j and abs(p - q) <= tolerance
-                                                             for (i, p), (j, q) in zip(x, y)) for x, y in zip(a, b))
 
 
 def check_streams(arch, n_ctx, n_seq_max, unified, caches):

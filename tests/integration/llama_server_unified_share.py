@@ -30,20 +30,17 @@ excepted).
 
 usage: llama_server_unified_share.py BIN_DIR
 """
-import array
 import http.client
 import json
 import mmap
 import os
-import socket
-import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
-from hybrid_common import LlamaServer, check, llama_kvshare_prefill, run_tests, temp_dir, wait_until
+from hybrid_common import (LlamaServer, check, llama_kvshare_prefill, receive_share, run_tests, same_logprobs,
+                           share_listener, temp_dir, timed, top_logprobs, wait_until)
 
 BIN = os.path.abspath(sys.argv[1])
 LLAMA = os.environ.get("LLAMA_SERVER_KVSHARE", "")
@@ -97,40 +94,9 @@ def start_server(name, extra=()):
     return server
 
 
-def listen(name):
-    sock_dir = tempfile.mkdtemp(dir=WORK)  # 0700: the server sends only to such a directory
-    path = os.path.join(sock_dir, name + ".sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(1)
-    return listener, path
-
-
-def receive_share(listener):
-    """The one share message the server sends to `listener` (then closed): (message, fds)."""
-    listener.settimeout(30)
-    conn, _ = listener.accept()
-    conn.settimeout(30)
-    fds = array.array("i")
-    try:
-        data, ancdata, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(16 * fds.itemsize))
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
-        while len(data) < 4 or len(data) < 4 + struct.unpack("<I", data[:4])[0]:
-            more = conn.recv(1 << 20)
-            check(more, "the share frame ended after %d bytes" % len(data))
-            data += more
-    finally:
-        conn.close()
-        listener.close()
-    length = struct.unpack("<I", data[:4])[0]
-    return json.loads(data[4:4 + length]), list(fds)
-
-
 def share(server, slot, ids, name):
     """POST /slots/{slot}?action=share with the ids to a socket of ours: (reply, message, fds)."""
-    listener, path = listen(name)
+    listener, path = share_listener(WORK, name)
     status, reply = server.post("/slots/%d?action=share" % slot, {"socket": path, "tokens": ids})
     if status != 200:
         listener.close()
@@ -179,15 +145,6 @@ def completion(server, slot, ids, cache_prompt):
                                                 "temperature": 0, "n_probs": 4, "cache_prompt": cache_prompt})
     check(status == 200, "completion on slot %d: %s %s" % (slot, status, reply))
     return reply
-
-
-def top_logprobs(reply):
-    return [[(t["id"], t["logprob"]) for t in step["top_logprobs"]] for step in reply["completion_probabilities"]]
-
-
-def same_logprobs(a, b, tolerance=1e-3):
-    return len(a) == len(b) and all(len(x) == len(y) and all(i == j and abs(p - q) <= tolerance
-                                                             for (i, p), (j, q) in zip(x, y)) for x, y in zip(a, b))
 
 
 def streamed_completion(server, slot, ids, n_predict):
@@ -245,12 +202,6 @@ class Background:
         differ = [content for _, _, content in self.runs if content != reference]
         check(not differ, "slot 0's streamed replies while slots 1 and 2 were handed over differ from the run "
               "without handoffs (%d of %d): %r vs %r" % (len(differ), len(self.runs), differ[:1], reference))
-
-
-def timed(call):
-    start = time.monotonic()
-    result = call()
-    return result, (start, time.monotonic())
 
 
 def save_slot(server, name, slot, what):
@@ -424,7 +375,7 @@ def test_provider_writes_only_its_cells():
 
         # No run of free cells for a prompt nearly as long as the cache (slot 1's reserved run
         # splits it): 503, slot 2 keeps its prompt.
-        listener, path = listen(name + "-big")
+        listener, path = share_listener(WORK, name + "-big")
         try:
             big = [5 + (3 * i) % 120 for i in range(N_CTX - 40)]
             status, body = server.post("/slots/2?action=share", {"socket": path, "tokens": big})
@@ -458,7 +409,7 @@ def test_provider_writes_only_its_cells():
               "tokens" % (name, own["timings"]["prompt_n"], len(PROMPTS[2])))
 
         # Without ids a unified cache has nothing to reserve: 501, the caller falls back.
-        listener, path = listen(name + "-noids")
+        listener, path = share_listener(WORK, name + "-noids")
         try:
             status, body = server.post("/slots/1?action=share", {"socket": path})
         finally:
