@@ -82,7 +82,6 @@ class RefModelEngine final : public SlotEngine {
     if (shared_ == nullptr || !shared_->can_share()) return fail(ENOTSUP, "{}", share_refusal());
     auto id = shared_->share(socket_path);
     if (!id) return fail(id.error());
-    sent_share_id_ = *id;
     ShareReply reply;
     reply.share_id = *id;
     reply.backend = std::string(region_backend_name(shared_->regions().front().backend));
@@ -96,15 +95,8 @@ class RefModelEngine final : public SlotEngine {
     if (shared_ == nullptr || !shared_->can_share()) {
       return tl::unexpected(AdoptError{AdoptRefusal::other, Error(ENOTSUP, share_refusal())});
     }
-    if (share_id != sent_share_id_ || sent_share_id_ == 0) {
-      // A share whose message never reached a broker has no provider: nothing to adopt.
-      return tl::unexpected(
-          AdoptError{AdoptRefusal::stale_share_id,
-                     Error(ESTALE, sent_share_id_ == 0
-                                       ? fmt::format("share_id {}: no share has been sent to a broker yet", share_id)
-                                       : fmt::format("share_id {} is not the latest share sent to a broker ({})",
-                                                     share_id, sent_share_id_))});
-    }
+    // Which share ids are adoptable (sent, latest of their cells, not yet adopted) is
+    // DecoderShare's rule, the same one the C API's decoder applies.
     auto plan = shared_->adopt(tokens.size(), share_id);
     if (!plan) {
       const int e = plan.error().errno_value();
@@ -151,7 +143,6 @@ class RefModelEngine final : public SlotEngine {
   ModelInfo info_;
   ShareAvailability share_;
   std::string share_failure_;   // why export failed, for the 501
-  uint64_t sent_share_id_ = 0;  // the latest share that reached a broker
   mutable std::mutex control_mutex_;
   mutable std::unordered_map<int32_t, bool> control_cache_;
 };
