@@ -142,7 +142,7 @@ class RefModelEngine final : public SlotEngine {
   std::unique_ptr<DecoderShare> shared_;         // the exported cache (null when private)
   ModelInfo info_;
   ShareAvailability share_;
-  std::string share_failure_;   // why export failed, for the 501
+  std::string share_failure_;  // why export failed, for the 501
   mutable std::mutex control_mutex_;
   mutable std::unordered_map<int32_t, bool> control_cache_;
 };
