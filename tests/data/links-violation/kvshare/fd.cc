@@ -1,0 +1,2 @@
+#include "kvshare/fd.h"
+int fd_rows() { return shape_rows(); }

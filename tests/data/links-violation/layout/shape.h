@@ -1,0 +1,3 @@
+// The lowest library: includes nothing of ours.
+#pragma once
+int shape_rows();

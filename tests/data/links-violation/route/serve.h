@@ -1,0 +1,3 @@
+// Includes nothing of ours, while the route links kvshare PUBLIC.
+#pragma once
+int serve();
