@@ -1,10 +1,13 @@
 // Reading the fields of a parsed JSON object with errors that name the message and the field,
-// never throwing: the control channels' messages (layout/receiver_message.h,
-// kvshare/share/provider_protocol.h) read their fields through it.
+// never throwing: the one reader of "field X of type T, or say which field is wrong". The
+// control channels' messages (layout/receiver_message.h, kvshare/share/provider_protocol.h),
+// the share handshake (kvshare/handshake/message.h) and the reference decoder's completion
+// fields (apps/decoder/completion.h) read their fields through it.
 #pragma once
 
 #include <cerrno>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -18,40 +21,60 @@ struct ChannelRefusal {
   std::string error;
 };
 
-// `Json` is nlohmann::json or nlohmann::ordered_json; `source` names the message in errors.
+// `Json` is nlohmann::json or nlohmann::ordered_json; `source` names the message in errors,
+// `path` is put before every key there (a nested object's place: "fds[1].").
 template <class Json>
 struct JsonReader {
   const Json& json;
   std::string_view source;
+  std::string_view path = {};
+  // A null value reads as absent (llama-server's server-schema.cpp has_value: an HTTP
+  // client sends null to ask for the default); otherwise null is a value of the wrong type.
+  bool null_is_absent = false;
 
   const Json* find(std::string_view key) const {
     auto it = json.find(key);
-    return it == json.end() ? nullptr : &*it;
+    if (it == json.end() || (null_is_absent && it->is_null())) return nullptr;
+    return &*it;
+  }
+  // The value of `key`, of any type.
+  Result<const Json*> value(std::string_view key) const {
+    const auto* value = find(key);
+    if (value == nullptr) return fail(EINVAL, "{}: no \"{}{}\"", source, path, key);
+    return value;
   }
   Result<uint64_t> u64(std::string_view key) const {
-    const auto* value = find(key);
-    if (value == nullptr) return fail(EINVAL, "{}: no \"{}\"", source, key);
-    if (!value->is_number_unsigned())
-      return fail(EINVAL, "{}: \"{}\" is {}, not an unsigned integer", source, key, value->dump());
-    return value->template get<uint64_t>();
+    auto value = this->value(key);
+    if (!value) return fail(value.error());
+    if (!(*value)->is_number_unsigned())
+      return fail(EINVAL, "{}: \"{}{}\" is {}, not an unsigned integer", source, path, key, dump(**value));
+    return (*value)->template get<uint64_t>();
+  }
+  Result<uint64_t> u64(std::string_view key, uint64_t max) const {
+    auto value = u64(key);
+    if (!value) return fail(value.error());
+    if (*value > max) return fail(EINVAL, "{}: \"{}{}\" is {}, not an integer 0..{}", source, path, key, *value, max);
+    return *value;
   }
   Result<uint32_t> u32(std::string_view key) const {
     auto value = u64(key);
     if (!value) return fail(value.error());
-    if (*value > UINT32_MAX) return fail(EINVAL, "{}: \"{}\" is {}, past 2^32-1", source, key, *value);
+    if (*value > UINT32_MAX) return fail(EINVAL, "{}: \"{}{}\" is {}, past 2^32-1", source, path, key, *value);
     return static_cast<uint32_t>(*value);
   }
   Result<std::string> text(std::string_view key) const {
-    const auto* value = find(key);
-    if (value == nullptr) return fail(EINVAL, "{}: no \"{}\"", source, key);
-    if (!value->is_string()) return fail(EINVAL, "{}: \"{}\" is {}, not a string", source, key, value->dump());
-    return value->template get<std::string>();
+    auto value = this->value(key);
+    if (!value) return fail(value.error());
+    if (!(*value)->is_string())
+      return fail(EINVAL, "{}: \"{}{}\" is {}, not a string", source, path, key, dump(**value));
+    return (*value)->template get<std::string>();
   }
   Result<bool> boolean(std::string_view key) const {
-    const auto* value = find(key);
-    if (value == nullptr) return fail(EINVAL, "{}: no \"{}\"", source, key);
-    if (!value->is_boolean()) return fail(EINVAL, "{}: \"{}\" is {}, not true or false", source, key, value->dump());
-    return value->template get<bool>();
+    auto value = this->value(key);
+    if (!value) return fail(value.error());
+    if (!(*value)->is_boolean())
+      return fail(EINVAL, "{}: \"{}{}\" is {}, not true or false", source, path, key, dump(**value));
+    return (*value)->template get<bool>();
   }
   // "errno" (1..4095) and "error" of a refusal.
   Result<ChannelRefusal> refusal() const {
@@ -64,14 +87,43 @@ struct JsonReader {
     return ChannelRefusal{static_cast<int>(*error_errno), std::move(*error)};
   }
   Result<double> number(std::string_view key) const {
-    const auto* value = find(key);
-    if (value == nullptr) return fail(EINVAL, "{}: no \"{}\"", source, key);
-    if (!value->is_number()) return fail(EINVAL, "{}: \"{}\" is {}, not a number", source, key, value->dump());
-    return value->template get<double>();
+    auto value = this->value(key);
+    if (!value) return fail(value.error());
+    if (!(*value)->is_number())
+      return fail(EINVAL, "{}: \"{}{}\" is {}, not a number", source, path, key, dump(**value));
+    return (*value)->template get<double>();
+  }
+
+  // The same readers for a field that may be absent: nullopt then, an error only for a
+  // present value of the wrong type or range.
+  Result<std::optional<uint64_t>> optional_u64(std::string_view key, uint64_t max) const {
+    return optional(key, [&] { return u64(key, max); });
+  }
+  Result<std::optional<bool>> optional_boolean(std::string_view key) const {
+    return optional(key, [&] { return boolean(key); });
+  }
+  Result<std::optional<double>> optional_number(std::string_view key) const {
+    return optional(key, [&] { return number(key); });
+  }
+
+ private:
+  // Invalid UTF-8 in a peer's string must not make an error message throw.
+  static std::string dump(const Json& value) { return value.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+  template <class Read>
+  auto optional(std::string_view key, Read read) const -> Result<std::optional<typename decltype(read())::value_type>> {
+    if (find(key) == nullptr) return std::nullopt;
+    auto value = read();
+    if (!value) return fail(value.error());
+    return std::optional(std::move(*value));
   }
 };
 
 template <class Json>
 JsonReader(const Json&, std::string_view) -> JsonReader<Json>;
+template <class Json>
+JsonReader(const Json&, std::string_view, std::string_view) -> JsonReader<Json>;
+template <class Json>
+JsonReader(const Json&, std::string_view, std::string_view, bool) -> JsonReader<Json>;
 
 }  // namespace kvshare::layout

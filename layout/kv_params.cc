@@ -11,12 +11,43 @@ namespace {
 constexpr uint32_t kMaxSequences = 256;
 
 Result<void> check_cache_type(GgmlType type, std::string_view flag) {
-  auto parsed = parse_cache_type(ggml_type_name(type));
-  if (!parsed) return fail(parsed.error().with_context(flag));
+  auto parsed = parse_cache_type_flag(flag, ggml_type_name(type));
+  if (!parsed) return fail(parsed.error());
   return {};
 }
 
 }  // namespace
+
+Result<bool> parse_flash_attn(std::string_view value) {
+  for (std::string_view on : {"on", "enabled", "true", "1", "auto", "-1"})
+    if (value == on) return true;
+  for (std::string_view off : {"off", "disabled", "false", "0"})
+    if (value == off) return false;
+  return fail(EINVAL,
+              "-fa {}: unknown value for --flash-attn: '{}' (llama-server takes on, off or auto; also "
+              "enabled/true/1, disabled/false/0, -1)",
+              value, value);
+}
+
+Result<GgmlType> parse_cache_type_flag(std::string_view flag, std::string_view value) {
+  auto type = parse_cache_type(value);
+  if (!type) return fail(type.error().with_context(flag));
+  return *type;
+}
+
+Result<KvParams> apply_kv_flags(KvParams params, std::string_view flash_attn, std::string_view cache_type_k,
+                                std::string_view cache_type_v) {
+  auto is_flash_attn = parse_flash_attn(flash_attn);
+  if (!is_flash_attn) return fail(is_flash_attn.error());
+  auto type_k = parse_cache_type_flag("-ctk", cache_type_k);
+  if (!type_k) return fail(type_k.error());
+  auto type_v = parse_cache_type_flag("-ctv", cache_type_v);
+  if (!type_v) return fail(type_v.error());
+  params.flash_attn = *is_flash_attn;
+  params.type_k = *type_k;
+  params.type_v = *type_v;
+  return params;
+}
 
 Result<void> validate(const KvParams& params) {
   if (params.n_seq_max == 0) return fail(EINVAL, "-np 0: at least one sequence is needed");

@@ -105,7 +105,7 @@ ProviderKvParams provider_kv_params(const ServeConfig& config) {
   kv.n_ctx = static_cast<uint32_t>(std::max(config.ctx_size, 0));
   kv.type_k = config.cache_type_k;
   kv.type_v = config.cache_type_v;
-  kv.flash_attn = config.flash_attn != "off";
+  kv.flash_attn = layout::parse_flash_attn(config.flash_attn).value_or(true);  // validate() refused a bad one
   kv.n_seq_max = static_cast<uint32_t>(config.parallel);
   kv.kv_unified = decoder_kv_unified(config);
   return kv;

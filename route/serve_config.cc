@@ -129,8 +129,8 @@ Result<void> validate(const ServeConfig& config) {
   std::error_code ec;
   if (!std::filesystem::is_regular_file(config.model, ec))
     return fail(ENOENT, "model {} is not a readable file", config.model.string());
-  if (config.flash_attn != "on" && config.flash_attn != "off")
-    return fail(EINVAL, "-fa {}: expected on or off", config.flash_attn);
+  if (auto kv = layout::apply_kv_flags({}, config.flash_attn, config.cache_type_k, config.cache_type_v); !kv)
+    return fail(kv.error());
   if (config.ctx_size <= 0) return fail(EINVAL, "-c {}: the context must be positive", config.ctx_size);
   if (!(config.provider_timeout_s > 0))
     return fail(EINVAL, "--provider-timeout {}: expected a positive number of seconds", config.provider_timeout_s);

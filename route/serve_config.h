@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "layout/error.h"
+#include "layout/kv_params.h"
 #include "route/handoff_policy.h"
 
 namespace kvshare::route {
@@ -31,9 +32,6 @@ struct ServeConfig {
   std::string host = "127.0.0.1";          // --host (serve's own listening address)
   int port = 8080;                         // --port (0: any free port, printed at start)
   int ctx_size = 4096;                     // -c
-  std::string flash_attn = "on";           // -fa on|off (on: V not transposed, as HRX runs)
-  std::string cache_type_k = "f16";        // -ctk
-  std::string cache_type_v = "f16";        // -ctv
   bool kv_flags_given = false;             // -c/-fa/-ctk/-ctv on the command line: the provider gets them too
   double provider_timeout_s = 120;         // --provider-timeout
   HandoffPolicy handoff;                   // --handoff auto|always|never|N (route/handoff_policy.h)
@@ -45,6 +43,12 @@ struct ServeConfig {
   // and serve sends the first to the decoder, which reads the same LLAMA_API_KEY from the
   // environment it inherits (never its command line: /proc/PID/cmdline is world-readable).
   std::vector<std::string> api_keys;
+
+  // -fa, -ctk, -ctv as given, from llama-server's defaults (layout/kv_params.h): the decoder
+  // gets them unchanged, `auto` included.
+  std::string flash_attn{layout::kDefaultFlashAttn};
+  std::string cache_type_k{layout::kDefaultCacheType};
+  std::string cache_type_v{layout::kDefaultCacheType};
 
   // -np / --parallel: the decoder's slots; each request is handed into a free one (one KV
   // stream per slot unless the decoder runs --kv-unified).
@@ -76,7 +80,8 @@ inline constexpr int kMaxSlots = 256;
 // Refuses what the route cannot do, with a message that names the flag and why:
 // --parallel/-np outside 1..kMaxSlots, or with --prefill-remote past 1, or given again
 // after `--` with another value; --mtp, --dflash, --mmproj, --moe-slots, --embedding(s), --reranking,
-// --pm (also inside backend_extra); a missing model; a bad -fa value; a non-positive
+// --pm (also inside backend_extra); a missing model; a -fa, -ctk or -ctv value llama-server
+// refuses (layout::apply_kv_flags); a non-positive
 // -c or --provider-timeout. EINVAL.
 Result<void> validate(const ServeConfig& config);
 

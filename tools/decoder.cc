@@ -8,6 +8,7 @@
 #include "apps/decoder/decoder_app.h"
 #include "layout/llama_flags.h"
 #include "refmodel/blas_kernels.h"
+#include "tools/cli/kv_flags.h"
 
 int main(int argc, char** argv) {
   kvshare::refmodel::reexec_with_best_blas_kernels(argv);  // before any work: it may exec
@@ -19,12 +20,11 @@ int main(int argc, char** argv) {
       "cache lives in an exported region and ?action=share/adopt work."};
   std::string model;
   app.add_option("-m,--model", model, "GGUF model to load")->required();
-  app.add_option("-c,--ctx-size", o.n_ctx, "context size (0: the model's training context)");
+  kvshare::tools::KvFlags kv;
+  kv.n_ctx = 0;  // the model's training context
+  const kvshare::tools::KvFlagSet kv_set{.ctx_size = true, .ubatch_size = true};
+  kvshare::tools::add_kv_flags(&app, kv, kv_set);
   app.add_option("--parallel", o.n_parallel, "slots (-np); only 1 is supported");
-  app.add_option("--flash-attn", o.flash_attn, "-fa on|off|auto (off transposes V in the cache)");
-  app.add_option("--cache-type-k", o.cache_type_k, "-ctk: K cache type (f32, f16, bf16, q8_0, ...)");
-  app.add_option("--cache-type-v", o.cache_type_v, "-ctv: V cache type");
-  app.add_option("--ubatch-size", o.n_ubatch, "-ub: physical batch size (sizes SWA caches)");
   std::string slot_save_path;
   app.add_option("--slot-save-path", slot_save_path, "directory for ?action=save|restore (enables slot actions)");
   app.add_option("--host", o.host, "address to listen on");
@@ -54,6 +54,11 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
+  o.n_ctx = static_cast<int>(kv.n_ctx);
+  o.flash_attn = kv.flash_attn;
+  o.cache_type_k = kv.cache_type_k;
+  o.cache_type_v = kv.cache_type_v;
+  o.n_ubatch = static_cast<int>(kv.n_ubatch);
   o.model = model;
   o.slot_save_path = slot_save_path;
   o.api_key_file = api_key_file;

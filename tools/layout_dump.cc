@@ -15,6 +15,7 @@
 #include "layout/layout_dump.h"
 #include "layout/llama_flags.h"
 #include "layout/model_shape.h"
+#include "tools/cli/kv_flags.h"
 
 namespace {
 
@@ -37,28 +38,18 @@ int main(int argc, char** argv) {
   std::string model_path;
   std::string header_path;
   layout::KvParams params;
-  std::string type_k = "f16";
-  std::string type_v = "f16";
-  std::string flash_attn = "on";
+  tools::KvFlags kv;
+  const tools::KvFlagSet kv_set{.ctx_size = true, .ubatch_size = true};
   bool as_json = false;
 
   app.add_option("MODEL", model_path, "GGUF model file (weights not needed)");
   app.add_option("--header", header_path, "decode and validate a layout header file instead");
-  params.n_ctx = 0;  // llama-server's default: the model's context_length
-  app.add_option("-c,--ctx-size", params.n_ctx, "context size, 0 = the model's context_length (llama-server's default)")
-      ->capture_default_str();
+  kv.n_ctx = 0;  // llama-server's default: the model's context_length
+  tools::add_kv_flags(&app, kv, kv_set);
   app.add_option("--parallel", params.n_seq_max, "-np: number of sequences (slots)")->capture_default_str();
   params.kv_unified = false;
   app.add_flag("--kv-unified", params.kv_unified, "-kvu: one KV stream shared by every sequence");
-  app.add_option("--cache-type-k", type_k, "-ctk: K cache type: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl")
-      ->capture_default_str();
-  app.add_option("--cache-type-v", type_v, "-ctv: V cache type (quantized needs -fa on)")->capture_default_str();
-  app.add_option("--flash-attn", flash_attn, "-fa: on, off or auto (auto is taken as on)")
-      ->check(CLI::IsMember({"on", "off", "auto"}))
-      ->capture_default_str();
   app.add_flag("--swa-full", params.swa_full, "full-size SWA cache");
-  app.add_option("--ubatch-size", params.n_ubatch, "-ub: micro-batch size (sizes the SWA cache)")
-      ->capture_default_str();
   app.add_flag("--json", as_json, "print the layout header (JSON) instead of the report");
 
   try {
@@ -88,13 +79,12 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  auto parsed_k = layout::parse_cache_type(type_k);
-  if (!parsed_k) return std::fprintf(stderr, "kvshare-layout-dump: -ctk: %s\n", parsed_k.error().what().c_str()), 2;
-  auto parsed_v = layout::parse_cache_type(type_v);
-  if (!parsed_v) return std::fprintf(stderr, "kvshare-layout-dump: -ctv: %s\n", parsed_v.error().what().c_str()), 2;
-  params.type_k = *parsed_k;
-  params.type_v = *parsed_v;
-  params.flash_attn = flash_attn != "off";
+  auto with_flags = tools::to_kv_params(kv, params, kv_set);
+  if (!with_flags) {
+    std::fprintf(stderr, "kvshare-layout-dump: %s\n", with_flags.error().what().c_str());
+    return 2;
+  }
+  params = *with_flags;
   // A single sequence is always unified in llama.cpp (one stream either way).
   if (params.n_seq_max == 1) params.kv_unified = true;
   if (auto valid = layout::validate(params); !valid) {

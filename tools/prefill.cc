@@ -13,8 +13,8 @@
 #include "kvshare/share/provider_share.h"
 #include "layout/llama_flags.h"
 #include "layout/state_format.h"
-#include "layout/tensor_type.h"
 #include "refmodel/blas_kernels.h"
+#include "tools/cli/kv_flags.h"
 
 int main(int argc, char** argv) {
   kvshare::refmodel::reexec_with_best_blas_kernels(argv);  // before any work: it may exec
@@ -26,7 +26,7 @@ int main(int argc, char** argv) {
       "kvshare-serve's region and prefill requests (docs/provider.md, \"The resident provider\") until "
       "serve closes the channel (--serve-fd) or SIGINT/SIGTERM (--serve)."};
   kvshare::refmodel::PrefillRequest r;
-  std::string ctk = "f16", ctv = "f16", fa = "on", fds;
+  std::string fds;
   auto* tokens = app.add_option("--tokens", r.tokens_path,
                                 "ids file: one decimal id per line, or a JSON array (required, "
                                 "except with --serve/--serve-fd)");
@@ -35,13 +35,9 @@ int main(int argc, char** argv) {
   app.add_option("--elfs", r.elfs_dir,
                  "NPU kernel directory: accepted for the provider contract and ignored (this reference provider "
                  "computes on the CPU and runs no NPU kernel)");
-  auto* ctx_size =
-      app.add_option("-c,--ctx-size", r.params.n_ctx, "context size, as llama-server's -c")->capture_default_str();
-  auto* cache_k =
-      app.add_option("--ctk,--cache-type-k", ctk, "K cache type, as llama-server's -ctk")->capture_default_str();
-  auto* cache_v =
-      app.add_option("--ctv,--cache-type-v", ctv, "V cache type, as llama-server's -ctv")->capture_default_str();
-  auto* flash = app.add_option("--fa,--flash-attn", fa, "on|off|auto, as llama-server's -fa")->capture_default_str();
+  kvshare::tools::KvFlags kv;
+  kv.n_ctx = r.params.n_ctx;
+  const kvshare::tools::KvFlagOptions kv_options = kvshare::tools::add_kv_flags(&app, kv);
   auto* parallel = app.add_option("--np,--parallel", r.params.n_seq_max,
                                   "the decoder's slots, as llama-server's -np (file route: the state file carries one "
                                   "KV stream per slot, as the decoder's cache has, unless --kv-unified)")
@@ -86,10 +82,12 @@ int main(int argc, char** argv) {
                        ->check(CLI::Range(3, INT_MAX));
   serve->excludes(serve_fd);
   // A resident provider takes the ids, the region, the stream and the KV params from each request.
-  for (auto* per_request : {tokens, out, layout, fd_list, cached, stream_opt, first_cell_opt, cells_opt, ctx_size,
-                            cache_k, cache_v, flash, version, parallel, unified}) {
-    serve->excludes(per_request);
-    serve_fd->excludes(per_request);
+  std::vector<CLI::Option*> per_request = kv_options.all();
+  per_request.insert(per_request.end(), {tokens, out, layout, fd_list, cached, stream_opt, first_cell_opt, cells_opt,
+                                         version, parallel, unified});
+  for (auto* option : per_request) {
+    serve->excludes(option);
+    serve_fd->excludes(option);
   }
   // llama-server's spellings (-ctk, -fa, -np, ...) read as they do for llama-server.
   std::vector<std::string> args = kvshare::layout::normalize_llama_flags({argv, argv + argc});
@@ -124,19 +122,12 @@ int main(int argc, char** argv) {
   if (first_cell_opt->count() > 0) r.first_cell = first_cell;
   if (cells_opt->count() > 0) r.n_cells = n_cells;
 
-  auto type_k = kvshare::layout::parse_cache_type(ctk);
-  auto type_v = kvshare::layout::parse_cache_type(ctv);
-  if (!type_k || !type_v) {
-    fmt::print(stderr, "kvshare-prefill: {}\n", (!type_k ? type_k.error() : type_v.error()).what());
+  auto params = kvshare::tools::to_kv_params(kv, r.params);
+  if (!params) {
+    fmt::print(stderr, "kvshare-prefill: {}\n", params.error().what());
     return 2;
   }
-  r.params.type_k = *type_k;
-  r.params.type_v = *type_v;
-  if (fa != "on" && fa != "off" && fa != "auto") {
-    fmt::print(stderr, "kvshare-prefill: -fa {}: not one of on, off, auto\n", fa);
-    return 2;
-  }
-  r.params.flash_attn = fa != "off";
+  r.params = *params;
   // llama-server's rule: one sequence is always unified; several are not unless -kvu.
   r.params.kv_unified = r.params.n_seq_max == 1 || kv_unified;
   if ((parallel->count() > 0 || unified->count() > 0) && out->count() == 0) {

@@ -11,6 +11,7 @@
 #include "route/api_key.h"
 #include "route/serve.h"
 #include "route/serve_config.h"
+#include "tools/cli/kv_flags.h"
 
 int main(int argc, char** argv) {
   using namespace kvshare::route;
@@ -38,9 +39,10 @@ int main(int argc, char** argv) {
   app.add_option("--host", config.host, "address to listen on")->capture_default_str();
   app.add_option("--port", config.port, "port to listen on (0: any free port)")->capture_default_str();
   auto* ctx = app.add_option("-c,--ctx-size", config.ctx_size, "decoder context (tokens)")->capture_default_str();
-  auto* fa = app.add_option("--flash-attn", config.flash_attn, "-fa: on|off (off transposes V)")->capture_default_str();
-  auto* ctk = app.add_option("--cache-type-k", config.cache_type_k, "-ctk: K cache type")->capture_default_str();
-  auto* ctv = app.add_option("--cache-type-v", config.cache_type_v, "-ctv: V cache type")->capture_default_str();
+  // -c is serve's own (the decoder's context, which must be positive); -fa, -ctk and -ctv
+  // go to the decoder as given, `auto` included.
+  kvshare::tools::KvFlags kv;
+  const kvshare::tools::KvFlagOptions kv_options = kvshare::tools::add_kv_flags(&app, kv, {.ctx_size = false});
   app.add_option("--provider-timeout", config.provider_timeout_s, "seconds before a provider is killed")
       ->capture_default_str();
   std::string handoff = "auto";
@@ -103,7 +105,10 @@ int main(int argc, char** argv) {
     }
     config.prefill_remote_key = keys->front();
   }
-  config.kv_flags_given = ctx->count() + fa->count() + ctk->count() + ctv->count() > 0;
+  config.flash_attn = kv.flash_attn;
+  config.cache_type_k = kv.cache_type_k;
+  config.cache_type_v = kv.cache_type_v;
+  config.kv_flags_given = ctx->count() + kv_options.given() > 0;
   if (mtp) config.refused_flags.push_back("--mtp");
   if (dflash) config.refused_flags.push_back("--dflash");
   if (mmproj_option->count()) config.refused_flags.push_back("--mmproj");

@@ -5,13 +5,13 @@
 
 #include <cstdio>
 #include <string>
-#include <utility>
+#include <tuple>
 #include <vector>
 
 #include "kvshare/statefile/state_tools.h"
 #include "layout/kv_params.h"
 #include "layout/llama_flags.h"
-#include "layout/tensor_type.h"
+#include "tools/cli/kv_flags.h"
 
 namespace {
 
@@ -45,20 +45,15 @@ int main(int argc, char** argv) {
   inspect->add_flag("--json", json, "one JSON object instead of text");
 
   kvshare::layout::KvParams params;
-  std::string ctk = "f16", ctv = "f16", fa = "on";
+  kvshare::tools::KvFlags kv;
+  const kvshare::tools::KvFlagSet kv_set{.ctx_size = true, .ubatch_size = true};
   auto* verify = app.add_subcommand("verify", "does FILE restore into MODEL.gguf with these KV params?");
   verify->add_option("FILE", file, "state file")->required();
   verify->add_option("MODEL.gguf", model, "the decoder's model")->required();
-  verify->add_option("-c,--ctx-size", params.n_ctx, "context size, -c (0: the model's)")->capture_default_str();
+  kvshare::tools::add_kv_flags(verify, kv, kv_set);
   verify->add_option("--parallel", params.n_seq_max, "slots, -np")->capture_default_str();
   verify->add_flag("--kv-unified,!--no-kv-unified", params.kv_unified, "unified KV cache across slots, -kvu");
-  verify->add_option("--cache-type-k", ctk, "K cache type, -ctk")->capture_default_str();
-  verify->add_option("--cache-type-v", ctv, "V cache type, -ctv")->capture_default_str();
-  verify->add_option("--flash-attn", fa, "on, off or auto, -fa")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"on", "off", "auto"}));
   verify->add_flag("--swa-full", params.swa_full, "full-size SWA cache");
-  verify->add_option("--ubatch-size", params.n_ubatch, "physical batch size, -ub")->capture_default_str();
 
   double tolerance = 0.0;
   sf::RotationInfo rotation;
@@ -99,12 +94,6 @@ int main(int argc, char** argv) {
     if (rotation.n_embd_head_v == 0) rotation.n_embd_head_v = head_dim;
   }
   rotation.rotation_disabled = no_rotation;
-  auto type_k = kvshare::layout::parse_cache_type(ctk);
-  auto type_v = kvshare::layout::parse_cache_type(ctv);
-  if (!type_k || !type_v) {
-    fmt::print(stderr, "kvshare-state: {}\n", (!type_k ? type_k.error() : type_v.error()).what());
-    return 2;
-  }
 
   if (inspect->parsed()) {
     auto text = sf::inspect_state_file(file, json);
@@ -113,10 +102,12 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (verify->parsed()) {
-    params.type_k = *type_k;
-    params.type_v = *type_v;
-    params.flash_attn = fa != "off";
-    auto summary = sf::verify_state_file(file, model, params);
+    auto with_flags = kvshare::tools::to_kv_params(kv, params, kv_set);
+    if (!with_flags) {
+      fmt::print(stderr, "kvshare-state: {}\n", with_flags.error().what());
+      return 2;
+    }
+    auto summary = sf::verify_state_file(file, model, *with_flags);
     if (!summary) return report_failure(summary.error());
     fmt::print("{}\n", *summary);
     return 0;
@@ -130,9 +121,10 @@ int main(int argc, char** argv) {
   sf::ConvertOptions options;
   options.type_k.reset();
   options.type_v.reset();
-  for (auto [name, target] : {std::pair{&convert_ctk, &options.type_k}, std::pair{&convert_ctv, &options.type_v}}) {
+  for (auto [flag, name, target] :
+       {std::tuple{"-ctk", &convert_ctk, &options.type_k}, std::tuple{"-ctv", &convert_ctv, &options.type_v}}) {
     if (name->empty()) continue;
-    auto type = kvshare::layout::parse_cache_type(*name);
+    auto type = kvshare::layout::parse_cache_type_flag(flag, *name);
     if (!type) {
       fmt::print(stderr, "kvshare-state: {}\n", type.error().what());
       return 2;

@@ -4,10 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <limits>
-#include <stdexcept>
-#include <type_traits>
+
+#include "layout/json_reader.h"
 
 namespace kvshare::decoder {
 namespace {
@@ -16,61 +15,41 @@ using json = Json;
 
 // server-schema.cpp has_value: a null value counts as absent, so clients can send null
 // to ask for the server's default.
-const json* find_value(const json& body, std::initializer_list<const char*> names, const char** found) {
-  for (const char* name : names) {
-    auto it = body.find(name);
-    if (it != body.end() && !it->is_null()) {
-      *found = name;
-      return &*it;
-    }
-  }
-  return nullptr;
-}
+using Reader = layout::JsonReader<json>;
+Reader request_reader(const json& body) { return Reader{body, "completion request", "", true}; }
 
-// Runs `read` on the first present name; any exception becomes llama-server's
-// "Field '<name>': <what>" 400.
-ApiResult<void> read_field(const json& body, std::initializer_list<const char*> names,
-                           const std::function<void(const json&)>& read) {
-  const char* name = nullptr;
-  const json* value = find_value(body, names, &name);
-  if (value == nullptr) return {};
-  try {
-    read(*value);
-  } catch (const std::exception& e) {
-    return api_fail(ErrorType::invalid_request, fmt::format("Field '{}': {}", name, e.what()));
-  }
+// A reader's error as llama-server's answer to a wrongly typed field: 400 invalid_request.
+ApiResult<void> invalid_field(const Error& error) { return api_fail(ErrorType::invalid_request, error.message()); }
+
+ApiResult<void> read_boolean(const Reader& read, const char* key, bool& out) {
+  auto value = read.optional_boolean(key);
+  if (!value) return invalid_field(value.error());
+  if (*value) out = **value;
   return {};
 }
 
-// value.get<T>() of a JSON float casts it, which is undefined behaviour when it does not fit
-// T (1e30 as an int): such a value is refused instead, by name.
-template <class T>
-T number_as(const json& value) {
-  if (value.is_number_float()) {
-    const double d = value.get<double>();
-    if (!std::isfinite(d) || d < static_cast<double>(std::numeric_limits<T>::lowest()) ||
-        d > static_cast<double>(std::numeric_limits<T>::max()))
-      throw std::out_of_range(fmt::format("{} is out of the range of a {}-bit {}", d, sizeof(T) * 8,
-                                          std::is_integral_v<T> ? "integer" : "float"));
-    return static_cast<T>(d);
-  }
-  return value.get<T>();
+// The first of `names` present (llama-server's aliases), or nullptr.
+const char* first_present(const Reader& read, std::initializer_list<const char*> names) {
+  for (const char* name : names)
+    if (read.find(name) != nullptr) return name;
+  return nullptr;
 }
 
-template <class T>
-std::function<void(const json&)> hard_limited(T& out, T min, T max) {
-  return [&out, min, max](const json& value) {
-    const T v = number_as<T>(value);
-    if (v < min || v > max) {
-      throw std::invalid_argument("Value must be between " + std::to_string(min) +
-                                  " <= value <= " + std::to_string(max) + ", but got " + std::to_string(v));
-    }
-    out = v;
-  };
-}
-
-std::function<void(const json&)> boolean(bool& out) {
-  return [&out](const json& value) { out = value.get<bool>(); };
+// server-schema.cpp set_hard_limits: an integer field outside [min, max] is refused with
+// its words. A float is truncated, as value.get<T>() would; one past the range of T is
+// refused instead of being cast (undefined behaviour).
+ApiResult<void> read_limited(const Reader& read, std::initializer_list<const char*> names, int32_t& out, int32_t min,
+                             int32_t max) {
+  const char* name = first_present(read, names);
+  if (name == nullptr) return {};
+  auto value = read.number(name);
+  if (!value) return invalid_field(value.error());
+  if (!(*value >= min && *value <= max))
+    return api_fail(ErrorType::invalid_request, fmt::format("Field '{}': Value must be between {} <= value <= {}, but "
+                                                            "got {}",
+                                                            name, min, max, *value));
+  out = static_cast<int32_t>(*value);
+  return {};
 }
 
 }  // namespace
@@ -93,36 +72,56 @@ ApiResult<CompletionParams> parse_completion_params(const json& body) {
   CompletionParams p;
   if (!body.is_object()) return p;
   constexpr int32_t kMax = std::numeric_limits<int32_t>::max();
+  const Reader read = request_reader(body);
   std::vector<ApiResult<void>> results;
-  results.push_back(read_field(body, {"timings_per_token"}, boolean(p.timings_per_token)));
-  results.push_back(read_field(body, {"stream"}, boolean(p.stream)));
+  results.push_back(read_boolean(read, "timings_per_token", p.timings_per_token));
+  results.push_back(read_boolean(read, "stream", p.stream));
   if (auto it = body.find("stream_options"); it != body.end() && it->is_object()) {
-    results.push_back(read_field(*it, {"include_usage"}, boolean(p.include_usage)));
+    const Reader options{*it, "completion request", "stream_options.", true};
+    results.push_back(read_boolean(options, "include_usage", p.include_usage));
   }
-  results.push_back(read_field(body, {"cache_prompt"}, boolean(p.cache_prompt)));
-  results.push_back(read_field(body, {"return_tokens"}, boolean(p.return_tokens)));
-  results.push_back(read_field(body, {"n_predict", "max_completion_tokens", "max_tokens"},
-                               hard_limited<int32_t>(p.n_predict, -1, kMax)));
-  results.push_back(read_field(body, {"n_keep"}, hard_limited<int32_t>(p.n_keep, -1, kMax)));
-  results.push_back(read_field(body, {"temperature"}, [&](const json& value) {
+  results.push_back(read_boolean(read, "cache_prompt", p.cache_prompt));
+  results.push_back(read_boolean(read, "return_tokens", p.return_tokens));
+  results.push_back(read_limited(read, {"n_predict", "max_completion_tokens", "max_tokens"}, p.n_predict, -1, kMax));
+  results.push_back(read_limited(read, {"n_keep"}, p.n_keep, -1, kMax));
+  if (auto temperature = read.optional_number("temperature"); !temperature) {
+    results.push_back(invalid_field(temperature.error()));
+  } else if (*temperature) {
     // set_limits, not set_hard_limits: out-of-range temperatures are clamped.
     // Clamped in double first: a float cannot hold 1e300.
-    const double t = value.get<double>();
+    const double t = **temperature;
     p.temperature =
         std::isnan(t) ? 0.0f : static_cast<float>(std::clamp(t, 0.0, double(std::numeric_limits<float>::max())));
-  }));
-  results.push_back(read_field(body, {"seed"}, [&](const json& value) { p.seed = number_as<uint32_t>(value); }));
-  results.push_back(read_field(body, {"ignore_eos"}, boolean(p.ignore_eos)));
-  results.push_back(read_field(body, {"stop"}, [&](const json& value) {
+  }
+  if (auto seed = read.optional_number("seed"); !seed) {
+    results.push_back(invalid_field(seed.error()));
+  } else if (*seed) {
+    // value.get<uint32_t>(): -1 is LLAMA_DEFAULT_SEED (a negative seed wraps, as in C);
+    // past 32 bits it is refused rather than cut.
+    const double d = **seed;
+    if (!(d >= std::numeric_limits<int32_t>::min() && d <= std::numeric_limits<uint32_t>::max()))
+      results.push_back(api_fail(ErrorType::invalid_request,
+                                 fmt::format("completion request: \"seed\" is {}, not a 32-bit seed", d)));
+    else
+      p.seed = static_cast<uint32_t>(static_cast<int64_t>(d));
+  }
+  results.push_back(read_boolean(read, "ignore_eos", p.ignore_eos));
+  if (const json* stop = read.find("stop")) {
+    // A string or an array of strings; any other type leaves no stop word, as llama-server.
     p.stop.clear();
-    if (value.is_array()) {
-      for (const auto& word : value) {
-        if (!word.empty()) p.stop.push_back(word.get<std::string>());
+    if (stop->is_string()) p.stop.push_back(stop->get<std::string>());
+    for (size_t i = 0; stop->is_array() && i < stop->size(); ++i) {
+      const json& word = (*stop)[i];
+      if (word.is_null()) continue;
+      if (!word.is_string()) {
+        results.push_back(api_fail(ErrorType::invalid_request,
+                                   fmt::format("completion request: \"stop[{}]\" is {}, not a string", i,
+                                               word.dump(-1, ' ', false, json::error_handler_t::replace))));
+        break;
       }
-    } else if (value.is_string()) {
-      p.stop.push_back(value.get<std::string>());
+      p.stop.push_back(word.get<std::string>());
     }
-  }));
+  }
   for (auto& r : results) {
     if (!r) return tl::unexpected(r.error());
   }

@@ -45,9 +45,11 @@ struct CompletionParams {
   Json to_json() const;
 };
 
-// Reads the fields llama-server reads, with its rules: null means "absent", a wrongly
-// typed value is 400 "Field 'n_predict': <json error>", a hard limit is 400 "Value must be
-// between ...", temperature is clamped to >= 0. Unknown fields are ignored.
+// Reads the fields llama-server reads (through layout::JsonReader), with its rules: null
+// means "absent", a wrongly typed value is 400 naming the field and the value
+// ("completion request: \"n_predict\" is \"many\", not a number"), a hard limit is 400
+// "Field 'n_keep': Value must be between ...", temperature is clamped to >= 0. Unknown
+// fields are ignored.
 ApiResult<CompletionParams> parse_completion_params(const Json& body);
 
 struct Timings {

@@ -16,7 +16,7 @@
 #include <cstdlib>
 #include "apps/decoder/http_server.h"
 #include "apps/decoder/refmodel_engine.h"
-#include "layout/tensor_type.h"
+#include "layout/kv_params.h"
 #include "route/api_key.h"
 
 namespace kvshare::decoder {
@@ -30,30 +30,17 @@ struct ResolvedParams {
 
 ResolvedParams resolve_params(const DecoderOptions& o) {
   ResolvedParams r;
-  r.params.n_ctx = static_cast<uint32_t>(o.n_ctx);
-  r.params.n_seq_max = 1;
-  r.params.kv_unified = true;
-  r.params.n_ubatch = static_cast<uint32_t>(o.n_ubatch);
-  if (o.flash_attn == "on" || o.flash_attn == "auto" || o.flash_attn == "enabled") {
-    r.params.flash_attn = true;
-  } else if (o.flash_attn == "off" || o.flash_attn == "disabled") {
-    r.params.flash_attn = false;
-  } else {
-    r.error = "-fa " + o.flash_attn + ": expected on, off or auto";
+  layout::KvParams base;
+  base.n_ctx = static_cast<uint32_t>(o.n_ctx);
+  base.n_seq_max = 1;
+  base.kv_unified = true;
+  base.n_ubatch = static_cast<uint32_t>(o.n_ubatch);
+  auto params = layout::apply_kv_flags(base, o.flash_attn, o.cache_type_k, o.cache_type_v);
+  if (!params) {
+    r.error = params.error().what();
     return r;
   }
-  auto k = layout::parse_cache_type(o.cache_type_k);
-  if (!k) {
-    r.error = "-ctk: " + k.error().what();
-    return r;
-  }
-  auto v = layout::parse_cache_type(o.cache_type_v);
-  if (!v) {
-    r.error = "-ctv: " + v.error().what();
-    return r;
-  }
-  r.params.type_k = *k;
-  r.params.type_v = *v;
+  r.params = *params;
   if (auto valid = layout::validate(r.params); !valid) r.error = valid.error().what();
   return r;
 }

@@ -7,15 +7,14 @@
 #include <string>
 #include <vector>
 
+#include "layout/kv_params.h"
+
 namespace kvshare::decoder {
 
 struct DecoderOptions {
   std::filesystem::path model;           // -m
   int n_ctx = 0;                         // -c; 0: the model's training context
   int n_parallel = 1;                    // -np; only 1 is served
-  std::string flash_attn = "auto";       // -fa on|off|auto (auto: on, as on a CPU llama-server)
-  std::string cache_type_k = "f16";      // -ctk
-  std::string cache_type_v = "f16";      // -ctv
   int n_ubatch = 512;                    // -ub
   std::filesystem::path slot_save_path;  // --slot-save-path
   std::string host = "127.0.0.1";        // --host
@@ -26,6 +25,11 @@ struct DecoderOptions {
                                          // state files it saves and restores (2 or 3)
   std::string api_key;                   // --api-key (LLAMA_API_KEY): comma-separated keys
   std::filesystem::path api_key_file;    // --api-key-file (LLAMA_ARG_API_KEY_FILE)
+
+  // -fa, -ctk, -ctv as typed, from llama-server's defaults; read by layout::apply_kv_flags.
+  std::string flash_attn{layout::kDefaultFlashAttn};
+  std::string cache_type_k{layout::kDefaultCacheType};
+  std::string cache_type_v{layout::kDefaultCacheType};
 };
 
 // Runs the decoder until SIGINT or SIGTERM. Returns the process exit code: 0 after a

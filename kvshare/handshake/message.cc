@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "layout/json_depth.h"
+#include "layout/json_reader.h"
 
 namespace kvshare::handshake {
 namespace {
@@ -25,137 +26,108 @@ bool is_known_kind(std::string_view kind) {
   return kind == "memfd" || kind == "udmabuf" || kind == "dmaheap" || kind == "device";
 }
 
-// Field readers: each names the field and what it should have been.
-Result<const Json*> field(const Json& object, std::string_view source, std::string_view path, const char* key) {
-  auto it = object.find(key);
-  if (it == object.end()) return fail(EINVAL, "handshake from {}: field \"{}{}\" is missing", source, path, key);
-  return &*it;
-}
+using Reader = layout::JsonReader<Json>;
 
-Result<uint64_t> unsigned_field(const Json& object, std::string_view source, std::string_view path, const char* key,
-                                uint64_t max) {
-  auto value = field(object, source, path, key);
-  if (!value) return fail(value.error());
-  if (!(*value)->is_number_unsigned() || (*value)->get<uint64_t>() > max)
-    return fail(EINVAL, "handshake from {}: field \"{}{}\" is {}, expected an integer 0..{}", source, path, key,
-                dump(**value), max);
-  return (*value)->get<uint64_t>();
-}
-
-Result<std::string> string_field(const Json& object, std::string_view source, std::string_view path, const char* key) {
-  auto value = field(object, source, path, key);
-  if (!value) return fail(value.error());
-  if (!(*value)->is_string())
-    return fail(EINVAL, "handshake from {}: field \"{}{}\" is {}, expected a string", source, path, key, dump(**value));
-  return (*value)->get<std::string>();
-}
-
-Result<uint64_t> hash_field(const Json& object, std::string_view source, std::string_view path, const char* key) {
-  auto text = string_field(object, source, path, key);
+// "0x" and 16 lowercase hex digits, as hash_text writes them.
+Result<uint64_t> hash_field(const Reader& read, std::string_view key) {
+  auto text = read.text(key);
   if (!text) return fail(text.error());
-  uint64_t hash = 0;
   const bool well_formed = text->size() == 18 && text->rfind("0x", 0) == 0 &&
                            text->find_first_not_of("0123456789abcdef", 2) == std::string::npos;
-  if (well_formed) hash = std::stoull(text->substr(2), nullptr, 16);
   if (!well_formed)
-    return fail(EINVAL, "handshake from {}: field \"{}{}\" is \"{}\", expected \"0x\" and 16 lowercase hex digits",
-                source, path, key, *text);
-  return hash;
+    return fail(EINVAL, "{}: field \"{}{}\" is \"{}\", expected \"0x\" and 16 lowercase hex digits", read.source,
+                read.path, key, *text);
+  return std::stoull(text->substr(2), nullptr, 16);
 }
 
 Result<FdEntry> parse_fd_entry(const Json& entry, std::string_view source, size_t index) {
-  const std::string path = fmt::format("fds[{}].", index);
   if (!entry.is_object())
-    return fail(EINVAL, "handshake from {}: field \"fds[{}]\" is {}, expected an object", source, index, dump(entry));
+    return fail(EINVAL, "{}: field \"fds[{}]\" is {}, expected an object", source, index, dump(entry));
+  const std::string path = fmt::format("fds[{}].", index);
+  const Reader read{entry, source, path};
   FdEntry fd;
-  auto chunk = unsigned_field(entry, source, path, "chunk", kMaxFds);
+  auto chunk = read.u64("chunk", kMaxFds);
   if (!chunk) return fail(chunk.error());
   if (*chunk != index)
-    return fail(EINVAL, "handshake from {}: field \"{}chunk\" is {}, expected {} (fds go in chunk order)", source, path,
-                *chunk, index);
+    return fail(EINVAL, "{}: field \"{}chunk\" is {}, expected {} (fds go in chunk order)", source, path, *chunk,
+                index);
   fd.chunk = static_cast<uint32_t>(*chunk);
-  auto kind = string_field(entry, source, path, "kind");
+  auto kind = read.text("kind");
   if (!kind) return fail(kind.error());
   if (!is_known_kind(*kind))
-    return fail(EINVAL, "handshake from {}: field \"{}kind\" is \"{}\", expected memfd, udmabuf, dmaheap or device",
-                source, path, *kind);
+    return fail(EINVAL, "{}: field \"{}kind\" is \"{}\", expected memfd, udmabuf, dmaheap or device", source, path,
+                *kind);
   fd.kind = std::move(*kind);
-  auto offset = unsigned_field(entry, source, path, "offset", uint64_t{1} << 62);
+  auto offset = read.u64("offset", uint64_t{1} << 62);
   if (!offset) return fail(offset.error());
   if (*offset % 4096 != 0)
-    return fail(EINVAL, "handshake from {}: field \"{}offset\" is {}, expected a multiple of 4096", source, path,
-                *offset);
+    return fail(EINVAL, "{}: field \"{}offset\" is {}, expected a multiple of 4096", source, path, *offset);
   fd.offset = *offset;
-  auto size = unsigned_field(entry, source, path, "size_bytes", uint64_t{1} << 62);
+  auto size = read.u64("size_bytes", uint64_t{1} << 62);
   if (!size) return fail(size.error());
   if (*size == 0 || *size % 4096 != 0)
-    return fail(EINVAL, "handshake from {}: field \"{}size_bytes\" is {}, expected a positive multiple of 4096", source,
-                path, *size);
+    return fail(EINVAL, "{}: field \"{}size_bytes\" is {}, expected a positive multiple of 4096", source, path, *size);
   fd.size_bytes = *size;
-  auto hash = hash_field(entry, source, path, "layout_hash");
+  auto hash = hash_field(read, "layout_hash");
   if (!hash) return fail(hash.error());
   fd.layout_hash = *hash;
   return fd;
 }
 
-Result<Message> parse_object(Json& json, std::string_view source, bool header_is_known) {
+Result<Message> parse_object(Json& json, std::string_view peer, bool header_is_known) {
+  // Every error says which peer sent the message: "handshake from pid 4121: ...".
+  const std::string source = fmt::format("handshake from {}", peer);
   if (!json.is_object())
-    return fail(EINVAL, "handshake from {}: message is {}, expected a JSON object", source,
-                std::string(json.type_name()));
+    return fail(EINVAL, "{}: message is {}, expected a JSON object", source, std::string(json.type_name()));
   if (!json.contains(kVersionKey))
-    return fail(EINVAL, "handshake from {}: not a kvshare handshake message (no field \"{}\")", source, kVersionKey);
+    return fail(EINVAL, "{}: not a kvshare handshake message (no field \"{}\")", source, kVersionKey);
+  const Reader read{json, source};
   Message message;
-  auto version = unsigned_field(json, source, "", kVersionKey, UINT32_MAX);
+  auto version = read.u32(kVersionKey);
   if (!version) return fail(version.error());
   if (*version == 0 || *version > kProtocolVersion)
     return fail(EPROTO,
-                "handshake from {}: field \"{}\" is {}, this side speaks version {}; use the same kvshare on "
+                "{}: field \"{}\" is {}, this side speaks version {}; use the same kvshare on "
                 "both sides",
                 source, kVersionKey, *version, kProtocolVersion);
-  message.version = static_cast<uint32_t>(*version);
-  auto type = string_field(json, source, "", "type");
+  message.version = *version;
+  auto type = read.text("type");
   if (!type) return fail(type.error());
   if (*type == "share")
     message.type = MessageType::share;
   else if (*type == "refuse")
     message.type = MessageType::refuse;
   else
-    return fail(EINVAL, "handshake from {}: field \"type\" is \"{}\", expected \"share\" or \"refuse\"", source, *type);
-  auto share_id = unsigned_field(json, source, "", "share_id", (uint64_t{1} << 53) - 1);
+    return fail(EINVAL, "{}: field \"type\" is \"{}\", expected \"share\" or \"refuse\"", source, *type);
+  auto share_id = read.u64("share_id", (uint64_t{1} << 53) - 1);
   if (!share_id) return fail(share_id.error());
   message.share_id = *share_id;
 
   if (message.type == MessageType::refuse) {
-    auto field_name = string_field(json, source, "", "field");
+    auto field_name = read.text("field");
     if (!field_name) return fail(field_name.error());
-    auto reason = string_field(json, source, "", "reason");
+    auto reason = read.text("reason");
     if (!reason) return fail(reason.error());
-    if (reason->empty()) return fail(EINVAL, "handshake from {}: field \"reason\" is empty", source);
+    if (reason->empty()) return fail(EINVAL, "{}: field \"reason\" is empty", source);
     message.field = std::move(*field_name);
     message.reason = std::move(*reason);
     return message;
   }
 
-  if (message.share_id == 0)
-    return fail(EINVAL, "handshake from {}: field \"share_id\" is 0; shares count from 1", source);
-  // Absent: a decoder from before streams, which shared stream 0 only.
-  if (json.contains("stream")) {
-    auto stream = unsigned_field(json, source, "", "stream", UINT32_MAX);
-    if (!stream) return fail(stream.error());
-    message.stream = static_cast<uint32_t>(*stream);
-  }
-  // Absent: the whole stream (a decoder from before ranges, or a share that names none).
-  for (auto [key, value] : {std::pair<const char*, uint32_t*>{"first_cell", &message.first_cell},
+  if (message.share_id == 0) return fail(EINVAL, "{}: field \"share_id\" is 0; shares count from 1", source);
+  // Absent "stream": a decoder from before streams, which shared stream 0 only. Absent
+  // "first_cell"/"n_cells": the whole stream (a decoder from before ranges, or no range).
+  for (auto [key, value] : {std::pair<const char*, uint32_t*>{"stream", &message.stream},
+                            std::pair<const char*, uint32_t*>{"first_cell", &message.first_cell},
                             std::pair<const char*, uint32_t*>{"n_cells", &message.n_cells}}) {
-    if (!json.contains(key)) continue;
-    auto number = unsigned_field(json, source, "", key, UINT32_MAX);
+    auto number = read.optional_u64(key, UINT32_MAX);
     if (!number) return fail(number.error());
-    *value = static_cast<uint32_t>(*number);
+    if (*number) *value = static_cast<uint32_t>(**number);
   }
-  auto fds = field(json, source, "", "fds");
+  auto fds = read.value("fds");
   if (!fds) return fail(fds.error());
   if (!(*fds)->is_array() || (*fds)->empty() || (*fds)->size() > kMaxFds)
-    return fail(EINVAL, "handshake from {}: field \"fds\" must be an array of 1..{} entries", source, kMaxFds);
+    return fail(EINVAL, "{}: field \"fds\" must be an array of 1..{} entries", source, kMaxFds);
   for (size_t i = 0; i < (*fds)->size(); ++i) {
     auto entry = parse_fd_entry((**fds)[i], source, i);
     if (!entry) return fail(entry.error());
@@ -165,10 +137,10 @@ Result<Message> parse_object(Json& json, std::string_view source, bool header_is
     message.header_is_known = true;
     return message;
   }
-  auto header = field(json, source, "", "header");
+  auto header = read.value("header");
   if (!header) return fail(header.error());
   if (!(*header)->is_object())
-    return fail(EINVAL, "handshake from {}: field \"header\" is {}, expected the layout header object", source,
+    return fail(EINVAL, "{}: field \"header\" is {}, expected the layout header object", source,
                 std::string((*header)->type_name()));
   message.header = std::move(json["header"]);  // moved, not copied: the message owns it now
   return message;

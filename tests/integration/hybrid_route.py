@@ -361,7 +361,7 @@ def test_print_backend():
                              "--", "--threads", "2"], capture_output=True, timeout=20, text=True)
     check(result.returncode == 0, result.stderr)
     line = result.stdout.strip()
-    for needle in (FAKE_DECODER, "-m " + MODEL, "-np 1", "--slot-save-path", "-c 2048", "-fa on", "-ctk f16",
+    for needle in (FAKE_DECODER, "-m " + MODEL, "-np 1", "--slot-save-path", "-c 2048", "-fa auto", "-ctk f16",
                    "--host 127.0.0.1", "--port", "--threads 2"):
         check(needle in line, "--print-backend lacks %r: %s" % (needle, line))
     # Without --backend: llama-server on PATH, the decoder of record.

@@ -142,11 +142,34 @@ TEST(ServeConfigValidate, NamesAMissingModelFile) {
   EXPECT_NE(valid.error().message().find("absent.gguf"), std::string::npos);
 }
 
-TEST(ServeConfigValidate, RefusesAFlashAttentionValueOtherThanOnOrOff) {
+// serve refused llama-server's own default, -fa auto, and checked no cache type.
+TEST(ServeConfigValidate, RefusesAFlashAttentionValueLlamaServerRefuses) {
   TempDir dir;
   ServeConfig config = config_with_model(dir);
-  config.flash_attn = "auto";
-  EXPECT_FALSE(validate(config));
+  config.flash_attn = "of";
+  auto valid = validate(config);
+  ASSERT_FALSE(valid);
+  EXPECT_EQ(valid.error().errno_value(), EINVAL);
+  EXPECT_NE(valid.error().message().find("unknown value for --flash-attn: 'of'"), std::string::npos)
+      << valid.error().message();
+}
+
+TEST(ServeConfigValidate, RefusesACacheTypeLlamaServerRefusesNamingTheFlag) {
+  TempDir dir;
+  ServeConfig config = config_with_model(dir);
+  config.cache_type_k = "q4_K";
+  auto valid = validate(config);
+  ASSERT_FALSE(valid);
+  EXPECT_NE(valid.error().message().find("-ctk: cache type \"q4_K\""), std::string::npos) << valid.error().message();
+}
+
+TEST(ServeConfigValidate, TakesLlamaServersAutoAndPassesItToTheDecoderAsGiven) {
+  TempDir dir;
+  ServeConfig config = config_with_model(dir);
+  EXPECT_EQ(config.flash_attn, "auto");
+  ASSERT_TRUE(validate(config));
+  const auto argv = backend_command(config, Backend{BackendKind::llama_server, "/bin/llama-server"}, "/slots", 1);
+  EXPECT_NE(join_command(argv).find(" -fa auto "), std::string::npos) << join_command(argv);
 }
 
 TEST(ApplyEnv, TakesTheProviderFromTheEnvironmentUnlessAFlagNamedOne) {
@@ -226,9 +249,10 @@ TEST(ProviderCommand, FollowsTheFileContractAndAddsElfsWhenSet) {
   EXPECT_EQ(join_command(file_provider_command(config, "ids", "out")), "/p --tokens ids --out out --model m.gguf");
   config.elfs_dir = "/elfs";
   config.kv_flags_given = true;
-  EXPECT_EQ(join_command(file_provider_command(config, "ids", "out")),
-            "/p --tokens ids --out out --model m.gguf --elfs /elfs --ctx-size 4096 --flash-attn on --cache-type-k f16 "
-            "--cache-type-v f16");
+  EXPECT_EQ(
+      join_command(file_provider_command(config, "ids", "out")),
+      "/p --tokens ids --out out --model m.gguf --elfs /elfs --ctx-size 4096 --flash-attn auto --cache-type-k f16 "
+      "--cache-type-v f16");
   EXPECT_EQ(join_command(shared_provider_command(config, "ids")), "/p --tokens ids --model m.gguf --elfs /elfs");
 }
 

@@ -418,7 +418,7 @@ TEST(DecoderHttpFake, GivesLlamaServerStatusesForBadCompletionRequests) {
   expect_error(server.post("/completion", {{"prompt", Json::array()}}), 400, "invalid_request_error",
                "must not be empty");
   expect_error(server.post("/completion", {{"prompt", "x"}, {"n_predict", "many"}}), 400, "invalid_request_error",
-               "Field 'n_predict'");
+               "completion request: \"n_predict\" is \"many\", not a number");
   expect_error(server.post("/completion", {{"prompt", "x"}, {"n_predict", -2}}), 400, "invalid_request_error",
                "Value must be between");
   const HttpReply too_long = server.post("/completion", {{"prompt", std::vector<int32_t>(64, 'a')}});

@@ -145,7 +145,8 @@ TEST(HandshakeMessage, RefusesAnUnknownType) {
 
 TEST(HandshakeMessage, RefusesAShareWithoutAShareId) {
   expect_refused(edited(share_message(), R"("share_id":7)", R"("share_id":0)"), EINVAL, "field \"share_id\" is 0");
-  expect_refused(edited(share_message(), R"("share_id":7)", R"("share_id":-1)"), EINVAL, "field \"share_id\" is -1");
+  expect_refused(edited(share_message(), R"("share_id":7)", R"("share_id":-1)"), EINVAL,
+                 "\"share_id\" is -1, not an unsigned integer");
 }
 
 TEST(HandshakeMessage, RefusesFdsOutOfChunkOrder) {
@@ -168,7 +169,7 @@ TEST(HandshakeMessage, RefusesAnUnalignedOffsetOrSize) {
 TEST(HandshakeMessage, RefusesAMalformedLayoutHash) {
   expect_refused(edited(share_message(), "0x0123456789abcdef", "0x0123"), EINVAL, "field \"fds[0].layout_hash\"");
   expect_refused(edited(share_message(), R"("layout_hash":"0x0123456789abcdef")", R"("layout_hash":81985529216486895)"),
-                 EINVAL, "expected a string");
+                 EINVAL, "\"fds[0].layout_hash\" is 81985529216486895, not a string");
 }
 
 TEST(HandshakeMessage, RefusesAShareWithNoFdsOrMoreThanScmMaxFd) {
@@ -192,8 +193,7 @@ TEST(HandshakeMessage, RefusesAHeaderThatIsNotAnObject) {
 TEST(HandshakeMessage, RefusesARefusalWithoutAReason) {
   expect_refused(R"({"kvshare_handshake":1,"type":"refuse","share_id":0,"field":"","reason":""})", EINVAL,
                  "field \"reason\" is empty");
-  expect_refused(R"({"kvshare_handshake":1,"type":"refuse","share_id":0,"field":""})", EINVAL,
-                 "field \"reason\" is missing");
+  expect_refused(R"({"kvshare_handshake":1,"type":"refuse","share_id":0,"field":""})", EINVAL, "no \"reason\"");
 }
 
 TEST(HandshakeMessage, RefusesDeepNestingBeforeParsing) {

@@ -79,7 +79,8 @@ TEST(HandshakeVector, ShareCarriesItsStreamBothWays) {
   auto refused = parse_json(too_big, "stream test");
   ASSERT_FALSE(refused);
   EXPECT_EQ(refused.error().errno_value(), EINVAL);
-  EXPECT_NE(refused.error().message().find("field \"stream\""), std::string::npos) << refused.error().what();
+  EXPECT_NE(refused.error().message().find("\"stream\" is 4294967296, not an integer 0..4294967295"), std::string::npos)
+      << refused.error().what();
 }
 
 TEST(HandshakeVector, RefuseV1DecodesAndReencodesIdentically) {
