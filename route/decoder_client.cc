@@ -4,6 +4,8 @@
 
 #include <fmt/format.h>
 
+#include <strings.h>
+
 #include <cerrno>
 
 namespace kvshare::route {
@@ -11,8 +13,9 @@ namespace {
 
 using Json = nlohmann::json;
 
-void configure(httplib::Client& client, std::chrono::milliseconds timeout, const std::string& api_key) {
-  if (!api_key.empty()) client.set_bearer_token_auth(api_key);
+void configure(httplib::Client& client, std::chrono::milliseconds timeout,
+               const std::vector<std::pair<std::string, std::string>>& headers) {
+  client.set_default_headers(httplib::Headers(headers.begin(), headers.end()));
   client.set_connection_timeout(std::chrono::duration_cast<std::chrono::microseconds>(timeout));
   client.set_read_timeout(std::chrono::duration_cast<std::chrono::microseconds>(timeout));
   client.set_write_timeout(std::chrono::duration_cast<std::chrono::microseconds>(timeout));
@@ -32,6 +35,8 @@ Result<HttpReply> to_reply(const httplib::Result& result, std::string_view what,
 }
 
 }  // namespace
+
+Json HttpReply::json() const { return Json::parse(body, nullptr, false); }
 
 std::optional<double> SlotReply::timings_ms() const {
   if (!body.is_object()) return std::nullopt;
@@ -60,15 +65,30 @@ std::string error_message_of(const std::string& body) {
   return body.size() > 200 ? body.substr(0, 200) + "..." : body;
 }
 
+DecoderClient::DecoderClient(std::string host, int port, std::chrono::milliseconds timeout, std::string api_key)
+    : host_(std::move(host)), port_(port), timeout_(timeout) {
+  if (!api_key.empty()) headers_.emplace_back("Authorization", "Bearer " + api_key);
+}
+
+void DecoderClient::set_header(const std::string& name, const std::string& value) {
+  for (auto& header : headers_) {
+    if (::strcasecmp(header.first.c_str(), name.c_str()) == 0) {  // header names ignore case
+      header.second = value;
+      return;
+    }
+  }
+  headers_.emplace_back(name, value);
+}
+
 Result<HttpReply> DecoderClient::get(const std::string& path) const {
   httplib::Client client(host_, port_);
-  configure(client, timeout_, api_key_);
+  configure(client, timeout_, headers_);
   return to_reply(client.Get(path), "GET " + path, host_, port_);
 }
 
 Result<HttpReply> DecoderClient::post_json(const std::string& path, const std::string& body) const {
   httplib::Client client(host_, port_);
-  configure(client, timeout_, api_key_);
+  configure(client, timeout_, headers_);
   return to_reply(client.Post(path, body, "application/json"), "POST " + path, host_, port_);
 }
 
@@ -77,7 +97,7 @@ Result<std::string> DecoderClient::apply_template(const Json& chat_request) cons
   if (!reply) return fail(reply.error());
   if (reply->status != 200)
     return fail(EINVAL, "POST /apply-template answered {}: {}", reply->status, error_message_of(reply->body));
-  const Json json = Json::parse(reply->body, nullptr, false);
+  const Json json = reply->json();
   if (!json.is_object() || !json.contains("prompt") || !json["prompt"].is_string())
     return fail(EPROTO, "POST /apply-template: reply has no string field \"prompt\"");
   return json["prompt"].get<std::string>();
@@ -89,7 +109,7 @@ Result<std::vector<int32_t>> DecoderClient::tokenize(const std::string& text) co
   if (!reply) return fail(reply.error());
   if (reply->status != 200)
     return fail(EINVAL, "POST /tokenize answered {}: {}", reply->status, error_message_of(reply->body));
-  const Json json = Json::parse(reply->body, nullptr, false);
+  const Json json = reply->json();
   if (!json.is_object() || !json.contains("tokens") || !json["tokens"].is_array())
     return fail(EPROTO, "POST /tokenize: reply has no array field \"tokens\"");
   std::vector<int32_t> ids;
@@ -108,7 +128,7 @@ Result<SlotReply> DecoderClient::slot_action(const std::string& action, const Js
   if (!reply) return fail(reply.error());
   SlotReply answer;
   answer.status = reply->status;
-  answer.body = Json::parse(reply->body, nullptr, false);
+  answer.body = reply->json();
   if (answer.body.is_discarded()) answer.body = nullptr;
   if (reply->status != 200) answer.error_message = error_message_of(reply->body);
   return answer;

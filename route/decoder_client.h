@@ -1,6 +1,9 @@
 // The decoder's HTTP API as the router calls it (llama-server's, and kvshare-decoder's):
 // templating, tokenizing and the slot actions of one handoff. Each call opens its own
-// loopback connection, so calls from concurrent requests never share a client.
+// loopback connection, so calls from concurrent requests never share a client. The one
+// HTTP client of the tree (serve, the benches and the tests use it), so that cpp-httplib
+// is compiled with its own options in one place (the Debian library is built with OpenSSL,
+// zlib and brotli definitions, which route's CMake target carries).
 #pragma once
 
 #include <chrono>
@@ -8,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "layout/error.h"
@@ -18,6 +22,8 @@ struct HttpReply {
   int status = 0;
   std::string body;
   std::string content_type;
+  // The body as JSON; a discarded value (is_discarded()) when the body is not JSON.
+  nlohmann::json json() const;
 };
 
 // A slot action's answer: the HTTP status, the parsed body (null when not JSON) and the
@@ -34,17 +40,24 @@ struct SlotReply {
 
 class DecoderClient {
  public:
-  // `api_key` (empty: none) goes with every call as "Authorization: Bearer KEY".
-  DecoderClient(std::string host, int port, std::chrono::milliseconds timeout, std::string api_key = {})
-      : host_(std::move(host)), port_(port), timeout_(timeout), api_key_(std::move(api_key)) {}
+  // `timeout` bounds the connect and each read and write. `api_key` (empty: none) goes
+  // with every call as "Authorization: Bearer KEY".
+  DecoderClient(std::string host, int port, std::chrono::milliseconds timeout, std::string api_key = {});
 
   const std::string& host() const { return host_; }
   int port() const { return port_; }
+
+  // A header sent with every later call ("X-Api-Key", KEY); replaces one of the same
+  // name, the api key's "Authorization" too.
+  void set_header(const std::string& name, const std::string& value);
 
   // Raw calls. Fail only when there is no HTTP answer (connection refused, timeout),
   // naming the path; an HTTP error status is a reply.
   Result<HttpReply> get(const std::string& path) const;
   Result<HttpReply> post_json(const std::string& path, const std::string& body) const;
+  Result<HttpReply> post_json(const std::string& path, const nlohmann::json& body) const {
+    return post_json(path, body.dump());
+  }
 
   // POST /apply-template with the chat request as it came: the templated prompt text.
   Result<std::string> apply_template(const nlohmann::json& chat_request) const;
@@ -57,7 +70,7 @@ class DecoderClient {
   std::string host_;
   int port_;
   std::chrono::milliseconds timeout_;
-  std::string api_key_;
+  std::vector<std::pair<std::string, std::string>> headers_;  // sent with every call
 };
 
 // "error.message" of a llama-server error body, else the body itself (shortened).

@@ -1,7 +1,8 @@
 // Fuzzes the HTTP bodies that reach the KV: kvshare-decoder's slot actions (share, adopt,
 // save/restore's filename) and kvshare-serve's side of the same exchange (the prompt it
 // reads from a client's request, the request body it forwards after a handoff, the
-// decoder's error replies and the prompt_n scan of its answers). Any bytes give a request
+// decoder's error replies, the prompt_n scan of its answers and the SSE framing check
+// clients and tests read streamed replies with). Any bytes give a request
 // or an error, never a crash or an exception.
 #include <cstddef>
 #include <cstdint>
@@ -14,6 +15,7 @@
 #include "route/decoder_client.h"
 #include "route/handoff.h"
 #include "route/reply_timings_scanner.h"
+#include "route/sse_events.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view body(reinterpret_cast<const char*>(data), size);
@@ -33,6 +35,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     scanner.feed(body.substr(size / 2));
     (void)scanner.finish();
   }
+  (void)kvshare::route::parse_sse_events(body);
   // The key check sees header values a client chose.
   (void)kvshare::route::api_key_accepted({"key"}, body, {});
   (void)kvshare::route::parse_api_key_list(body);

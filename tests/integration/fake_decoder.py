@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
-"""A stand-in for llama-server in kvshare-serve's tests: llama-server's flags, the
-endpoints the hybrid route uses, one slot, and a log of everything that reached it.
+"""The fault-injecting decoder of kvshare-serve's tests: a llama-server double that, on demand,
+fails or shortens restores, fails save, erase and adopt, refuses or breaks a share, stalls
+a stream, dies mid-reply or mid-adopt, and logs every call so a test sees what serve sent.
+A test that needs a working decoder runs the patched llama-server or kvshare-decoder.
+
+It speaks only what the hybrid route uses (template, tokenize, slots, completions, /health).
 
 Tokenizer: BOS (id 1), then each UTF-8 byte b of the text as id b + 10. The chat template
 is ChatML. A reply's text is a function of the prompt's ids, so a test can tell a right
@@ -20,13 +24,11 @@ Behaviour switches (environment, inherited from kvshare-serve):
   FAKE_DECODER_RESTORE_MS=x    the restore_ms it reports (default 1.25)
   FAKE_DECODER_IGNORE_CACHE=1  never reuse the slot (prompt_n = prompt length)
   FAKE_DECODER_EXIT_AFTER=n    exit with code 3 after n completion requests
-  FAKE_DECODER_STARTUP_MS=ms   answer /health with 503 for this long
   FAKE_DECODER_CHUNK_DELAY_MS  pause between SSE chunks (default 0)
   FAKE_DECODER_REFUSE_SHARE=1  answer ?action=share with 501 (a decoder that cannot export)
   FAKE_DECODER_SHARE_HEADER=path   the layout header it sends (one memfd per chunk);
                                else one chunk of FAKE_DECODER_SHARE_BYTES (default 65536)
   FAKE_DECODER_ADOPT=fail      refuse every adopt (400)
-  FAKE_DECODER_NO_CACHED=1     a decoder from before n_cached: its share reply has no n_cached
   FAKE_DECODER_UNSEALED=1      share memfds not sealed against shrinking (a broker refuses them)
   FAKE_DECODER_STATE_VERSION=n the state-file version it saves and restores (default 3)
   FAKE_DECODER_SAVE=fail|fail_first   answer every ?action=save / the first one with 500
@@ -96,7 +98,6 @@ class State:
     args = None
     slot = Slot()
     log_lock = threading.Lock()
-    started = time.monotonic()
     completions = 0
     completions_lock = threading.Lock()
     n_saves = 0  # under the slot's lock
@@ -147,25 +148,11 @@ class Handler(BaseHTTPRequestHandler):
     def send_error_json(self, status, message, kind):
         self.send_json(status, {"error": {"code": status, "message": message, "type": kind}})
 
-    def ready(self):
-        startup = float(os.environ.get("FAKE_DECODER_STARTUP_MS", "0")) / 1000.0
-        if time.monotonic() - State.started < startup:
-            self.send_error_json(503, "Loading model", "unavailable_error")
-            return False
-        return True
-
     def do_GET(self):
-        if not self.ready():
-            return
         path = urlparse(self.path).path
         log("get", path=path)
-        if path in ("/health", "/v1/health"):
+        if path == "/health":
             self.send_json(200, {"status": "ok"})
-        elif path == "/v1/models":
-            self.send_json(200, {"object": "list", "data": [{"id": State.args.model, "object": "model"}]})
-        elif path == "/props":
-            self.send_json(200, {"total_slots": State.args.parallel, "model_path": State.args.model,
-                                 "default_generation_settings": {"n_ctx": State.args.ctx_size}})
         else:
             self.send_error_json(404, "File Not Found", "not_found_error")
 
@@ -175,8 +162,6 @@ class Handler(BaseHTTPRequestHandler):
         return raw
 
     def do_POST(self):
-        if not self.ready():
-            return
         url = urlparse(self.path)
         raw = self.read_body()
         try:
@@ -324,9 +309,8 @@ class Handler(BaseHTTPRequestHandler):
             finally:
                 sock.close()
             reply = {"id_slot": 0, "share_id": slot.share_id, "n_fds": len(chunks), "backend": "memfd",
-                     "region_bytes": sum(size for _, size in slot.share_regions), "timings": {"share_ms": 0.5}}
-            if not os.environ.get("FAKE_DECODER_NO_CACHED"):
-                reply["n_cached"] = n_cached
+                     "region_bytes": sum(size for _, size in slot.share_regions), "timings": {"share_ms": 0.5},
+                     "n_cached": n_cached}
             log("share_reply", n_cached=reply.get("n_cached"), n_tokens=None if tokens is None else len(tokens))
             if mode == "no_id":
                 del reply["share_id"]
@@ -470,14 +454,9 @@ def sse_chunks(path, words, timings):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("-m", "--model", required=True)
-    parser.add_argument("-np", "--parallel", type=int, default=4)
+    # llama-server's other flags (-m, -np, -c, -fa, -ctk, -ctv...) are logged, not used.
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--slot-save-path", default="")
-    parser.add_argument("-c", "--ctx-size", type=int, default=0)
-    parser.add_argument("-fa", "--flash-attn", default="auto")
-    parser.add_argument("-ctk", "--cache-type-k", default="f16")
-    parser.add_argument("-ctv", "--cache-type-v", default="f16")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     args, extra = parser.parse_known_args()

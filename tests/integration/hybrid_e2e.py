@@ -10,6 +10,8 @@
   behind (serve's fds, the slot directory, sockets and their directories);
 - a client that keeps its connection (as OpenAI's SDKs do) gets every reply from serve and
   from kvshare-decoder without waiting for its own delayed ACK (both set TCP_NODELAY);
+- serve relays the decoder's GET endpoints, and a SIGTERM at any moment of its startup
+  ends it;
 - with LLAMA_SERVER=path, the file route against a real llama-server as the decoder
   (skipped with a message otherwise).
 
@@ -21,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -57,7 +60,7 @@ def request(text, stream=False):
             "max_tokens": 8, "temperature": 0, "stream": stream}
 
 
-def start(device, backend, kv_share=False, extra_env=None):
+def start(device, backend, kv_share=False, extra_env=None, expect_listen=True):
     args = ["-m", MODEL, "--device", device, "--port", "0", "--backend", backend] + KV_FLAGS
     env = {"TMPDIR": SERVE_TMP, "ONEBIT_HYBRID_PREFILL": ""}
     if device == "hybrid":
@@ -66,7 +69,7 @@ def start(device, backend, kv_share=False, extra_env=None):
     # "set and non-empty" turns the shared route on: unset is the only off.
     env["ONEBIT_KV_SHARE"] = "1" if kv_share else None
     env.update(extra_env or {})
-    return Serve(TOOLS["kvshare-serve"], args, env, timeout=120)
+    return Serve(TOOLS["kvshare-serve"], args, env, expect_listen=expect_listen, timeout=120)
 
 
 def replies(serve, prompts, stream=False):
@@ -245,6 +248,46 @@ def test_a_kept_connection_gets_each_reply_without_waiting_for_a_delayed_ack():
                       "first byte: %s" % (name, stream, ["%.1f" % t for t in times]))
     finally:
         serve.stop()
+
+
+def test_serve_relays_the_decoders_get_endpoints():
+    serve = start("hybrid", TOOLS["kvshare-decoder"])
+    try:
+        for path in ("/health", "/v1/models", "/props"):
+            status, _, data = serve.request("GET", path)
+            check(status == 200 and json.loads(data), "%s: %s %s" % (path, status, data))
+    finally:
+        serve.stop()
+
+
+def test_sigterm_at_any_moment_of_startup_stops_serve():
+    # A SIGTERM that lands while serve starts (before its signal mask, around its
+    # "listening" line, before the HTTP loop runs) must still end it: killed by the signal
+    # itself (-15) before the mask is set, exit 0 after. It used to be lost right before
+    # the HTTP loop started, and serve ran on. A serve killed before its mask leaves its
+    # slot directory: each run gets a TMPDIR of its own, not the one the routes check.
+    def started(name):
+        tmp = os.path.join(WORK, name)
+        os.makedirs(tmp)
+        return start("hybrid", TOOLS["kvshare-decoder"], extra_env={"TMPDIR": tmp}, expect_listen=False)
+
+    for delay in (0.0, 0.005, 0.02, 0.05, 0.1, 0.2, 0.4):
+        serve = started("sigterm_%d" % int(delay * 1000))
+        try:
+            time.sleep(delay)
+            code = serve.stop(signal.SIGTERM, timeout=15)
+            check(code in (0, -signal.SIGTERM), "exit code %s after SIGTERM at +%ss" % (code, delay))
+        finally:
+            serve.kill()
+    # The narrowest window: right after the "listening" line, before the HTTP loop runs.
+    for attempt in range(5):
+        serve = started("sigterm_listening_%d" % attempt)
+        try:
+            serve.wait_line(r"kvshare-serve: listening on", timeout=60)
+            code = serve.stop(signal.SIGTERM, timeout=15)
+            check(code == 0, "exit code %s after SIGTERM at the listening line" % code)
+        finally:
+            serve.kill()
 
 
 def main():

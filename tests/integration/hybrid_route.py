@@ -7,7 +7,8 @@ Checks what reaches the decoder (templating and tokenizing with add_special/pars
 the restore body, the file in the slot directory, id_slot 0, cache_prompt, leave_one_token),
 the stderr lines, every fallback (the reply stays the decoder's own), the refused flags,
 --print-backend, SSE passthrough, /metrics, the decoder's death, clean shutdown, and 32
-concurrent requests with nothing left behind.
+concurrent requests with nothing left behind. What needs only a working decoder (serve's
+relay of GET endpoints, SIGTERM during startup) runs against kvshare-decoder in hybrid_e2e.py.
 
 usage: hybrid_route.py BIN_DIR
 """
@@ -41,7 +42,7 @@ with open(MODEL, "w") as f:
 class Case:
     """One serve run with fresh logs."""
 
-    def __init__(self, name, provider=True, args=None, env=None, expect_listen=True):
+    def __init__(self, name, provider=True, args=None, env=None):
         self.dir = os.path.join(WORK, name)
         os.makedirs(self.dir, exist_ok=True)
         self.decoder_log = os.path.join(self.dir, "decoder.log")
@@ -54,7 +55,7 @@ class Case:
         full_args = ["-m", MODEL, "--device", "hybrid", "--handoff", "always", "--port", "0", "--backend", FAKE_DECODER]
         if provider:
             full_args += ["--prefill-provider", FAKE_PROVIDER]
-        self.serve = Serve(SERVE, full_args + (args or []), full_env, expect_listen=expect_listen, timeout=60)
+        self.serve = Serve(SERVE, full_args + (args or []), full_env, timeout=60)
 
     def decoder_start(self):
         return events(self.decoder_log, "start")[0]
@@ -314,11 +315,10 @@ def test_prompt_not_reused_is_warned():
         check("kvshare_prompt_not_reused_total 1" in metrics.decode(), "metric")
 
 
-def test_endpoints_and_metrics():
-    with Case("endpoints") as case:
-        for path in ("/health", "/v1/models", "/props"):
-            status, _, data = case.serve.request("GET", path)
-            check(status == 200 and json.loads(data), "%s: %s %s" % (path, status, data))
+def test_metrics_count_a_file_route_handoff():
+    # serve's relay of the decoder's GET endpoints is checked against a real decoder
+    # (hybrid_e2e.py): the fake decoder only answers what its faults need.
+    with Case("metrics") as case:
         case.serve.post("/v1/chat/completions", chat("metrics"))
         case.serve.wait_line(FILE_LINE)
         status, content_type, data = case.serve.request("GET", "/metrics")
@@ -401,24 +401,6 @@ def test_sigterm_stops_everything():
         check(code == 0, "exit code %s after SIGTERM" % code)
         wait_until(lambda: not pid_alive(start["pid"]), 5, "the decoder outlived serve")
         check(not os.path.exists(start["slot_dir"]), "slot directory left behind")
-
-
-def test_sigterm_at_any_moment_of_startup_stops_serve():
-    # A SIGTERM that lands while serve starts (before its signal mask, around its
-    # "listening" line, before the HTTP loop runs) must still end it: killed by the signal
-    # itself (-15) before the mask is set, exit 0 after. It used to be lost right before
-    # the HTTP loop started, and serve ran on.
-    for delay in (0.0, 0.005, 0.02, 0.05, 0.1, 0.2, 0.4):
-        with Case("sigterm_%d" % int(delay * 1000), expect_listen=False) as case:
-            time.sleep(delay)
-            code = case.serve.stop(signal.SIGTERM, timeout=15)
-            check(code in (0, -signal.SIGTERM), "exit code %s after SIGTERM at +%ss" % (code, delay))
-    # The narrowest window: right after the "listening" line, before the HTTP loop runs.
-    for attempt in range(5):
-        with Case("sigterm_listening_%d" % attempt, expect_listen=False) as case:
-            case.serve.wait_line(r"kvshare-serve: listening on", timeout=30)
-            code = case.serve.stop(signal.SIGTERM, timeout=15)
-            check(code == 0, "exit code %s after SIGTERM at the listening line" % code)
 
 
 def test_decoder_not_ready_in_time_is_clear():

@@ -111,9 +111,13 @@ TEST_F(DecoderProcessTest, NeverTakesAnotherProcessOnItsPortForTheDecoder) {
 
 TEST_F(DecoderProcessTest, AcceptsTheDecoderListeningOnItsOwnPort) {
   TempDir dir;
+  ServeConfig config = config_in(dir);
+  const auto made = kvshare::testing::run_command(kvshare::testing::tool_path("kvshare-mkmodel").string() +
+                                                  " --arch llama --seed 3 " + config.model.string());
+  ASSERT_EQ(made.exit_code, 0) << "kvshare-mkmodel: " << made.err;
   Backend backend;
-  backend.program = fs::path(KVSHARE_SOURCE_DIR) / "tests" / "integration" / "fake_decoder.py";
-  auto decoder = DecoderProcess::start(config_in(dir), backend, std::chrono::seconds(30), nullptr);
+  backend.program = kvshare::testing::tool_path("kvshare-decoder");
+  auto decoder = DecoderProcess::start(config, backend, std::chrono::seconds(30), nullptr);
   ASSERT_TRUE(decoder) << decoder.error().what();
   auto inode = loopback_listener_inode((*decoder)->port());
   ASSERT_TRUE(inode);

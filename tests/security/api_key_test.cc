@@ -8,7 +8,6 @@
 #include <thread>
 
 #include "apps/decoder/fake_engine.h"
-#include "apps/decoder/http_client.h"
 #include "apps/decoder/http_server.h"
 #include "route/api_key.h"
 #include "route/decoder_client.h"
@@ -18,9 +17,9 @@
 namespace kvshare::security {
 namespace {
 
-using decoder::HttpClient;
-using decoder::HttpReply;
-using decoder::Json;
+using route::DecoderClient;
+using route::HttpReply;
+using Json = nlohmann::json;
 using decoder::ShareAvailability;
 using ::testing::HasSubstr;
 
@@ -48,7 +47,7 @@ class KeyedDecoder {
     thread_.join();
   }
   int port() const { return server_->bound_port(); }
-  HttpClient client() const { return HttpClient("http://127.0.0.1:" + std::to_string(port())); }
+  DecoderClient client() const { return DecoderClient("127.0.0.1", port(), std::chrono::seconds(120)); }
   decoder::testing::FakeEngine& engine() { return engine_; }
 
  private:
@@ -67,10 +66,10 @@ void expect_401(const Result<HttpReply>& reply) {
 
 TEST(DecoderApiKey, RefusesShareWithoutTheKeyAndNeverAsksTheEngine) {
   KeyedDecoder decoder({kKey});
-  expect_401(decoder.client().post("/slots/0?action=share", Json{{"socket", "/tmp/x/share.sock"}}));
-  HttpClient keyed = decoder.client();
+  expect_401(decoder.client().post_json("/slots/0?action=share", Json{{"socket", "/tmp/x/share.sock"}}));
+  DecoderClient keyed = decoder.client();
   keyed.set_header("Authorization", std::string("Bearer ") + kKey);
-  auto shared = keyed.post("/slots/0?action=share", Json{{"socket", "/tmp/x/share.sock"}});
+  auto shared = keyed.post_json("/slots/0?action=share", Json{{"socket", "/tmp/x/share.sock"}});
   ASSERT_TRUE(shared);
   ASSERT_EQ(shared->status, 200) << shared->body;
   EXPECT_EQ(shared->json()["share_id"], 1);  // the refused request made no share
@@ -78,22 +77,22 @@ TEST(DecoderApiKey, RefusesShareWithoutTheKeyAndNeverAsksTheEngine) {
 
 TEST(DecoderApiKey, RefusesAWrongKeyOnEverySlotAction) {
   KeyedDecoder decoder({kKey});
-  HttpClient wrong = decoder.client();
+  DecoderClient wrong = decoder.client();
   wrong.set_header("Authorization", "Bearer not-the-key");
-  expect_401(wrong.post("/slots/0?action=share", Json{{"socket", "/tmp/x/share.sock"}}));
-  expect_401(wrong.post("/slots/0?action=adopt", Json{{"tokens", {1}}, {"share_id", 1}}));
-  expect_401(wrong.post("/slots/0?action=save", Json{{"filename", "a.bin"}}));
-  expect_401(wrong.post("/slots/0?action=restore", Json{{"filename", "a.bin"}}));
-  expect_401(wrong.post("/slots/0?action=erase", Json::object()));
+  expect_401(wrong.post_json("/slots/0?action=share", Json{{"socket", "/tmp/x/share.sock"}}));
+  expect_401(wrong.post_json("/slots/0?action=adopt", Json{{"tokens", {1}}, {"share_id", 1}}));
+  expect_401(wrong.post_json("/slots/0?action=save", Json{{"filename", "a.bin"}}));
+  expect_401(wrong.post_json("/slots/0?action=restore", Json{{"filename", "a.bin"}}));
+  expect_401(wrong.post_json("/slots/0?action=erase", Json::object()));
   expect_401(wrong.get("/slots"));
-  expect_401(wrong.post("/completion", Json{{"prompt", "hi"}}));
+  expect_401(wrong.post_json("/completion", Json{{"prompt", "hi"}}));
 }
 
 TEST(DecoderApiKey, RefusesAKeyThatIsAPrefixOfTheRealOne) {
   KeyedDecoder decoder({kKey});
-  HttpClient prefix = decoder.client();
+  DecoderClient prefix = decoder.client();
   prefix.set_header("Authorization", "Bearer s3cret");
-  expect_401(prefix.post("/slots/0?action=erase", Json::object()));
+  expect_401(prefix.post_json("/slots/0?action=erase", Json::object()));
 }
 
 TEST(DecoderApiKey, KeepsHealthOpen) {
@@ -108,21 +107,21 @@ TEST(DecoderApiKey, KeepsHealthOpen) {
 
 TEST(DecoderApiKey, TakesTheKeyWithoutBearerOrAsXApiKeyLikeLlamaServer) {
   KeyedDecoder decoder({"first", kKey});
-  HttpClient bare = decoder.client();
+  DecoderClient bare = decoder.client();
   bare.set_header("Authorization", kKey);
-  auto erased = bare.post("/slots/0?action=erase", Json::object());
+  auto erased = bare.post_json("/slots/0?action=erase", Json::object());
   ASSERT_TRUE(erased);
   EXPECT_EQ(erased->status, 200) << erased->body;
-  HttpClient anthropic = decoder.client();
+  DecoderClient anthropic = decoder.client();
   anthropic.set_header("X-Api-Key", kKey);
-  auto erased_again = anthropic.post("/slots/0?action=erase", Json::object());
+  auto erased_again = anthropic.post_json("/slots/0?action=erase", Json::object());
   ASSERT_TRUE(erased_again);
   EXPECT_EQ(erased_again->status, 200) << erased_again->body;
 }
 
 TEST(DecoderApiKey, AnswersEverythingWithoutAKeyWhenNoneIsSet) {
   KeyedDecoder decoder({});
-  auto erased = decoder.client().post("/slots/0?action=erase", Json::object());
+  auto erased = decoder.client().post_json("/slots/0?action=erase", Json::object());
   ASSERT_TRUE(erased);
   EXPECT_EQ(erased->status, 200);
 }

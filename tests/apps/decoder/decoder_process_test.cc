@@ -18,19 +18,23 @@
 #include <memory>
 #include <optional>
 
-#include "apps/decoder/http_client.h"
 #include "kvshare/share/broker.h"
 #include "live_server.h"
 #include "route/decoder_client.h"
+#include "route/serve_config.h"
+#include "route/sse_events.h"
 #include "route/state_version_probe.h"
 #include "support/test_support.h"
 
 namespace kvshare::decoder {
 namespace {
 
+using Json = nlohmann::json;
 using ::kvshare::testing::run_command;
 using ::kvshare::testing::TempDir;
 using ::kvshare::testing::tool_path;
+using route::HttpReply;
+using route::parse_sse_events;
 using testing::LiveServer;
 
 constexpr int kCtx = 512;
@@ -70,7 +74,12 @@ class Backend {
       server_ = std::make_unique<LiveServer>(env_or_empty(binary_variable(kind)), args, dir_ / "server.log", env,
                                              std::vector<std::string>{"ONEBIT_KV_SHARE"});
     } else if (!env_or_empty("KVSHARE_DECODER_URL").empty()) {
-      external_ = std::make_unique<HttpClient>(env_or_empty("KVSHARE_DECODER_URL"));
+      auto url = route::parse_prefill_remote_url(env_or_empty("KVSHARE_DECODER_URL"));
+      if (!url) {
+        ADD_FAILURE() << "KVSHARE_DECODER_URL: " << url.error().what();
+        return;
+      }
+      external_ = std::make_unique<route::DecoderClient>(url->host, url->port, std::chrono::seconds(120));
     } else {
       server_ = std::make_unique<LiveServer>(tool_path("kvshare-decoder"), args, dir_ / "server.log", env,
                                              std::vector<std::string>{"ONEBIT_KV_SHARE"});
@@ -81,10 +90,10 @@ class Backend {
   const std::filesystem::path& slots() const { return slots_; }
   const std::filesystem::path& model() const { return model_; }
   LiveServer* server() { return server_.get(); }
-  const HttpClient& client() const { return external_ ? *external_ : server_->client(); }
+  const route::DecoderClient& client() const { return external_ ? *external_ : server_->client(); }
 
   HttpReply post(const std::string& path, const Json& body) const {
-    auto r = client().post(path, body);
+    auto r = client().post_json(path, body);
     EXPECT_TRUE(r) << r.error().what();
     return r ? *r : HttpReply{};
   }
@@ -114,7 +123,7 @@ class Backend {
   std::filesystem::path model_;
   std::filesystem::path slots_;
   std::unique_ptr<LiveServer> server_;
-  std::unique_ptr<HttpClient> external_;
+  std::unique_ptr<route::DecoderClient> external_;
 };
 
 // A fixture with one decoder under test, run under the fd-leak check: the backend and its
@@ -306,7 +315,7 @@ TEST_P(DecoderProcess, TemplatesAndTokenizesAsTheChatEndpointDoes) {
 TEST_P(DecoderProcess, AnswersBadRequestsWithLlamaServerErrors) {
   const Backend& b = *backend_;
   expect_error(b.post("/completion", {{"n_predict", 1}}), 400, "invalid_request_error");
-  auto malformed = b.client().post("/completion", std::string("{\"prompt\": "));
+  auto malformed = b.client().post_json("/completion", std::string("{\"prompt\": "));
   ASSERT_TRUE(malformed);
   expect_error(*malformed, 500, "server_error");
   expect_error(b.post("/completion", {{"prompt", {1, 1 << 30}}}), 400, "invalid_request_error");
@@ -616,9 +625,9 @@ class KeyedSlotActions : public WithBackend {
     if (!backend_->ready()) GTEST_FAIL() << GetParam() << " did not start";
   }
   HttpReply post_with(const std::string& authorization, const std::string& path, const Json& body) const {
-    HttpClient client(backend_->server()->base_url());
+    route::DecoderClient client("127.0.0.1", backend_->server()->port(), std::chrono::seconds(120));
     if (!authorization.empty()) client.set_header("Authorization", authorization);
-    auto reply = client.post(path, body);
+    auto reply = client.post_json(path, body);
     EXPECT_TRUE(reply) << reply.error().what();
     return reply ? *reply : HttpReply{};
   }

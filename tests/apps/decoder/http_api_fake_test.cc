@@ -6,14 +6,18 @@
 #include <memory>
 #include <thread>
 
-#include "apps/decoder/http_client.h"
 #include "apps/decoder/http_server.h"
 #include "fake_engine.h"
+#include "route/decoder_client.h"
+#include "route/sse_events.h"
 #include "support/test_support.h"
 
 namespace kvshare::decoder {
 namespace {
 
+using Json = nlohmann::json;
+using route::HttpReply;
+using route::parse_sse_events;
 using testing::FakeEngine;
 
 class FakeServer {
@@ -31,7 +35,7 @@ class FakeServer {
     EXPECT_TRUE(bound) << bound.error().what();
     server_->attach(engine_);
     thread_ = std::thread([this] { (void)server_->listen(); });
-    client_ = std::make_unique<HttpClient>("http://127.0.0.1:" + std::to_string(server_->bound_port()));
+    client_ = std::make_unique<route::DecoderClient>("127.0.0.1", server_->bound_port(), std::chrono::seconds(120));
     EXPECT_TRUE(::kvshare::testing::wait_until([&] {
       auto r = client_->get("/health");
       return r && r->status == 200;
@@ -42,16 +46,16 @@ class FakeServer {
     thread_.join();
   }
   FakeEngine& engine() { return engine_; }
-  const HttpClient& client() const { return *client_; }
+  const route::DecoderClient& client() const { return *client_; }
   const ::kvshare::testing::TempDir& dir() const { return dir_; }
 
   HttpReply post(const std::string& path, const Json& body) const {
-    auto r = client_->post(path, body);
+    auto r = client_->post_json(path, body);
     EXPECT_TRUE(r) << r.error().what();
     return r ? *r : HttpReply{};
   }
   HttpReply post_raw(const std::string& path, const std::string& body) const {
-    auto r = client_->post(path, body);
+    auto r = client_->post_json(path, body);
     EXPECT_TRUE(r) << r.error().what();
     return r ? *r : HttpReply{};
   }
@@ -66,7 +70,7 @@ class FakeServer {
   FakeEngine engine_;
   std::unique_ptr<DecoderServer> server_;
   std::thread thread_;
-  std::unique_ptr<HttpClient> client_;
+  std::unique_ptr<route::DecoderClient> client_;
 };
 
 // The greedy continuation FakeEngine gives for `prompt`, computed independently.

@@ -22,7 +22,7 @@
 #include <thread>
 #include <vector>
 
-#include "apps/decoder/http_client.h"
+#include "route/decoder_client.h"
 
 extern char** environ;
 
@@ -84,7 +84,7 @@ class LiveServer {
       pid_ = -1;
       return;
     }
-    client_ = std::make_unique<HttpClient>(base_url());
+    client_ = std::make_unique<route::DecoderClient>("127.0.0.1", port_, std::chrono::seconds(120));
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     while (std::chrono::steady_clock::now() < deadline) {
       auto health = client_->get("/health");
@@ -130,7 +130,7 @@ class LiveServer {
   bool ready() const { return ready_; }
   std::string base_url() const { return "http://127.0.0.1:" + std::to_string(port_); }
   int port() const { return port_; }
-  const HttpClient& client() const { return *client_; }
+  const route::DecoderClient& client() const { return *client_; }
   std::string log_text() const {
     std::ifstream in(log_);
     std::stringstream s;
@@ -143,7 +143,7 @@ class LiveServer {
   pid_t pid_ = -1;
   int port_ = -1;
   bool ready_ = false;
-  std::unique_ptr<HttpClient> client_;
+  std::unique_ptr<route::DecoderClient> client_;
 };
 
 }  // namespace kvshare::decoder::testing

@@ -15,7 +15,6 @@
 #include <string>
 #include <tuple>
 
-#include "apps/decoder/http_client.h"
 #include "live_server.h"
 #include "route/state_version_probe.h"
 #include "support/test_support.h"
@@ -23,6 +22,7 @@
 namespace kvshare::decoder {
 namespace {
 
+using Json = nlohmann::json;
 namespace support = ::kvshare::testing;
 
 constexpr int kContextSize = 512;
@@ -69,7 +69,7 @@ class LlamaServerKvMatch : public ::testing::TestWithParam<Case> {
   }
 
   Json post(const std::string& path, const Json& body) const {
-    auto reply = server_->client().post(path, body);
+    auto reply = server_->client().post_json(path, body);
     EXPECT_TRUE(reply) << reply.error().what();
     if (!reply) return Json::object();
     EXPECT_EQ(reply->status, 200) << path << ": " << reply->body << "\n" << server_->log_text();

@@ -7,9 +7,10 @@
 #include <random>
 #include <thread>
 
-#include "apps/decoder/http_client.h"
 #include "apps/decoder/http_server.h"
 #include "fake_engine.h"
+#include "route/decoder_client.h"
+#include "route/sse_events.h"
 #include "support/test_support.h"
 
 namespace kvshare::decoder {
@@ -26,7 +27,7 @@ class InProcessDecoder {
     EXPECT_TRUE(server_->bind());
     server_->attach(engine_);
     thread_ = std::thread([this] { (void)server_->listen(); });
-    client_ = std::make_unique<HttpClient>("http://127.0.0.1:" + std::to_string(server_->bound_port()), 20);
+    client_ = std::make_unique<route::DecoderClient>("127.0.0.1", server_->bound_port(), std::chrono::seconds(20));
     EXPECT_TRUE(::kvshare::testing::wait_until([&] {
       auto r = client_->get("/health");
       return r && r->status == 200;
@@ -36,14 +37,14 @@ class InProcessDecoder {
     server_->stop();
     thread_.join();
   }
-  const HttpClient& client() const { return *client_; }
+  const route::DecoderClient& client() const { return *client_; }
 
  private:
   ::kvshare::testing::TempDir dir_;
   testing::FakeEngine engine_;
   std::unique_ptr<DecoderServer> server_;
   std::thread thread_;
-  std::unique_ptr<HttpClient> client_;
+  std::unique_ptr<route::DecoderClient> client_;
 };
 
 const char* const kRoutes[] = {
@@ -113,16 +114,16 @@ TEST(DecoderMalformedRequests, AnswerEveryBadBodyOnEveryRouteWithJsonAndKeepServ
   InProcessDecoder decoder;
   for (const char* route : kRoutes) {
     for (const char* body : kBodies) {
-      auto reply = decoder.client().post(route, std::string(body));
+      auto reply = decoder.client().post_json(route, std::string(body));
       ASSERT_TRUE(reply) << route << " " << body << ": " << reply.error().what();
       EXPECT_LT(reply->status, 600);
       if (reply->content_type.find("text/event-stream") != std::string::npos) {
-        auto events = parse_sse_events(reply->body);
+        auto events = route::parse_sse_events(reply->body);
         EXPECT_TRUE(events) << route << " " << body << ": " << events.error().what();
         continue;
       }
-      Json parsed;
-      ASSERT_NO_THROW(parsed = reply->json()) << route << " " << body << " -> " << reply->status << " " << reply->body;
+      const auto parsed = reply->json();
+      ASSERT_FALSE(parsed.is_discarded()) << route << " " << body << " -> " << reply->status << " " << reply->body;
       if (reply->status >= 400) {
         EXPECT_EQ(parsed["error"]["code"], reply->status) << route << " " << body;
       }
@@ -140,7 +141,7 @@ TEST(DecoderMalformedRequests, SurvivesRandomBytesAsBodies) {
     std::string body(rng() % 64, '\0');
     for (auto& c : body) c = static_cast<char>(rng() % 256);
     if (i % 3 == 0) body = "{\"prompt\": " + body + "}";
-    auto reply = decoder.client().post(kRoutes[i % std::size(kRoutes)], body);
+    auto reply = decoder.client().post_json(kRoutes[i % std::size(kRoutes)], body);
     ASSERT_TRUE(reply) << reply.error().what();
     EXPECT_LT(reply->status, 600);
   }
