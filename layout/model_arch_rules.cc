@@ -4,39 +4,38 @@
 
 namespace kvshare::layout::detail {
 
-Result<void> ArchKeys::read_optional(std::string_view suffix, uint32_t& value) const {
-  auto found = find_u32(suffix);
-  if (!found) return fail(found.error());
-  if (found->has_value()) value = **found;
+Result<void> ArchKeys::read_optional(HparamKey which, uint32_t& value) const {
+  KVSHARE_TRY_ASSIGN(auto found, find_u32(which));
+  if (found) value = *found;
   return {};
 }
 
-void HparamsDraft::set_swa_pattern(uint32_t period, bool dense_first) {
-  for (uint32_t il = 0; il < n_layer_all; ++il) {
-    if (il >= n_layer()) {
-      is_swa[il] = false;
-    } else if (dense_first) {
-      is_swa[il] = period == 0 || il % period != 0;
-    } else {
-      is_swa[il] = period == 0 || il % period < period - 1;
-    }
-  }
+Result<void> ArchKeys::read_optional(HparamKey which, float& value) const {
+  KVSHARE_TRY_ASSIGN(auto found, find_f32(which));
+  if (found) value = *found;
+  return {};
+}
+
+Result<void> ArchKeys::read_optional(HparamKey which, std::string& value) const {
+  if (!metadata_.contains(key(which))) return {};
+  KVSHARE_TRY_ASSIGN(value, metadata_.get_string(key(which)));
+  return {};
 }
 
 namespace {
 
 // Plain attention models: llama_kv_cache over every layer, nothing arch-specific in the
 // shape (src/models/llama.cpp, qwen2.cpp, qwen2moe.cpp, qwen3.cpp, qwen3moe.cpp).
-Result<void> plain_attention(const ArchKeys&, HparamsDraft&) { return {}; }
+Result<void> plain_attention(const ArchKeys&, ModelHparams&) { return {}; }
 
 // M-RoPE (qwen2vl: MROPE, qwen3vl/qwen3vlmoe: IMROPE). get_key_or_arr(rope_sections, 4,
 // required): a scalar or an array of exactly 4. llama_hparams::n_pos_per_embd is then 4,
 // which widens every cell record of the state file.
-Result<void> mrope_sections(const ArchKeys& keys, HparamsDraft& hparams) {
-  auto sections = keys.per_layer("rope.dimension_sections", 4);
+Result<void> mrope_sections(const ArchKeys& keys, ModelHparams& hparams) {
+  auto sections = keys.per_layer(HparamKey::rope_dimension_sections, 4);
   if (!sections) return fail(sections.error());
   if (!sections->has_value())
-    return fail(ENOENT, "key {} is missing: a {} model (M-RoPE) needs it", keys.key("rope.dimension_sections"),
+    return fail(ENOENT, "key {} is missing: a {} model (M-RoPE) needs it", keys.key(HparamKey::rope_dimension_sections),
                 keys.arch());
   hparams.n_pos_per_embd = 4;
   return {};
@@ -45,26 +44,26 @@ Result<void> mrope_sections(const ArchKeys& keys, HparamsDraft& hparams) {
 // The period key is read with the scalar get_key_or_arr overload: an array is ignored and
 // the default period stays (llama_model_loader::get_key_or_arr(kid, uint32_t&, false)).
 Result<void> read_swa_period(const ArchKeys& keys, uint32_t& period) {
-  const GgufValue* value = keys.metadata().find(keys.key("attention.sliding_window_pattern"));
+  const GgufValue* value = keys.find(HparamKey::attention_sliding_window_pattern);
   if (value == nullptr || value->type() == GgufValueType::ARRAY) return {};
-  return keys.read_optional("attention.sliding_window_pattern", period);
+  return keys.read_optional(HparamKey::attention_sliding_window_pattern, period);
 }
 
 // src/models/gemma2.cpp: always SWA (window 4096 unless given), period 2.
-Result<void> gemma2(const ArchKeys& keys, HparamsDraft& hparams) {
+Result<void> gemma2(const ArchKeys& keys, ModelHparams& hparams) {
   hparams.swa_type = SwaType::standard;
   hparams.n_swa = 4096;
   uint32_t period = 2;
   KVSHARE_TRY(read_swa_period(keys, period));
   hparams.set_swa_pattern(period);
-  KVSHARE_TRY(keys.read_optional("attention.sliding_window", hparams.n_swa));
+  KVSHARE_TRY(keys.read_optional(HparamKey::attention_sliding_window, hparams.n_swa));
   hparams.memory_kind = MemoryKind::kv_iswa;
   return {};
 }
 
 // src/models/gemma3.cpp: SWA only when the window key is present and non-zero, period 6.
-Result<void> gemma3(const ArchKeys& keys, HparamsDraft& hparams) {
-  auto window = keys.find_u32("attention.sliding_window");
+Result<void> gemma3(const ArchKeys& keys, ModelHparams& hparams) {
+  auto window = keys.find_u32(HparamKey::attention_sliding_window);
   if (!window) return fail(window.error());
   if (window->has_value() && **window > 0) {
     hparams.n_swa = **window;
@@ -77,44 +76,44 @@ Result<void> gemma3(const ArchKeys& keys, HparamsDraft& hparams) {
   return {};
 }
 
-Result<void> read_ssm(const ArchKeys& keys, HparamsDraft& hparams, bool has_group_count) {
-  KVSHARE_TRY_ASSIGN(hparams.ssm_d_conv, keys.u32("ssm.conv_kernel"));
-  KVSHARE_TRY_ASSIGN(hparams.ssm_d_inner, keys.u32("ssm.inner_size"));
-  KVSHARE_TRY_ASSIGN(hparams.ssm_d_state, keys.u32("ssm.state_size"));
+Result<void> read_ssm(const ArchKeys& keys, ModelHparams& hparams, bool has_group_count) {
+  KVSHARE_TRY_ASSIGN(hparams.ssm_d_conv, keys.u32(HparamKey::ssm_conv_kernel));
+  KVSHARE_TRY_ASSIGN(hparams.ssm_d_inner, keys.u32(HparamKey::ssm_inner_size));
+  KVSHARE_TRY_ASSIGN(hparams.ssm_d_state, keys.u32(HparamKey::ssm_state_size));
   // Not part of the state's shape, but llama.cpp refuses a model without it.
-  KVSHARE_TRY(keys.u32("ssm.time_step_rank"));
+  KVSHARE_TRY(keys.u32(HparamKey::ssm_time_step_rank));
   if (has_group_count) {
-    KVSHARE_TRY_ASSIGN(hparams.ssm_n_group, keys.u32("ssm.group_count"));
+    KVSHARE_TRY_ASSIGN(hparams.ssm_n_group, keys.u32(HparamKey::ssm_group_count));
   }
   return {};
 }
 
 // src/models/mamba.cpp, mamba2.cpp: pure recurrent memory over every trunk layer.
-Result<void> mamba(const ArchKeys& keys, HparamsDraft& hparams) {
+Result<void> mamba(const ArchKeys& keys, ModelHparams& hparams) {
   KVSHARE_TRY(read_ssm(keys, hparams, false));
   hparams.memory_kind = MemoryKind::recurrent;
   return {};
 }
 
-Result<void> mamba2(const ArchKeys& keys, HparamsDraft& hparams) {
+Result<void> mamba2(const ArchKeys& keys, ModelHparams& hparams) {
   KVSHARE_TRY(read_ssm(keys, hparams, true));
   hparams.memory_kind = MemoryKind::recurrent;
   return {};
 }
 
 // Jamba and Granite-hybrid: a layer is recurrent iff its head_count_kv is 0.
-void recurrent_where_no_kv_heads(HparamsDraft& hparams) {
+void recurrent_where_no_kv_heads(ModelHparams& hparams) {
   for (uint32_t il = 0; il < hparams.n_layer(); ++il) hparams.is_recr[il] = hparams.n_head_kv[il] == 0;
 }
 
-Result<void> jamba(const ArchKeys& keys, HparamsDraft& hparams) {
+Result<void> jamba(const ArchKeys& keys, ModelHparams& hparams) {
   KVSHARE_TRY(read_ssm(keys, hparams, false));
   recurrent_where_no_kv_heads(hparams);
   hparams.memory_kind = MemoryKind::hybrid;
   return {};
 }
 
-Result<void> granite_hybrid(const ArchKeys& keys, HparamsDraft& hparams) {
+Result<void> granite_hybrid(const ArchKeys& keys, ModelHparams& hparams) {
   KVSHARE_TRY(read_ssm(keys, hparams, true));
   recurrent_where_no_kv_heads(hparams);
   hparams.memory_kind = MemoryKind::hybrid;
@@ -124,13 +123,13 @@ Result<void> granite_hybrid(const ArchKeys& keys, HparamsDraft& hparams) {
 // src/models/lfm2.cpp: short-conv layers (head_count_kv 0) are recurrent, with a conv
 // state only; with a non-zero sliding_window every attention layer is SWA and the memory
 // hybrid_iswa.
-Result<void> lfm2(const ArchKeys& keys, HparamsDraft& hparams) {
-  KVSHARE_TRY_ASSIGN(hparams.n_shortconv_l_cache, keys.u32("shortconv.l_cache"));
+Result<void> lfm2(const ArchKeys& keys, ModelHparams& hparams) {
+  KVSHARE_TRY_ASSIGN(hparams.n_shortconv_l_cache, keys.u32(HparamKey::shortconv_l_cache));
   if (hparams.n_shortconv_l_cache < 2)
     return fail(EINVAL, "key {} is {}: the conv state keeps l_cache - 1 columns, llama.cpp asserts l_cache > 1",
-                keys.key("shortconv.l_cache"), hparams.n_shortconv_l_cache);
+                keys.key(HparamKey::shortconv_l_cache), hparams.n_shortconv_l_cache);
   recurrent_where_no_kv_heads(hparams);
-  auto window = keys.find_u32("attention.sliding_window");
+  auto window = keys.find_u32(HparamKey::attention_sliding_window);
   if (!window) return fail(window.error());
   if (window->has_value() && **window > 0) {
     hparams.n_swa = **window;
@@ -141,28 +140,28 @@ Result<void> lfm2(const ArchKeys& keys, HparamsDraft& hparams) {
   return {};
 }
 
-Result<void> read_nextn(const ArchKeys& keys, HparamsDraft& hparams) {
-  KVSHARE_TRY(keys.read_optional("nextn_predict_layers", hparams.n_layer_nextn));
+Result<void> read_nextn(const ArchKeys& keys, ModelHparams& hparams) {
+  KVSHARE_TRY(keys.read_optional(HparamKey::nextn_predict_layers, hparams.n_layer_nextn));
   if (hparams.n_layer_nextn >= hparams.n_layer_all)
-    return fail(EINVAL, "key {} is {}, it must be below block_count ({})", keys.key("nextn_predict_layers"),
+    return fail(EINVAL, "key {} is {}, it must be below block_count ({})", keys.key(HparamKey::nextn_predict_layers),
                 hparams.n_layer_nextn, hparams.n_layer_all);
   return {};
 }
 
 // src/models/qwen3next.cpp, qwen35.cpp: gated delta net layers are recurrent, from the
 // recurrent_layers array or else every layer but each full_attention_interval-th.
-Result<void> qwen3next(const ArchKeys& keys, HparamsDraft& hparams) {
+Result<void> qwen3next(const ArchKeys& keys, ModelHparams& hparams) {
   KVSHARE_TRY(read_ssm(keys, hparams, true));
   KVSHARE_TRY(read_nextn(keys, hparams));
-  auto layers = keys.per_layer("attention.recurrent_layers", hparams.n_layer_all);
+  auto layers = keys.per_layer(HparamKey::attention_recurrent_layers, hparams.n_layer_all);
   if (!layers) return fail(layers.error());
   if (layers->has_value()) {
     for (uint32_t il = 0; il < hparams.n_layer_all; ++il) hparams.is_recr[il] = (**layers)[il] != 0;
   } else {
     uint32_t interval = 4;
-    KVSHARE_TRY(keys.read_optional("full_attention_interval", interval));
+    KVSHARE_TRY(keys.read_optional(HparamKey::full_attention_interval, interval));
     if (interval == 0)
-      return fail(EINVAL, "key {} is 0: every layer would be recurrent", keys.key("full_attention_interval"));
+      return fail(EINVAL, "key {} is 0: every layer would be recurrent", keys.key(HparamKey::full_attention_interval));
     for (uint32_t il = 0; il < hparams.n_layer_all; ++il)
       hparams.is_recr[il] = il < hparams.n_layer() && (il + 1) % interval != 0;
   }
@@ -171,22 +170,22 @@ Result<void> qwen3next(const ArchKeys& keys, HparamsDraft& hparams) {
   return {};
 }
 
-Result<void> qwen35(const ArchKeys& keys, HparamsDraft& hparams) {
+Result<void> qwen35(const ArchKeys& keys, ModelHparams& hparams) {
   KVSHARE_TRY(mrope_sections(keys, hparams));
   return qwen3next(keys, hparams);
 }
 
 // src/models/deepseek2.cpp: MLA when key_length_mla and value_length_mla are both set; the
 // cache then holds only K (latent + rope part, key_length wide).
-Result<void> deepseek2(const ArchKeys& keys, HparamsDraft& hparams) {
+Result<void> deepseek2(const ArchKeys& keys, ModelHparams& hparams) {
   // The converter already folds kv_lora_rank into key_length; llama.cpp still requires it.
-  KVSHARE_TRY(keys.u32("attention.kv_lora_rank"));
-  KVSHARE_TRY(keys.read_optional("attention.key_length_mla", hparams.n_embd_head_k_mla));
-  KVSHARE_TRY(keys.read_optional("attention.value_length_mla", hparams.n_embd_head_v_mla));
+  KVSHARE_TRY(keys.u32(HparamKey::attention_kv_lora_rank));
+  KVSHARE_TRY(keys.read_optional(HparamKey::attention_key_length_mla, hparams.n_embd_head_k_mla));
+  KVSHARE_TRY(keys.read_optional(HparamKey::attention_value_length_mla, hparams.n_embd_head_v_mla));
   if ((hparams.n_embd_head_k_mla == 0) != (hparams.n_embd_head_v_mla == 0))
     return fail(EINVAL, "keys {} ({}) and {} ({}) must both be set or both be absent",
-                keys.key("attention.key_length_mla"), hparams.n_embd_head_k_mla, keys.key("attention.value_length_mla"),
-                hparams.n_embd_head_v_mla);
+                keys.key(HparamKey::attention_key_length_mla), hparams.n_embd_head_k_mla,
+                keys.key(HparamKey::attention_value_length_mla), hparams.n_embd_head_v_mla);
   KVSHARE_TRY(read_nextn(keys, hparams));
   return {};
 }

@@ -1,16 +1,16 @@
-// Per-architecture hyperparameter rules behind derive_model_shape: the part of each
+// Per-architecture hyperparameter rules behind read_model_hparams: the part of each
 // llama.cpp load_arch_hparams (src/models/<arch>.cpp) that changes the memory shape.
-// Internal to layout/; callers use model_shape.h.
+// Internal to layout/; callers use model_hparams.h.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "layout/error.h"
 #include "layout/gguf_value.h"
-#include "layout/model_shape.h"
+#include "layout/model_hparams.h"
 
 namespace kvshare::layout::detail {
 
@@ -18,16 +18,19 @@ namespace kvshare::layout::detail {
 class ArchKeys {
  public:
   ArchKeys(const GgufMetadata& metadata, std::string arch) : metadata_(metadata), arch_(std::move(arch)) {}
-  std::string key(std::string_view suffix) const { return arch_ + "." + std::string(suffix); }
-  const GgufMetadata& metadata() const { return metadata_; }
+  std::string key(HparamKey which) const { return arch_ + "." + std::string(hparam_key_suffix(which)); }
   const std::string& arch() const { return arch_; }
 
-  Result<uint32_t> u32(std::string_view suffix) const { return metadata_.get_u32(key(suffix)); }
-  Result<std::optional<uint32_t>> find_u32(std::string_view suffix) const { return metadata_.find_u32(key(suffix)); }
+  const GgufValue* find(HparamKey which) const { return metadata_.find(key(which)); }
+  Result<uint32_t> u32(HparamKey which) const { return metadata_.get_u32(key(which)); }
+  Result<std::optional<uint32_t>> find_u32(HparamKey which) const { return metadata_.find_u32(key(which)); }
+  Result<std::optional<float>> find_f32(HparamKey which) const { return metadata_.find_f32(key(which)); }
   // Absent keys leave `value` as it is (llama.cpp's get_key(..., required = false)).
-  Result<void> read_optional(std::string_view suffix, uint32_t& value) const;
-  Result<std::optional<std::vector<uint32_t>>> per_layer(std::string_view suffix, uint32_t n) const {
-    return metadata_.find_per_layer(key(suffix), n);
+  Result<void> read_optional(HparamKey which, uint32_t& value) const;
+  Result<void> read_optional(HparamKey which, float& value) const;
+  Result<void> read_optional(HparamKey which, std::string& value) const;
+  Result<std::optional<std::vector<uint32_t>>> per_layer(HparamKey which, uint32_t n) const {
+    return metadata_.find_per_layer(key(which), n);
   }
 
  private:
@@ -35,43 +38,7 @@ class ArchKeys {
   std::string arch_;
 };
 
-// llama_hparams while it is being filled: what load_hparams read, before the arch rules
-// and the per-layer widths are applied.
-struct HparamsDraft {
-  uint32_t n_layer_all = 0;
-  uint32_t n_layer_nextn = 0;
-  uint32_t n_embd = 0;
-  uint32_t n_ctx_train = 0;
-  std::vector<uint32_t> n_head;     // [n_layer_all]
-  std::vector<uint32_t> n_head_kv;  // [n_layer_all]
-  std::vector<uint32_t> n_ff;       // [n_layer_all]
-  uint32_t n_embd_head_k_full = 0;
-  uint32_t n_embd_head_v_full = 0;
-  uint32_t n_embd_head_k_swa = 0;
-  uint32_t n_embd_head_v_swa = 0;
-  std::vector<bool> is_swa;   // [n_layer_all]
-  std::vector<bool> is_recr;  // [n_layer_all]
-  uint32_t n_swa = 0;
-  SwaType swa_type = SwaType::none;
-  uint32_t n_embd_head_k_mla = 0;
-  uint32_t n_embd_head_v_mla = 0;
-  uint32_t ssm_d_conv = 0;
-  uint32_t ssm_d_inner = 0;
-  uint32_t ssm_d_state = 0;
-  uint32_t ssm_n_group = 0;
-  uint32_t n_shortconv_l_cache = 0;  // LFM2: conv state of l_cache - 1 columns, no ssm state
-  uint32_t n_pos_per_embd = 1;
-  MemoryKind memory_kind = MemoryKind::kv;
-  // Hybrid Qwen3-Next/3.5: NextN blocks are in neither cache of the main context
-  // (create_memory's filter_attn and filter_recr both require il < n_layer()).
-  bool nextn_in_attention_cache = true;
-
-  uint32_t n_layer() const { return n_layer_all - n_layer_nextn; }
-  // llama_hparams::set_swa_pattern: trunk layers only, NextN layers never SWA.
-  void set_swa_pattern(uint32_t period, bool dense_first = false);
-};
-
-using ArchRule = Result<void> (*)(const ArchKeys& keys, HparamsDraft& hparams);
+using ArchRule = Result<void> (*)(const ArchKeys& keys, ModelHparams& hparams);
 
 struct ArchEntry {
   std::string_view name;

@@ -1,5 +1,6 @@
-// The memory shape llama.cpp gives a model, derived from GGUF metadata alone
-// (llama_model::load_hparams and the per-arch load_arch_hparams, commit d32676d).
+// The memory shape llama.cpp gives a model, derived from its hyperparameters alone
+// (model_hparams.h): llama_hparams' per-layer widths and create_memory's layer filters
+// (commit d32676d).
 #pragma once
 
 #include <cstdint>
@@ -8,21 +9,9 @@
 
 #include "layout/error.h"
 #include "layout/gguf_value.h"
+#include "layout/model_hparams.h"
 
 namespace kvshare::layout {
-
-enum class SwaType : uint8_t { none, standard, chunked };
-
-// What llama_model::create_memory builds for the arch.
-enum class MemoryKind : uint8_t {
-  none,         // embedding-only: no memory, the state file is header and tokens
-  kv,           // llama_kv_cache
-  kv_iswa,      // llama_kv_cache_iswa: base cache + SWA cache
-  recurrent,    // llama_memory_recurrent
-  hybrid,       // llama_memory_hybrid: attention KV + recurrent
-  hybrid_iswa,  // llama_memory_hybrid_iswa
-};
-std::string_view memory_kind_name(MemoryKind kind);
 
 struct LayerShape {
   uint32_t n_head = 0;
@@ -59,11 +48,13 @@ struct ModelShape {
   MemoryKind memory_kind = MemoryKind::kv;
 };
 
-// Derives the shape. An arch we do not support is an error naming the arch and the keys
-// we would need; a wrongly typed or missing key names the key.
-Result<ModelShape> derive_model_shape(const GgufMetadata& metadata);
+// Derives the shape from the model's hyperparameters (read_model_hparams). Fails when a
+// KV-cache model has no attention heads, or a width overflows 32 bits, naming the key or
+// the width.
+Result<ModelShape> model_shape_from_hparams(const ModelHparams& hparams);
 
-// Archs derive_model_shape supports, for --help texts and error messages.
-const std::vector<std::string_view>& supported_archs();
+// read_model_hparams then model_shape_from_hparams, for callers that have only the
+// metadata: errors name the key; the caller adds the file.
+Result<ModelShape> derive_model_shape(const GgufMetadata& metadata);
 
 }  // namespace kvshare::layout

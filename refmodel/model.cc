@@ -1,4 +1,4 @@
-// Model::from_gguf: parses the image, reads hyperparameters, loads the weights and the
+// Model::from_gguf: parses the image, reads hyperparameters once, loads the weights and the
 // tokenizer, and renders the ChatML template the generated models carry.
 #include <fmt/format.h>
 
@@ -37,9 +37,14 @@ Result<std::shared_ptr<const Model>> Model::from_gguf(std::span<const std::byte>
                                                       std::shared_ptr<void> keep_alive, std::string_view name) {
   auto file = layout::parse_gguf(gguf_bytes, name);
   if (!file) return fail(file.error());
-  auto hparams = read_hparams(file->metadata, name);
+  // One read of the hyperparameters gives both the shape and the transformer's numbers.
+  KVSHARE_TRY(check_transformer_arch(file->metadata, name));
+  auto model_hparams = layout::read_model_hparams(file->metadata, name);
+  if (!model_hparams) return fail(model_hparams.error());
+  auto hparams = transformer_hparams(*model_hparams, name);
   if (!hparams) return fail(hparams.error());
-  auto shape = layout::derive_model_shape(file->metadata);
+  KVSHARE_TRY_ASSIGN(hparams->n_vocab, read_vocab_size(file->metadata, name));
+  auto shape = layout::model_shape_from_hparams(*model_hparams);
   if (!shape) return fail(shape.error().with_context(fmt::format("model {}", name)));
   auto tokenizer = make_tokenizer(file->metadata, name);
   if (!tokenizer) return fail(tokenizer.error());

@@ -1,5 +1,5 @@
-// What a loaded model holds inside refmodel: hyperparameters read as llama.cpp reads them
-// (llama_model::load_hparams for llama, qwen2, qwen3) and weights dequantized to f32.
+// What a loaded model holds inside refmodel: the transformer's hyperparameters (taken from
+// layout::read_model_hparams, the one read of the metadata) and weights dequantized to f32.
 // Shared by the loader, the forward pass and the tests; not part of the engine contract.
 #pragma once
 
@@ -11,6 +11,7 @@
 
 #include "layout/error.h"
 #include "layout/gguf_value.h"
+#include "layout/model_hparams.h"
 #include "layout/tensor_type.h"
 #include "refmodel/engine.h"
 
@@ -44,9 +45,18 @@ struct Hparams {
   uint32_t n_embd_v_gqa() const { return n_head_kv * n_embd_head_v; }
 };
 
-// Reads and checks the hyperparameters. `name` labels messages. Errors name the key or
-// the unsupported value (arch, rope scaling type).
-Result<Hparams> read_hparams(const layout::GgufMetadata& metadata, std::string_view name);
+// Refuses an arch the transformer does not run, naming it and the ones it does. Checked
+// before layout reads the rest: its message beats one about a key another arch needs.
+Result<void> check_transformer_arch(const layout::GgufMetadata& metadata, std::string_view name);
+
+// The transformer's hyperparameters from `model`. `name` labels messages, which name the
+// key or the unsupported value: layers that differ, partial rotary embeddings, a missing
+// RMS epsilon, a rope scaling type other than none and linear. n_vocab is left 0.
+Result<Hparams> transformer_hparams(const layout::ModelHparams& model, std::string_view name);
+
+// The vocabulary's size, tokenizer.ggml.tokens' length: the tokenizer's key, not a
+// hyperparameter llama_hparams holds.
+Result<uint32_t> read_vocab_size(const layout::GgufMetadata& metadata, std::string_view name);
 
 // A weight matrix as ggml stores it: `rows` = ne[1] output features, `cols` = ne[0]
 // input features, row-major f32. `type` is the file's type: ggml-cpu rounds the

@@ -1,6 +1,6 @@
-// Hyperparameters and weights of the llama, qwen2 and qwen3 dense families, read the way
-// llama.cpp reads them (llama_model::load_hparams, src/models/{llama,qwen2,qwen3}.cpp
-// load_arch_tensors, commit d32676d).
+// The transformer's hyperparameters, taken from layout's one read of the metadata, and the
+// weights of the llama, qwen2 and qwen3 dense families, loaded the way llama.cpp loads them
+// (src/models/{llama,qwen2,qwen3}.cpp load_arch_tensors, commit d32676d).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -16,136 +16,101 @@ using layout::GgmlType;
 using layout::GgufMetadata;
 using layout::GgufTensorInfo;
 
-Result<uint32_t> uniform_per_layer(const GgufMetadata& md, const std::string& key, uint32_t n_layer,
-                                   std::optional<uint32_t> fallback, std::string_view name) {
-  auto values = md.find_per_layer(key, n_layer);
-  if (!values) return fail(values.error().with_context(fmt::format("model {}", name)));
-  if (!*values) {
-    if (fallback) return *fallback;
-    return fail(ENOENT, "model {}: key \"{}\" is missing", name, key);
-  }
-  const auto& v = **values;
-  if (v.empty()) return fail(EINVAL, "model {}: key \"{}\" is empty", name, key);
-  for (uint32_t x : v)
-    if (x != v[0])
+using layout::HparamKey;
+using layout::ModelHparams;
+
+Result<uint32_t> uniform_per_layer(const ModelHparams& model, const std::vector<uint32_t>& values, HparamKey key,
+                                   std::string_view name) {
+  for (uint32_t x : values)
+    if (x != values[0])
       return fail(EINVAL,
                   "model {}: key \"{}\" differs between layers ({} and {}); the reference transformer "
                   "supports uniform layers only",
-                  name, key, v[0], x);
-  return v[0];
+                  name, model.key(key), values[0], x);
+  return values[0];
 }
 
-Result<uint32_t> required_u32(const GgufMetadata& md, const std::string& key, std::string_view name) {
-  auto v = md.get_u32(key);
-  if (!v) return fail(v.error().with_context(fmt::format("model {}", name)));
-  return *v;
+Result<void> check_arch(std::string_view arch, std::string_view name) {
+  if (arch != "llama" && arch != "qwen2" && arch != "qwen3")
+    return fail(EINVAL,
+                "model {}: architecture \"{}\" is not supported by the reference transformer "
+                "(llama, qwen2, qwen3 are)",
+                name, arch);
+  return {};
 }
 
 }  // namespace
 
-Result<Hparams> read_hparams(const GgufMetadata& md, std::string_view name) {
-  Hparams hp;
-  auto arch = md.get_string("general.architecture");
+Result<void> check_transformer_arch(const GgufMetadata& md, std::string_view name) {
+  auto arch = layout::read_model_arch(md);
   if (!arch) return fail(arch.error().with_context(fmt::format("model {}", name)));
-  hp.arch = *arch;
+  return check_arch(*arch, name);
+}
+
+Result<Hparams> transformer_hparams(const ModelHparams& model, std::string_view name) {
+  KVSHARE_TRY(check_arch(model.arch, name));
+  Hparams hp;
+  hp.arch = model.arch;
   if (hp.arch == "llama") {
     hp.rope_type = RopeType::norm;
   } else if (hp.arch == "qwen2") {
     hp.rope_type = RopeType::neox;
     hp.has_qkv_bias = true;
-  } else if (hp.arch == "qwen3") {
+  } else {
     hp.rope_type = RopeType::neox;
     hp.has_qk_norm = true;
-  } else {
-    return fail(EINVAL,
-                "model {}: architecture \"{}\" is not supported by the reference transformer "
-                "(llama, qwen2, qwen3 are)",
-                name, hp.arch);
   }
-  const std::string a = hp.arch + ".";
-  auto n_layer = required_u32(md, a + "block_count", name);
-  if (!n_layer) return fail(n_layer.error());
-  hp.n_layer = *n_layer;
-  auto n_embd = required_u32(md, a + "embedding_length", name);
-  if (!n_embd) return fail(n_embd.error());
-  hp.n_embd = *n_embd;
-  auto n_ctx = required_u32(md, a + "context_length", name);
-  if (!n_ctx) return fail(n_ctx.error());
-  hp.n_ctx_train = *n_ctx;
-  if (hp.n_layer == 0 || hp.n_embd == 0)
-    return fail(EINVAL, "model {}: block_count {} and embedding_length {} must be positive", name, hp.n_layer,
-                hp.n_embd);
+  hp.n_layer = model.n_layer();
+  hp.n_embd = model.n_embd;
+  hp.n_ctx_train = model.n_ctx_train;
+  if (hp.n_embd == 0) return fail(EINVAL, "model {}: key \"{}\" is 0", name, model.key(HparamKey::embedding_length));
 
-  auto n_ff = uniform_per_layer(md, a + "feed_forward_length", hp.n_layer, std::nullopt, name);
-  if (!n_ff) return fail(n_ff.error());
-  hp.n_ff = *n_ff;
-  auto n_head = uniform_per_layer(md, a + "attention.head_count", hp.n_layer, std::nullopt, name);
-  if (!n_head) return fail(n_head.error());
-  hp.n_head = *n_head;
-  auto n_head_kv = uniform_per_layer(md, a + "attention.head_count_kv", hp.n_layer, hp.n_head, name);
-  if (!n_head_kv) return fail(n_head_kv.error());
-  hp.n_head_kv = *n_head_kv;
-  if (hp.n_head == 0 || hp.n_head_kv == 0 || hp.n_head % hp.n_head_kv != 0)
+  KVSHARE_TRY_ASSIGN(hp.n_ff, uniform_per_layer(model, model.n_ff, HparamKey::feed_forward_length, name));
+  if (hp.n_ff == 0)
+    return fail(EINVAL, "model {}: key \"{}\" is missing or 0; the reference transformer needs a feed-forward block",
+                name, model.key(HparamKey::feed_forward_length));
+  KVSHARE_TRY_ASSIGN(hp.n_head, uniform_per_layer(model, model.n_head, HparamKey::attention_head_count, name));
+  KVSHARE_TRY_ASSIGN(hp.n_head_kv, uniform_per_layer(model, model.n_head_kv, HparamKey::attention_head_count_kv, name));
+  if (hp.n_head == 0)
+    return fail(EINVAL, "model {}: key \"{}\" is missing or 0", name, model.key(HparamKey::attention_head_count));
+  if (hp.n_head_kv == 0 || hp.n_head % hp.n_head_kv != 0)
     return fail(EINVAL, "model {}: head_count {} must be a positive multiple of head_count_kv {}", name, hp.n_head,
                 hp.n_head_kv);
 
-  auto key_length = md.find_u32(a + "attention.key_length");
-  if (!key_length) return fail(key_length.error().with_context(fmt::format("model {}", name)));
-  auto value_length = md.find_u32(a + "attention.value_length");
-  if (!value_length) return fail(value_length.error().with_context(fmt::format("model {}", name)));
-  const uint32_t default_head = hp.n_embd / hp.n_head;
-  hp.n_embd_head_k = key_length->value_or(default_head);
-  hp.n_embd_head_v = value_length->value_or(default_head);
+  hp.n_embd_head_k = model.n_embd_head_k_full;
+  hp.n_embd_head_v = model.n_embd_head_v_full;
   if (hp.n_embd_head_k == 0 || hp.n_embd_head_k != hp.n_embd_head_v || hp.n_embd_head_k % 2 != 0)
     return fail(EINVAL, "model {}: key_length {} and value_length {} must be equal, even and positive", name,
                 hp.n_embd_head_k, hp.n_embd_head_v);
-
-  auto rot = md.find_u32(a + "rope.dimension_count");
-  if (!rot) return fail(rot.error().with_context(fmt::format("model {}", name)));
-  hp.n_rot = rot->value_or(hp.n_embd_head_k);
+  hp.n_rot = model.n_rot;
   if (hp.n_rot != hp.n_embd_head_k)
     return fail(EINVAL,
                 "model {}: rope.dimension_count {} differs from the head size {} (partial rotary "
                 "embeddings are not supported)",
                 name, hp.n_rot, hp.n_embd_head_k);
 
-  auto eps = md.get_f32(a + "attention.layer_norm_rms_epsilon");
-  if (!eps) return fail(eps.error().with_context(fmt::format("model {}", name)));
-  hp.rms_eps = *eps;
-  auto base = md.find_f32(a + "rope.freq_base");
-  if (!base) return fail(base.error().with_context(fmt::format("model {}", name)));
-  hp.freq_base = base->value_or(10000.0f);
-
-  // llama_model::load_hparams: the scaling type defaults to "linear" and a factor of 0
-  // (absent) means no scaling. YaRN and LongRoPE change more than the frequencies.
-  std::string scaling = "linear";
-  if (md.contains(a + "rope.scaling.type")) {
-    auto s = md.get_string(a + "rope.scaling.type");
-    if (!s) return fail(s.error().with_context(fmt::format("model {}", name)));
-    scaling = *s;
-  }
-  if (scaling != "none" && scaling != "linear")
+  // load_arch_hparams of llama, qwen2 and qwen3 require the epsilon.
+  if (!model.rms_eps)
+    return fail(ENOENT, "model {}: key \"{}\" is missing", name, model.key(HparamKey::attention_layernorm_rms_eps));
+  hp.rms_eps = *model.rms_eps;
+  hp.freq_base = model.rope_freq_base;
+  // YaRN and LongRoPE change more than the frequencies.
+  if (model.rope_scaling_type != "none" && model.rope_scaling_type != "linear")
     return fail(EINVAL,
-                "model {}: rope scaling type \"{}\" ({}rope.scaling.type) is not supported by the "
-                "reference transformer (none and linear are)",
-                name, scaling, a);
-  float factor = 0.0f;
-  for (const char* key : {"rope.scaling.factor", "rope.scale_linear"}) {
-    auto f = md.find_f32(a + key);
-    if (!f) return fail(f.error().with_context(fmt::format("model {}", name)));
-    if (*f) {
-      factor = **f;
-      break;
-    }
-  }
-  hp.freq_scale = (factor == 0.0f || scaling == "none") ? 1.0f : 1.0f / factor;
+                "model {}: rope scaling type \"{}\" ({}) is not supported by the reference transformer (none and "
+                "linear are)",
+                name, model.rope_scaling_type, model.key(HparamKey::rope_scaling_type));
+  hp.freq_scale = model.rope_scaling_type == "none" ? 1.0f : model.rope_freq_scale;
+  return hp;
+}
 
+Result<uint32_t> read_vocab_size(const GgufMetadata& md, std::string_view name) {
   const layout::GgufValue* tokens = md.find("tokenizer.ggml.tokens");
   if (tokens == nullptr || tokens->get_if<layout::GgufArray>() == nullptr)
     return fail(ENOENT, "model {}: key \"tokenizer.ggml.tokens\" is missing (the vocabulary)", name);
-  hp.n_vocab = static_cast<uint32_t>(tokens->get_if<layout::GgufArray>()->elements.size());
-  if (hp.n_vocab == 0) return fail(EINVAL, "model {}: the vocabulary is empty", name);
-  return hp;
+  const auto n_vocab = static_cast<uint32_t>(tokens->get_if<layout::GgufArray>()->elements.size());
+  if (n_vocab == 0) return fail(EINVAL, "model {}: the vocabulary is empty", name);
+  return n_vocab;
 }
 
 namespace {

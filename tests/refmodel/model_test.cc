@@ -5,8 +5,11 @@
 
 #include "layout/gguf_reader.h"
 #include "layout/gguf_writer.h"
+#include "layout/model_hparams.h"
+#include "layout/model_shape.h"
 #include "refmodel/engine.h"
 #include "refmodel/model_generator.h"
+#include "refmodel/model_impl.h"
 
 namespace kvshare::refmodel {
 namespace {
@@ -87,6 +90,48 @@ TEST(ModelLoad, AcceptsLinearRopeScaling) {
   });
   auto model = Model::from_gguf(bytes, nullptr, "linear.gguf");
   EXPECT_TRUE(model) << model.error().what();
+}
+
+// Pins the double read: the transformer read rope and norm keys itself, the shape never did.
+TEST(ModelLoad, RefusesABadHyperparameterWithTheShapeReadsMessage) {
+  for (const char* suffix : {"rope.freq_base", "rope.dimension_count", "rope.scaling.type",
+                             "attention.layer_norm_rms_epsilon", "attention.head_count_kv"}) {
+    const std::string key = std::string("qwen3.") + suffix;
+    const auto bytes = edited_model([&](layout::GgufMetadata& md) { md.set(key, layout::GgufValue{true}); });
+    auto file = layout::parse_gguf(bytes, "bad.gguf");
+    ASSERT_TRUE(file) << file.error().what();
+    auto shape = layout::derive_model_shape(file->metadata);
+    ASSERT_FALSE(shape) << key;
+    auto read = layout::read_model_hparams(file->metadata, "bad.gguf");
+    ASSERT_FALSE(read) << key;
+    EXPECT_NE(shape.error().message().find("\"" + key + "\" has wrong type"), std::string::npos)
+        << shape.error().message();
+    EXPECT_EQ(read.error().message(), "model bad.gguf: " + shape.error().message());
+    EXPECT_EQ(load_error(bytes), read.error().message());
+  }
+}
+
+TEST(ModelLoad, TakesTheTransformersNumbersFromTheShapeRead) {
+  auto bytes = edited_model([](layout::GgufMetadata& md) {
+    md.set("qwen3.rope.scale_linear", {4.0f});
+    md.set("qwen3.rope.freq_base", {50000.0f});
+    md.set("qwen3.attention.layer_norm_rms_epsilon", {1e-5f});
+  });
+  auto file = layout::parse_gguf(bytes, "scaled.gguf");
+  ASSERT_TRUE(file) << file.error().what();
+  auto read = layout::read_model_hparams(file->metadata, "scaled.gguf");
+  ASSERT_TRUE(read) << read.error().what();
+  auto model = Model::from_gguf(bytes, nullptr, "scaled.gguf");
+  ASSERT_TRUE(model) << model.error().what();
+  const Hparams& hp = static_cast<const LoadedModel&>(**model).hparams();
+  EXPECT_EQ(hp.freq_scale, 0.25f);
+  EXPECT_EQ(hp.freq_scale, read->rope_freq_scale);
+  EXPECT_EQ(hp.freq_base, 50000.0f);
+  EXPECT_EQ(hp.rms_eps, 1e-5f);
+  EXPECT_EQ(hp.n_rot, read->n_rot);
+  EXPECT_EQ(hp.n_embd_head_k, read->n_embd_head_k_full);
+  EXPECT_EQ(hp.n_head_kv, read->n_head_kv[0]);
+  EXPECT_EQ(hp.n_layer, read->n_layer());
 }
 
 TEST(ModelLoad, RefusesATruncatedFile) {
