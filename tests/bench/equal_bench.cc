@@ -348,8 +348,7 @@ void register_all(const BenchArgs& args) {
   s.dir = scratch_dir(args);
   for (size_t i = 0; i + 1 < args.rest.size(); ++i)
     if (args.rest[i] == "--rounds") s.rounds = std::max(1, std::atoi(args.rest[++i].c_str()));
-  std::vector<int> tokens = args.tokens;
-  if (tokens.empty()) tokens = args.smoke ? std::vector<int>{16} : std::vector<int>{307, 4096, 32768};
+  const std::vector<int>& tokens = args.tokens;
   if (args.smoke) s.n_ctx = 256;
   // A longer prompt than the default context gets a cache that holds it (llama.cpp pads
   // kv_size to 256).
@@ -478,6 +477,8 @@ const bool registered = add_group({
         {"--dir", "PATH", "where its files are written (default $TMPDIR, else /tmp)"},
         {"--rounds", "N", "paired rounds per length (default 15 to 512 tokens, 9 to 8192, 5 beyond)"},
     },
+    {307, 4096, 32768},
+    {16},
 });
 
 }  // namespace

@@ -281,8 +281,7 @@ void register_all(const BenchArgs& args) {
     if (args.rest[i] == "--rows" && i + 1 < args.rest.size())  // f32|f16, checked by kvshare-bench
       s.rows = args.rest[i + 1] == "f16" ? layout::GgmlType::F16 : layout::GgmlType::F32;
   }
-  std::vector<int> tokens = args.tokens;
-  if (tokens.empty()) tokens = args.smoke ? std::vector<int>{16} : std::vector<int>{307, 4096, 32768};
+  const std::vector<int>& tokens = args.tokens;
   for (int n : tokens) {
     const int iters = iterations_for(n, args.smoke);
     using Fn = void (*)(benchmark::State&);
@@ -362,6 +361,8 @@ const bool registered = add_group({
         {"--buffered", "", "no O_DIRECT for the writer and the reader"},
         {"--rows", "f32|f16", "the provider's rows: f32 (default, converted) or already f16 (copied)"},
     },
+    {307, 4096, 32768},
+    {16},
 });
 
 }  // namespace
