@@ -237,9 +237,9 @@ int main(int argc, char** argv) {
   kvshare::refmodel::reexec_with_best_blas_kernels(argv);  // the prefill group's BLAS speed
   // OpenBLAS starts its worker threads when the library loads, and they spin in
   // sched_yield for a while: on a 2-core machine that steals a core from whatever is being
-  // measured (20% of the samples of `statefile` on the CI VM). Only the prefill group runs
-  // BLAS in this process, so every other group re-executes itself once with one BLAS thread
-  // (an explicit OPENBLAS_NUM_THREADS is left as it is).
+  // measured (docs/state-file.md, "Performance"). Only the prefill group runs BLAS in this
+  // process, so every other group re-executes itself once with one BLAS thread (an explicit
+  // OPENBLAS_NUM_THREADS is left as it is).
   if (group_name != "prefill" && group_name != "all" && std::getenv("OPENBLAS_NUM_THREADS") == nullptr) {
     ::setenv("OPENBLAS_NUM_THREADS", "1", 1);
     ::execv("/proc/self/exe", argv);  // on failure, go on with the threads as they are

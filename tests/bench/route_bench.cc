@@ -13,7 +13,7 @@
 // provider's own prefill_ms and serve's handoff_ms (restore, or share + adopt).
 // overhead_ms = first_byte_ms - prefill_ms is what the route adds to the provider's work:
 // starting the provider and loading the model, the handoff, the decoder's one-token step,
-// the HTTP hops. The 2-second spread of a CPU prefill drowns a 6 ms handoff in first_byte_ms;
+// the HTTP hops. The spread of a CPU prefill drowns a handoff's milliseconds in first_byte_ms;
 // overhead_ms takes the prefill out, request by request. Serve's `phases:` line splits
 // each request further (tokenize, share, the provider's wall time and the region's part of
 // it, adopt or restore, the decoder's first token); the report prints their medians, and

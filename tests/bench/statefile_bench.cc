@@ -112,9 +112,9 @@ std::pair<double, double> quartiles(const std::vector<double>& values) {
 
 // Our writer and a plain write() of the same byte count are timed in pairs, alternating
 // which goes first, and the medians and the median of the per-pair ratios are reported:
-// the VM's page-cache writeback makes a single buffered write vary 3x from one run to the
-// next, and pairing exposes both sides to the same state. Every file is removed (untimed)
-// before the next write.
+// the VM's page-cache writeback makes a single buffered write vary several-fold from one run
+// to the next (docs/state-file.md, "Performance"), and pairing exposes both sides to the same
+// state. Every file is removed (untimed) before the next write.
 Result<double> time_plain_write(const std::filesystem::path& path, uint64_t bytes, const std::vector<char>& buffer) {
   const auto start = Clock::now();
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
