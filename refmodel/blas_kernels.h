@@ -1,8 +1,8 @@
 // Making sure OpenBLAS runs the kernels this CPU can run. Debian 12's OpenBLAS (0.3.21)
 // picks its kernels by CPU model number, and on a CPU model newer than it knows it falls
 // back to its Prescott (SSE3) kernels even when the CPU has AVX-512: on the CI VM's Xeon
-// that made the reference prefill 2.6x slower (kvshare-prefill, 512 tokens of a 100M
-// model: 3.04 s with Prescott, 1.15 s with SkylakeX; docs/refmodel.md).
+// that made the reference prefill several times slower (docs/refmodel.md, "Performance",
+// has the kernels measured side by side).
 #pragma once
 
 namespace kvshare::refmodel {

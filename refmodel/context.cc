@@ -244,12 +244,12 @@ class RefContext final : public Context {
     const Weights& W = m_.weights();
 
     // Every buffer of the step is kept across calls, so a step at 4096 cells does not
-    // fault in megabytes of fresh pages (one minor fault per 4 KiB, 2-15 us each on the
-    // VMs we run on) before its first multiply, and a Context kept for the next prompt (a
-    // resident provider's) neither faults nor unmaps them again. Every element used is
-    // written before it is read (x by the embeddings, cur by rms_norm, load_kv fills n_kv
-    // rows, every sgemm has beta 0, rows by the copies), so nothing of an earlier call
-    // reaches this one.
+    // fault in megabytes of fresh pages (one minor fault per 4 KiB, dear on a VM: see
+    // docs/protocol.md, "What the route adds, equal work") before its first multiply, and a
+    // Context kept for the next prompt (a resident provider's) neither faults nor unmaps them
+    // again. Every element used is written before it is read (x by the embeddings, cur by
+    // rms_norm, load_kv fills n_kv rows, every sgemm has beta 0, rows by the copies), so
+    // nothing of an earlier call reaches this one.
     const auto sized = [](std::vector<float>& buffer, int64_t count) -> std::vector<float>& {
       buffer.resize(static_cast<size_t>(count));
       return buffer;

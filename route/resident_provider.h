@@ -41,7 +41,7 @@ class ResidentProvider {
     std::string socket_path;        // instead: a provider listening here
     std::function<void(const std::string&)> log;
     Metrics* metrics = nullptr;
-    // A model load on a busy machine (the 100M test model loads in ~2 s), not a measurement.
+    // Bounds a model load on a busy machine, with room to spare: a hung provider, not a slow one.
     std::chrono::milliseconds hello_timeout{120000};
   };
 

@@ -329,7 +329,8 @@ int Server::run() {
     return httplib::Server::HandlerResponse::Handled;
   });
   // A client that keeps its connection (OpenAI's SDKs do) would otherwise see each reply's
-  // body wait for its delayed ACK of the head: 40 ms (kvshare-bench serve, docs/hybrid.md).
+  // body wait for its delayed ACK of the head (kvshare-bench serve; docs/hybrid.md, "Serve's
+  // own overhead").
   // And it keeps it for 100 requests, as llama-server allows (Debian's httplib: 5).
   http_.set_tcp_nodelay(true);
   http_.set_keep_alive_max_count(100);

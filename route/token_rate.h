@@ -1,6 +1,6 @@
 // How long an engine takes per prompt token, as a function of where the token sits: ms per
 // token = base + slope x position. Attention reads every cell before a token, so a token
-// at position 3000 costs more than one at 300 (on the tiny generated model, 3x), and a rate
+// at position 3000 costs more than one at 300 (it attends over ten times the cells), and a rate
 // learned from turn 1 (positions 0..1500) says little of turn 5 (2800..3400) unless the
 // position is in it. Fitted by least squares over the samples, the older ones fading
 // (route/handoff_policy.h uses it to decide whether a handoff is worth it).

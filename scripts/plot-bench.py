@@ -162,7 +162,7 @@ def plot_first_byte(lines, out, stamp):
         ax.set_xticklabels(["%d tokens" % t for t in tokens])
         ax.set_yscale("log")
         # On a log axis a bar starts where the axis does: set it below the shortest prefill, so
-        # that a slow model's prefill part (all bars near 1 s) stays visible.
+        # that a slow model's prefill part (where every bar is long) stays visible.
         lows = [line[key] for line in mine for key in ("prefill_ms", "first_byte_ms") if line.get(key, 0) > 0]
         if lows:
             ax.set_ylim(bottom=min(lows) / 3)

@@ -3,8 +3,7 @@
 #   1. a RelWithDebInfo build (gcc) and every CTest (unit, integration, fuzz replays, bench smoke);
 #   2. an ASan+UBSan build (clang) of the same tests, run with leak detection, plus each
 #      libFuzzer target for a bounded time (KVSHARE_FUZZ_SECONDS, default 20 per target).
-#      KVSHARE_SANITIZE=0 skips it (a quick local run). On a 2-core VM: build ~5 min,
-#      tests ~35 s, fuzzing 5 x 20 s.
+#      KVSHARE_SANITIZE=0 skips it (a quick local run).
 # First of all the real llama-server (scripts/build-llama-server.sh), and after kvshare's
 # own build the same llama-server patched to share and adopt (--with-kvshare), so that no
 # test that needs one is skipped.

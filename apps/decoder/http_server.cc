@@ -437,7 +437,8 @@ DecoderServer::DecoderServer(ServerOptions options) : impl_(std::make_unique<Imp
   // Idle keep-alive connections hold a worker; a short timeout keeps shutdown prompt.
   impl_->http.set_keep_alive_timeout(1);
   // A reply is a head and then body pieces, written one after the other: with Nagle on, a
-  // piece on a kept-alive connection waits for the client's delayed ACK of the head (40 ms).
+  // piece on a kept-alive connection waits for the client's delayed ACK of the head
+  // (docs/hybrid.md, "Serve's own overhead", has what that cost).
   impl_->http.set_tcp_nodelay(true);
   impl_->http.set_keep_alive_max_count(100);  // llama-server's count (Debian's httplib: 5)
 }

@@ -18,8 +18,8 @@ namespace kvshare::refmodel {
 
 struct PrivateKv {
   // Not zeroed: a Context stores every cell before it attends over it, and no sink reads
-  // the cache. Zeroing faulted the whole cache in before the prefill began (~75 ms per
-  // request at 16384 tokens); now the prefill's own stores touch the prompt's cells.
+  // the cache. Zeroing faulted the whole cache in before the prefill began (docs/refmodel.md,
+  // "The resident form" has the cost); now the prefill's own stores touch the prompt's cells.
   std::vector<std::unique_ptr<std::byte[]>> buffers;
   KvMemory kv;
 };

@@ -22,7 +22,7 @@ class Listener {
   // it must be this uid's, not a link, mode 0700 (check_private_directory; EPERM names what
   // is wrong). The destructor unlinks the socket and leaves the directory. kvshare-serve
   // binds one per request in its own private directory: making and removing a directory
-  // per request cost ~3 ms (an rmdir) on a VM.
+  // per request cost an rmdir each (docs/hybrid.md, "What it costs").
   static Result<Listener> create_in(const std::filesystem::path& private_dir, const std::string& socket_name);
 
   Listener(Listener&& other) noexcept;

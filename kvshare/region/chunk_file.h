@@ -2,12 +2,12 @@
 //
 // Why: a provider is a fresh process per request, so its mapping of the decoder's region
 // is fresh too, and every 4 KiB page it writes takes a page fault on first touch: about
-// 100,000 for the 400 MB of a 4096-token Qwen3-Coder-30B-A3B prompt. On a VM each such
-// first touch costs several microseconds more than the copy (measured for issue 16:
-// 384 MiB through a fresh mapping 1.3 s, through pwrite() on the memfd 0.1-0.5 s, through
-// a warm mapping 0.03 s). pwrite() copies through the kernel's own linear map, which is
-// always mapped. Only memfd chunks can be written so; a dma-buf has no write(2) and keeps
-// its mapping (and its DMA_BUF_IOCTL_SYNC brackets).
+// 100,000 for the 400 MB of a 4096-token Qwen3-Coder-30B-A3B prompt. On a VM with shadow
+// page tables each such first touch costs far more than the copy of its 4 KiB (measured for
+// issue 16: docs/protocol.md, "Regions" and "What the route adds, equal work"). pwrite()
+// copies through the kernel's own linear map, which is always mapped. Only memfd chunks
+// can be written so; a dma-buf has no write(2) and keeps its mapping (and its
+// DMA_BUF_IOCTL_SYNC brackets).
 #pragma once
 
 #include <cstddef>

@@ -187,10 +187,11 @@ struct ExecPlan {
 KVSHARE_CHILD_CODE int clone_entry(void* plan) { exec_child(*static_cast<const ExecPlan*>(plan)); }
 
 // The child runs on a stack of its own in the parent's address space until it execs: no
-// copy of the parent's page tables and no copy-on-write faults in either process. A fork
-// from kvshare-serve (67 threads) took 14-60 ms from fork to exec on a VM with shadow page
-// tables, 1-5 ms now; this is what posix_spawn does, which cannot set a death signal or lift
-// fds. -1 with errno when the stack cannot be mapped or the clone fails.
+// copy of the parent's page tables and no copy-on-write faults in either process: a fork
+// from kvshare-serve (67 threads) was slow to reach exec on a VM with shadow page tables
+// (docs/hybrid.md, "What it costs", has before and after). This is what posix_spawn does,
+// which cannot set a death signal or lift fds. -1 with errno when the stack cannot be
+// mapped or the clone fails.
 constexpr size_t kChildStack = 256 * 1024;
 
 pid_t clone_and_exec(ExecPlan& plan) {

@@ -22,8 +22,9 @@ void AlignedBuffer::Free::operator()(std::byte* p) const { std::free(p); }
 
 Result<AlignedBuffer> AlignedBuffer::allocate(size_t size_bytes) {
   // Large buffers take 2 MiB alignment and transparent huge pages: first-touch page faults
-  // dominate filling a fresh multi-megabyte buffer on some hosts (measured ~15 us per 4 KiB
-  // fault on the CI VM), and huge pages cut them 512-fold.
+  // dominate filling a fresh multi-megabyte buffer on some hosts (the CI VM's cost per 4 KiB
+  // fault: docs/protocol.md, "What the route adds, equal work"), and huge pages cut them
+  // 512-fold.
   const bool is_large = size_bytes >= kHugePageBytes;
   const size_t alignment = is_large ? kHugePageBytes : kIoAlign;
   const size_t rounded = (std::max<size_t>(size_bytes, 1) + alignment - 1) / alignment * alignment;

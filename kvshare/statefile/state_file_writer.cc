@@ -475,13 +475,12 @@ struct StateFileWriter::Impl {
     }
     fd.reset(raw);
     // io_uring for O_DIRECT only: a buffered write to a regular file is punted to io_uring's
-    // own worker threads, and on the CI VM that made the writer 10-15% slower than pwrite
-    // from this thread (kvshare-bench statefile, paired runs: 0.66-0.71 vs 0.75-0.80 of a
-    // plain write()). A worker thread of our own doing the pwrites was slower still
-    // (0.67-0.76): the copy into the page cache then reads staging bytes another core wrote.
-    // Buffered staging chunks are small enough to stay in L2 between the conversion that
-    // writes them and the pwrite that copies them out (256 KiB: 0.85-0.92 of plain write()
-    // against 0.79-0.86 with 4 MiB); O_DIRECT wants large transfers.
+    // own worker threads, which made the writer slower than pwrite from this thread. A
+    // worker thread of our own doing the pwrites was slower still: the copy into the page
+    // cache then reads staging bytes another core wrote. Buffered staging chunks are small
+    // enough to stay in L2 between the conversion that writes them and the pwrite that
+    // copies them out; O_DIRECT wants large transfers. The paired runs of kvshare-bench
+    // statefile that chose each: docs/state-file.md, "Writing: streaming, atomic, io_uring".
     if (options.chunk_bytes == 0) options.chunk_bytes = opened_direct ? kDirectChunkBytes : kBufferedChunkBytes;
     auto created = IoQueue::create(fd.get(), temp_path.string(), opened_direct, options.queue_depth,
                                    options.allow_io_uring && opened_direct);

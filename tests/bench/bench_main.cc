@@ -1,13 +1,14 @@
-// kvshare-bench GROUP [--json] [--smoke] [--tokens N,N] [-- group flags] [--benchmark_* flags]
-// Runs one group's Google Benchmark cases and prints its side-by-side report.
+// kvshare-bench GROUP [--json] [--smoke] [--tokens N,N] [group flags] [--benchmark_* flags]
+// Runs one group's Google Benchmark cases and prints its side-by-side report; `all` runs
+// every group. The command line is CLI11's, as every tool's: one subcommand per group.
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include <unistd.h>
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
@@ -52,28 +53,100 @@ class CollectingReporter : public benchmark::ConsoleReporter {
 // "--rows f32|f16", "--buffered".
 std::string flag_usage(const GroupFlag& flag) { return flag.value.empty() ? flag.name : flag.name + " " + flag.value; }
 
-// To stdout for --help, to stderr after a bad argument.
-void print_usage(std::FILE* to = stderr) {
-  std::fprintf(
-      to,
-      "usage: kvshare-bench GROUP [--json] [--smoke] [--tokens N[,N...]] [--benchmark_* flags] [-- group flags]\n"
-      "       kvshare-bench route|conversation [--backend PATH] [--provider PATH] ...   (another decoder, e.g. "
-      "llama-server)\n"
-      "       kvshare-bench load [--tokens T] [--json] [group flags]   (a group's flags may also come before --)\n"
-      "       kvshare-bench all --smoke   (every group, tiny sizes: a check that they run)\n\n"
-      "groups:\n");
-  for (const auto& [name, group] : groups()) std::fprintf(to, "  %-10s %s\n", name.c_str(), group.help.c_str());
-  std::fprintf(to, "\ngroup flags (after --, or before it):\n");
-  for (const auto& [name, group] : groups())
-    for (const GroupFlag& flag : group.flags)
-      std::fprintf(to, "  %-10s %-22s %s\n", name.c_str(), flag_usage(flag).c_str(), flag.help.c_str());
+// "" when `value` is what `flag` takes, else the message naming the flag and the bad item.
+// "a|b": one of the choices; "N": a positive count; "...[,...]": a comma list of them.
+std::string value_error(const GroupFlag& flag, const std::string& value) {
+  const std::string list_mark = "[,...]";
+  const bool is_list = flag.value.size() > list_mark.size() && flag.value.ends_with(list_mark);
+  const std::string choices = is_list ? flag.value.substr(0, flag.value.size() - list_mark.size()) : flag.value;
+  const bool is_choice = choices.find('|') != std::string::npos;
+  if (!is_choice && choices != "N") return "";
+  for (size_t from = 0; from <= value.size();) {
+    const size_t comma = is_list ? std::min(value.find(',', from), value.size()) : value.size();
+    const std::string item = value.substr(from, comma - from);
+    if (is_choice && ("|" + choices + "|").find("|" + item + "|") == std::string::npos)
+      return flag.name + " \"" + item + "\": not one of " + choices;
+    if (!is_choice && (item.empty() || item.size() > 9 || item.find_first_not_of("0123456789") != std::string::npos ||
+                       std::atoi(item.c_str()) < 1))
+      return flag.name + " \"" + item + "\": not a positive count";
+    from = comma + 1;
+  }
+  return "";
 }
 
-int run_group(const Group& group, const BenchArgs& args, std::vector<char*> gbench_argv) {
+// "307,4096" (checked by value_error) -> {307, 4096}.
+std::vector<int> split_counts(const std::string& list) {
+  std::vector<int> counts;
+  for (size_t from = 0; from <= list.size();) {
+    const size_t comma = std::min(list.find(',', from), list.size());
+    counts.push_back(std::atoi(list.substr(from, comma - from).c_str()));
+    from = comma + 1;
+  }
+  return counts;
+}
+
+std::string join_counts(const std::vector<int>& counts) {
+  std::string out;
+  for (int n : counts) out += (out.empty() ? "" : ",") + std::to_string(n);
+  return out;
+}
+
+// Adds `flag` to `command`: each occurrence is checked (a bad value throws the message CLI11
+// prints) and appended to `into` as the group reads it, name then value.
+void add_flag_option(CLI::App& command, const GroupFlag& flag, std::vector<std::string>& into) {
+  if (flag.value.empty()) {
+    command.add_flag_function(
+        flag.name, [&into, name = flag.name](std::int64_t) { into.push_back(name); }, flag.help);
+    return;
+  }
+  auto take = [&into, flag](const std::vector<std::string>& values) {
+    for (const std::string& value : values) {
+      if (const std::string bad = value_error(flag, value); !bad.empty()) throw CLI::ValidationError(bad);
+      into.insert(into.end(), {flag.name, value});
+    }
+  };
+  CLI::Option* option = command.add_option_function<std::vector<std::string>>(flag.name, take, flag.help);
+  // One value per occurrence; a list flag may be repeated, any other is given once.
+  option->allow_extra_args(false)->expected(1)->type_name(flag.value);
+  if (flag.value.ends_with("[,...]")) option->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+}
+
+// What the command line asked for: the subcommand and its BenchArgs.
+struct Invocation {
+  CLI::App* command = nullptr;
+  BenchArgs args;
+  std::string tokens;  // --tokens as given (checked); "" when not given
+};
+
+// The options every group takes, then the group's own.
+void add_group_command(CLI::App& app, const Group& group, Invocation& asked) {
+  CLI::App* command = app.add_subcommand(group.name, group.help);
+  command->allow_extras();  // the --benchmark_* flags, for Google Benchmark; anything else is refused after parsing
+  command->add_flag("--json", asked.args.json, "one JSON object per case on stdout, nothing else");
+  command->add_flag("--smoke", asked.args.smoke, "tiny sizes, one iteration: a check that the group runs");
+  if (!group.tokens.empty()) {
+    std::string defaults = "(default " + join_counts(group.tokens);
+    if (!group.smoke_tokens.empty()) defaults += "; --smoke " + join_counts(group.smoke_tokens);
+    const GroupFlag tokens{"--tokens", "N[,...]", "prompt lengths in tokens, comma-separated " + defaults + ")"};
+    command
+        ->add_option_function<std::string>(
+            tokens.name,
+            [&asked, tokens](const std::string& value) {
+              if (const std::string bad = value_error(tokens, value); !bad.empty()) throw CLI::ValidationError(bad);
+              asked.tokens = value;
+            },
+            tokens.help)
+        ->type_name(tokens.value);
+  }
+  for (const GroupFlag& flag : group.flags) add_flag_option(*command, flag, asked.args.rest);
+  command->footer("Google Benchmark's --benchmark_* flags pass through (e.g. --benchmark_filter=REGEX).");
+  command->callback([&asked, command] { asked.command = command; });
+}
+
+int run_group(const Group& group, BenchArgs args) {
+  if (args.tokens.empty()) args.tokens = args.smoke && !group.smoke_tokens.empty() ? group.smoke_tokens : group.tokens;
   benchmark::ClearRegisteredBenchmarks();
   group.register_benchmarks(args);
-  int gbench_argc = static_cast<int>(gbench_argv.size());
-  benchmark::Initialize(&gbench_argc, gbench_argv.data());
   CollectingReporter reporter(args.json);
   benchmark::RunSpecifiedBenchmarks(&reporter);
   return group.report(reporter.results, args);
@@ -81,54 +154,9 @@ int run_group(const Group& group, const BenchArgs& args, std::vector<char*> gben
 
 }  // namespace
 
-// `name` among the flags of group `group_name`; nullptr when the group or the flag is unknown.
-const GroupFlag* group_flag(const std::string& group_name, const std::string& name) {
-  const auto group = groups().find(group_name);
-  if (group == groups().end()) return nullptr;
-  for (const GroupFlag& flag : group->second.flags)
-    if (flag.name == name) return &flag;
-  return nullptr;
-}
-
 bool add_group(Group group) {
   std::string name = group.name;
   return groups().emplace(std::move(name), std::move(group)).second;
-}
-
-std::string check_group_flags(const Group& group, const std::vector<std::string>& rest) {
-  for (size_t i = 0; i < rest.size(); ++i) {
-    const auto known =
-        std::find_if(group.flags.begin(), group.flags.end(), [&](const GroupFlag& f) { return f.name == rest[i]; });
-    if (known == group.flags.end()) {
-      std::string takes;
-      for (const GroupFlag& flag : group.flags) takes += (takes.empty() ? "" : ", ") + flag_usage(flag);
-      return "unknown flag \"" + rest[i] + "\" (this group takes: " + (takes.empty() ? "none" : takes) + ")";
-    }
-    if (known->value.empty()) continue;
-    if (i + 1 >= rest.size()) return known->name + " needs " + known->value;
-    const std::string& value = rest[++i];
-    // "a|b[,...]": a comma list of the choices ("--arch qwen3,gemma3").
-    const std::string list_mark = "[,...]";
-    const bool is_list = known->value.size() > list_mark.size() && known->value.ends_with(list_mark);
-    const std::string choices = is_list ? known->value.substr(0, known->value.size() - list_mark.size()) : known->value;
-    const bool is_choice = choices.find('|') != std::string::npos;
-    for (size_t from = 0; is_choice && from <= value.size();) {
-      const size_t comma = is_list ? std::min(value.find(',', from), value.size()) : value.size();
-      const std::string item = value.substr(from, comma - from);
-      if (("|" + choices + "|").find("|" + item + "|") == std::string::npos)
-        return known->name + " \"" + item + "\": not one of " + choices;
-      from = comma + 1;
-    }
-    // "N" a positive count; "N[,...]" a comma list of them ("--clients 1,4,16").
-    for (size_t from = 0; choices == "N" && from <= value.size();) {
-      const size_t comma = is_list ? std::min(value.find(',', from), value.size()) : value.size();
-      const std::string item = value.substr(from, comma - from);
-      if (item.empty() || item.find_first_not_of("0123456789") != std::string::npos || std::atoi(item.c_str()) < 1)
-        return known->name + " \"" + (is_list ? item : value) + "\": not a positive count";
-      from = comma + 1;
-    }
-  }
-  return "";
 }
 
 std::vector<const RunResult*> runs_with_prefix(const std::vector<RunResult>& runs, const std::string& prefix) {
@@ -151,98 +179,85 @@ double median_seconds(const std::vector<RunResult>& runs, const std::string& nam
 
 int main(int argc, char** argv) {
   using namespace kvshare::bench;
-  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
-    print_usage(argc < 2 ? stderr : stdout);
-    return argc < 2 ? 2 : 0;
+  CLI::App app{
+      "kvshare-bench: what kvshare's routes cost, measured side by side in one run. One subcommand per group; "
+      "kvshare-bench GROUP --help lists its options."};
+  app.name("kvshare-bench");
+  app.require_subcommand(1);
+  app.footer(
+      "Google Benchmark's --benchmark_* flags pass through after the group (e.g. --benchmark_filter=REGEX).\n"
+      "A group's flags may follow \"--\", as older invocations wrote them: route -- --rounds 3.");
+  Invocation asked;
+  for (const auto& [name, group] : groups()) add_group_command(app, group, asked);
+  CLI::App* all = app.add_subcommand("all", "every group in turn; with --smoke, tiny sizes: a check that each runs");
+  all->allow_extras();
+  all->add_flag("--json", asked.args.json, "one JSON object per case on stdout, nothing else");
+  all->add_flag("--smoke", asked.args.smoke, "tiny sizes, one iteration: a check that the groups run");
+  all->callback([&asked, all] { asked.command = all; });
+
+  // A group's flags once had to follow "--"; they are options of its subcommand now, and the
+  // "--" that the docs' older command lines still carry is dropped.
+  std::vector<std::string> words(argv + 1, argv + argc);
+  if (auto dashdash = std::find(words.begin(), words.end(), "--"); dashdash != words.end()) words.erase(dashdash);
+  // CLI11 2.1 says only "A subcommand is required" for an unknown first word: name it.
+  if (!words.empty() && !words[0].starts_with("-") && words[0] != "all" && !groups().contains(words[0])) {
+    std::string names;
+    for (const auto& [name, group] : groups()) names += name + ", ";
+    std::fprintf(stderr, "kvshare-bench: unknown group \"%s\" (groups: %sall)\nRun with --help for more information.\n",
+                 words[0].c_str(), names.c_str());
+    return 2;
   }
-  for (int i = 2; i < argc && std::strcmp(argv[i], "--") != 0; ++i)
-    if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
-      print_usage(stdout);
-      return 0;
+  std::reverse(words.begin(), words.end());  // CLI11 takes a vector last word first
+  try {
+    app.parse(words);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  const std::string group_name = asked.command->get_name();
+  const auto group = groups().find(group_name);
+  // What CLI11 left: --benchmark_* flags for Google Benchmark; anything else is a mistake.
+  std::vector<std::string> gbench_words;
+  for (const std::string& word : asked.command->remaining()) {
+    if (word.starts_with("--benchmark_")) {
+      gbench_words.push_back(word);
+      continue;
     }
-  std::string group_name = argv[1];
+    std::string takes;
+    if (group != groups().end())
+      for (const GroupFlag& flag : group->second.flags) takes += (takes.empty() ? "" : ", ") + flag_usage(flag);
+    const std::string what = word.starts_with("-") ? "unknown flag" : "unexpected argument";
+    const std::string hint = group == groups().end() ? "all takes no group's flags"
+                                                     : "this group takes: " + (takes.empty() ? "none" : takes);
+    std::fprintf(stderr, "kvshare-bench %s: %s \"%s\" (%s)\nRun with --help for more information.\n",
+                 group_name.c_str(), what.c_str(), word.c_str(), hint.c_str());
+    return 2;
+  }
+  if (!asked.tokens.empty()) asked.args.tokens = split_counts(asked.tokens);
+
   kvshare::refmodel::reexec_with_best_blas_kernels(argv);  // the prefill group's BLAS speed
   // OpenBLAS starts its worker threads when the library loads, and they spin in
   // sched_yield for a while: on a 2-core machine that steals a core from whatever is being
-  // measured (20% of the samples of `statefile` on the CI VM). Only the prefill group runs
-  // BLAS in this process, so every other group re-executes itself once with one BLAS thread
-  // (an explicit OPENBLAS_NUM_THREADS is left as it is).
+  // measured (docs/state-file.md, "Performance"). Only the prefill group runs BLAS in this
+  // process, so every other group re-executes itself once with one BLAS thread (an explicit
+  // OPENBLAS_NUM_THREADS is left as it is).
   if (group_name != "prefill" && group_name != "all" && std::getenv("OPENBLAS_NUM_THREADS") == nullptr) {
     ::setenv("OPENBLAS_NUM_THREADS", "1", 1);
     ::execv("/proc/self/exe", argv);  // on failure, go on with the threads as they are
   }
-  BenchArgs args;
-  std::vector<char*> gbench_argv{argv[0]};
-  static std::string min_time_flag = "--benchmark_min_time=0";
-  bool after_dashdash = false;
-  for (int i = 2; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (after_dashdash) {
-      args.rest.push_back(arg);
-    } else if (arg == "--") {
-      after_dashdash = true;
-    } else if (arg == "--json") {
-      args.json = true;
-    } else if (arg == "--smoke") {
-      args.smoke = true;
-    } else if ((arg == "--backend" || arg == "--provider") && i + 1 < argc) {
-      args.rest.push_back(arg);  // route and conversation: the decoder and provider (route_bench.cc)
-      args.rest.push_back(argv[++i]);
-    } else if (arg == "--tokens" && i + 1 < argc) {
-      std::string list = argv[++i];
-      size_t start = 0;
-      while (start <= list.size()) {
-        size_t comma = list.find(',', start);
-        std::string item = list.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-        try {
-          int n = std::stoi(item);
-          if (n <= 0) throw std::out_of_range("not positive");
-          args.tokens.push_back(n);
-        } catch (const std::exception&) {
-          std::fprintf(stderr, "kvshare-bench: --tokens: \"%s\" is not a positive token count\n", item.c_str());
-          return 2;
-        }
-        if (comma == std::string::npos) break;
-        start = comma + 1;
-      }
-    } else if (arg.rfind("--benchmark_", 0) == 0) {
-      gbench_argv.push_back(argv[i]);
-    } else if (const GroupFlag* flag = group_flag(group_name, arg)) {
-      // A flag of the group named may come before "--" too ("load --clients 1,4").
-      args.rest.push_back(arg);
-      if (!flag->value.empty() && i + 1 < argc) args.rest.push_back(argv[++i]);
-    } else {
-      std::fprintf(stderr, "kvshare-bench: unknown argument \"%s\"\n", arg.c_str());
-      print_usage();
-      return 2;
-    }
-  }
-  if (args.smoke) gbench_argv.push_back(min_time_flag.data());
-  gbench_argv.push_back(nullptr);
-  gbench_argv.pop_back();
 
-  if (group_name == "all") {
-    if (!args.rest.empty()) {
-      std::fprintf(stderr, "kvshare-bench all: group flags (\"%s\") go to one group, not to all\n",
-                   args.rest[0].c_str());
-      return 2;
-    }
-    int rc = 0;
-    for (const auto& [name, group] : groups()) {
-      std::fprintf(stderr, "== kvshare-bench %s\n", name.c_str());
-      rc |= run_group(group, args, gbench_argv);
-    }
-    return rc;
+  if (asked.args.smoke) gbench_words.push_back("--benchmark_min_time=0");
+  std::vector<char*> gbench_argv{argv[0]};
+  for (std::string& word : gbench_words) gbench_argv.push_back(word.data());
+  int gbench_argc = static_cast<int>(gbench_argv.size());
+  gbench_argv.push_back(nullptr);
+  benchmark::Initialize(&gbench_argc, gbench_argv.data());
+  if (benchmark::ReportUnrecognizedArguments(gbench_argc, gbench_argv.data())) return 2;
+
+  if (group != groups().end()) return run_group(group->second, asked.args);
+  int rc = 0;
+  for (const auto& [name, each] : groups()) {
+    std::fprintf(stderr, "== kvshare-bench %s\n", name.c_str());
+    rc |= run_group(each, asked.args);
   }
-  auto it = groups().find(group_name);
-  if (it == groups().end()) {
-    std::fprintf(stderr, "kvshare-bench: unknown group \"%s\"\n", group_name.c_str());
-    print_usage();
-    return 2;
-  }
-  if (const std::string bad = check_group_flags(it->second, args.rest); !bad.empty()) {
-    std::fprintf(stderr, "kvshare-bench %s: %s\n", group_name.c_str(), bad.c_str());
-    return 2;
-  }
-  return run_group(it->second, args, gbench_argv);
+  return rc;
 }

@@ -13,8 +13,8 @@ namespace kvshare::bench {
 struct BenchArgs {
   bool json = false;              // one JSON object per case on stdout, nothing else
   bool smoke = false;             // tiny sizes and one iteration: proves the code runs
-  std::vector<int> tokens;        // --tokens 307,4096; empty = the group's defaults
-  std::vector<std::string> rest;  // flags for the group (after --)
+  std::vector<int> tokens;        // --tokens 307,4096, else the group's `tokens` (or `smoke_tokens`)
+  std::vector<std::string> rest;  // the group's own flags as given: "--rows", "f16", "--buffered"
 };
 
 // One finished benchmark case, as the reporter saw it.
@@ -25,11 +25,12 @@ struct RunResult {
   std::map<std::string, double> counters;  // user counters, already finalised (rates per second)
 };
 
-// A flag a group takes after "--" (or, for route's --backend/--provider, before it).
+// A flag of one group, an option of its kvshare-bench subcommand.
 struct GroupFlag {
   std::string name;   // "--rows"
-  std::string value;  // "" for a switch; else what follows, "PATH", "N", or choices "f16|f32"
-  std::string help;
+  std::string value;  // "" for a switch; else what follows, "PATH", "N", or choices "f16|f32"; "[,...]" at
+                      // the end: a comma list, and the flag may be repeated ("--arch qwen3 --arch gemma3")
+  std::string help;   // with its default where it has one: "... (default 9)"
 };
 
 struct Group {
@@ -42,15 +43,11 @@ struct Group {
   // The flags register_benchmarks reads from BenchArgs::rest; kvshare-bench refuses any
   // other, and a choice or a count outside what the flag takes, before anything runs.
   std::vector<GroupFlag> flags = {};
+  // The prompt lengths when --tokens is not given; empty: the group takes no --tokens.
+  std::vector<int> tokens = {};
+  // The same under --smoke; empty: `tokens`.
+  std::vector<int> smoke_tokens = {};
 };
-
-// Checks `rest` against `group`'s flags: "" when every flag is known and has its value,
-// else the message naming the flag and what the group takes.
-std::string check_group_flags(const Group& group, const std::vector<std::string>& rest);
-
-// The flag `name` of group `group_name`, nullptr when either is unknown: kvshare-bench takes
-// a group's flags before "--" as well as after it.
-const GroupFlag* group_flag(const std::string& group_name, const std::string& name);
 
 // Adds a group; used from a static initialiser in each <group>_bench.cc:
 //   static const bool registered = kvshare::bench::add_group({...});

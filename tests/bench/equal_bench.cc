@@ -24,15 +24,17 @@
 // A route's added cost is its time less the floor's in the same round: what the handoff
 // itself adds to writing the bytes. The floor has no first look (below); it is timed after
 // the floor, apart (look_ms), since on warm pages it still reads one line of every 4 KiB page
-// (~80 ms at 32768 tokens): a resident provider's added cost less it is the handoff's own. Every side ends with the
-// decoder's own first look at its cells (one byte per 4 KiB page of the written rows, through its long-lived mapping),
-// which is where a page the provider put in place but the decoder never mapped would show. The sides run in rounds (one
-// of each per iteration), the order rotating each time, so a slow moment of a busy machine lands on every side alike;
-// the report gives medians and quartiles of each side and of the per-round ratios of the added costs, shared / file and
-// resident / file. Prompt lengths: --tokens N[,N...] (default 307, 4096, 32768; the decoder's -c is the longest of
-// them, at least 32768). Group flags (after --): --dir PATH for the state files (default $TMPDIR or /tmp); --rounds N
-// per length (default 15 up to 512 tokens, 9 up to 8192, 5 beyond: a 32768-token round
-// writes and reads a 3 GiB state file).
+// (its cost: docs/hybrid.md, "A resident provider"): a resident provider's added cost less
+// it is the handoff's own. Every side ends with the decoder's own first look at its cells
+// (one byte per 4 KiB page of the written rows, through its long-lived mapping), which is
+// where a page the provider put in place but the decoder never mapped would show. The sides
+// run in rounds (one of each per iteration), the order rotating each time, so a slow moment
+// of a busy machine lands on every side alike; the report gives medians and quartiles of each
+// side and of the per-round ratios of the added costs, shared / file and resident / file.
+// Prompt lengths: --tokens N[,N...] (default 307, 4096, 32768; the decoder's -c is the
+// longest of them, at least 32768). Group flags: --dir PATH for the state files (default
+// $TMPDIR or /tmp); --rounds N per length (default 15 up to 512 tokens, 9 up to 8192, 5
+// beyond: a 32768-token round writes and reads a 3 GiB state file).
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 #include <sys/resource.h>
@@ -348,8 +350,7 @@ void register_all(const BenchArgs& args) {
   s.dir = scratch_dir(args);
   for (size_t i = 0; i + 1 < args.rest.size(); ++i)
     if (args.rest[i] == "--rounds") s.rounds = std::max(1, std::atoi(args.rest[++i].c_str()));
-  std::vector<int> tokens = args.tokens;
-  if (tokens.empty()) tokens = args.smoke ? std::vector<int>{16} : std::vector<int>{307, 4096, 32768};
+  const std::vector<int>& tokens = args.tokens;
   if (args.smoke) s.n_ctx = 256;
   // A longer prompt than the default context gets a cache that holds it (llama.cpp pads
   // kv_size to 256).
@@ -478,6 +479,8 @@ const bool registered = add_group({
         {"--dir", "PATH", "where its files are written (default $TMPDIR, else /tmp)"},
         {"--rounds", "N", "paired rounds per length (default 15 to 512 tokens, 9 to 8192, 5 beyond)"},
     },
+    {307, 4096, 32768},
+    {16},
 });
 
 }  // namespace

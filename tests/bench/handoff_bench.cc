@@ -138,10 +138,8 @@ void bm_file(benchmark::State& state) {
 void register_all(const BenchArgs& args) {
   Settings& s = settings();
   s.dir = scratch_dir(args);
-  std::vector<int> tokens = args.tokens;
-  if (tokens.empty()) tokens = args.smoke ? std::vector<int>{16} : std::vector<int>{307, 4096, 32768};
   if (args.smoke) s.n_ctx = 256;
-  for (int n : tokens) {
+  for (int n : args.tokens) {
     const int shared_iters = args.smoke ? 1 : 51;
     const int file_iters = args.smoke ? 1 : n <= 512 ? 21 : n <= 8192 ? 7 : 3;
     benchmark::RegisterBenchmark(fmt::format("handoff/shared/{}", n).c_str(),
@@ -216,6 +214,8 @@ const bool registered = add_group({
     {
         {"--dir", "PATH", "where its files are written (default $TMPDIR, else /tmp)"},
     },
+    {307, 4096, 32768},
+    {16},
 });
 
 }  // namespace

@@ -483,7 +483,7 @@ void register_all(const BenchArgs& args) {
   if (args.smoke && !requests_given) s.requests_per_client = 1;
   if (args.smoke && !rounds_given) s.rounds = 1;
   if (args.smoke && !n_predict_given) s.n_predict = 2;
-  s.tokens = !args.tokens.empty() ? args.tokens.front() : args.smoke ? 16 : 300;
+  s.tokens = args.tokens.front();
   if (args.tokens.size() > 1) s.extra_tokens.assign(args.tokens.begin() + 1, args.tokens.end());
   find_backend(s, backend_given);
   s.provider = !provider_given.empty() ? provider_given
@@ -678,6 +678,8 @@ const bool registered = add_group({
         {"--n-predict", "N", "tokens generated per request, ignore_eos on (default 16; smoke 2)"},
         {"--rounds", "N", "rounds per client count, one phase per configuration each, order rotating (default 3)"},
     },
+    {300},
+    {16},
 });
 
 }  // namespace

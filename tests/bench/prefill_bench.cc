@@ -147,18 +147,13 @@ void bm_prefill(benchmark::State& state, Sink sink_kind, bool smoke) {
   state.counters["write_ms"] = state.iterations() ? write_s * 1e3 / static_cast<double>(state.iterations()) : 0.0;
 }
 
-std::vector<int> token_counts(const BenchArgs& args) {
-  if (!args.tokens.empty()) return args.tokens;
-  return {args.smoke ? 16 : 512};
-}
-
 const bool registered = add_group({
     "prefill",
     "reference provider prefill tokens/s on a ~100M-parameter qwen3-shaped model: forward pass, + scatter, + state "
     "file",
     [](const BenchArgs& args) {
       const bool smoke = args.smoke;
-      for (int n : token_counts(args)) {
+      for (int n : args.tokens) {
         for (auto [name, kind] : {std::pair{"forward", Sink::none}, std::pair{"scatter", Sink::scatter},
                                   std::pair{"statefile", Sink::state_file}}) {
           auto* b =
@@ -174,7 +169,7 @@ const bool registered = add_group({
     },
     [](const std::vector<RunResult>& runs, const BenchArgs& args) {
       if (!args.json) fmt::print("prefill: {}\n", setup(args.smoke).description);
-      for (int n : token_counts(args)) {
+      for (int n : args.tokens) {
         // Registered names carry Google Benchmark's suffixes ("/512/min_time:2.000/real_time").
         auto seconds = [&](const std::string& key) {
           const auto found = runs_with_prefix(runs, key + "/");
@@ -201,6 +196,9 @@ const bool registered = add_group({
       }
       return 0;
     },
+    {},
+    {512},
+    {16},
 });
 
 }  // namespace

@@ -279,17 +279,11 @@ void bm_first_token_self(benchmark::State& state, bool smoke) {
   }
 }
 
-std::vector<int> token_counts(const BenchArgs& args) {
-  if (args.smoke) return {16};
-  if (!args.tokens.empty()) return args.tokens;
-  return {307, 4096};
-}
-
 const bool registered = add_group({
     "remote",
     "remote route: UCX transfer bytes/s vs memcpy and the file route; first token vs the decoder's own prefill",
     [](const BenchArgs& args) {
-      for (int n : token_counts(args)) {
+      for (int n : args.tokens) {
         const int iterations = args.smoke ? 1 : (n > 1000 ? 3 : 10);
         benchmark::RegisterBenchmark(fmt::format("remote/ucx/{}", n).c_str(), bm_ucx)
             ->Arg(n)
@@ -338,7 +332,7 @@ const bool registered = add_group({
       if (!args.json)
         fmt::print("{:>7} {:>10} {:>12} {:>12} {:>12} {:>9} {:>9} {:>13} {:>13} {:>9}\n", "tokens", "MiB", "ucx MB/s",
                    "memcpy MB/s", "file MB/s", "ucx/mcpy", "ucx/file", "1st remote ms", "1st self ms", "self/rem");
-      for (int n : token_counts(args)) {
+      for (int n : args.tokens) {
         const std::string s = std::to_string(n);
         const double ucx = rate("remote/ucx/" + s), mc = rate("remote/memcpy/" + s), file = rate("remote/file/" + s);
         const double first_remote = 1e3 * seconds("remote/first_remote/" + s);
@@ -367,6 +361,9 @@ const bool registered = add_group({
             std::getenv("UCX_TLS") ? std::getenv("UCX_TLS") : "default");
       return 0;
     },
+    {},
+    {307, 4096},
+    {16},
 });
 
 }  // namespace

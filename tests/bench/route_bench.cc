@@ -13,7 +13,7 @@
 // provider's own prefill_ms and serve's handoff_ms (restore, or share + adopt).
 // overhead_ms = first_byte_ms - prefill_ms is what the route adds to the provider's work:
 // starting the provider and loading the model, the handoff, the decoder's one-token step,
-// the HTTP hops. The 2-second spread of a CPU prefill drowns a 6 ms handoff in first_byte_ms;
+// the HTTP hops. The spread of a CPU prefill drowns a handoff's milliseconds in first_byte_ms;
 // overhead_ms takes the prefill out, request by request. Serve's `phases:` line splits
 // each request further (tokenize, share, the provider's wall time and the region's part of
 // it, adopt or restore, the decoder's first token); the report prints their medians, and
@@ -547,8 +547,7 @@ void register_all(const BenchArgs& args) {
   s.is_llama_server = s.backend.filename() != "kvshare-decoder";
   if (s.is_llama_server && !provider_given) s.provider = s.backend.parent_path() / "llama-kvshare-prefill";
   s.resident_why = resident_support(s.provider);
-  std::vector<int> tokens = args.tokens;
-  if (tokens.empty()) tokens = args.smoke ? std::vector<int>{16} : std::vector<int>{307, 4096};
+  const std::vector<int>& tokens = args.tokens;
   // The longest prompt and the one generated token fit the context (llama.cpp pads it to 256).
   s.n_ctx = 8192;
   for (int n : tokens) s.n_ctx = std::max(s.n_ctx, (n + 1 + 255) / 256 * 256);
@@ -687,8 +686,7 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
             pair.outside.count(handoff) ? pair.outside.at(handoff) : 0.0, pair.model_load);
   }
   // What was not run, and why: one line per reason, naming the archs (and lengths) it hit.
-  std::vector<int> tokens = args.tokens;
-  if (tokens.empty()) tokens = args.smoke ? std::vector<int>{16} : std::vector<int>{307, 4096};
+  const std::vector<int>& tokens = args.tokens;
   std::vector<std::pair<std::string, std::vector<std::string>>> not_run;  // why, what
   auto add_not_run = [&](const std::string& why, const std::string& what) {
     auto it = std::find_if(not_run.begin(), not_run.end(), [&](const auto& entry) { return entry.first == why; });
@@ -797,6 +795,8 @@ const bool registered = add_group({
          "the generated model: the tiny default, or ~100M parameters (first byte with a real "
          "model load)"},
     },
+    {307, 4096},
+    {16},
 });
 
 }  // namespace

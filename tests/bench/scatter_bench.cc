@@ -171,8 +171,7 @@ const bool registered = add_group({
     "kvshare::scatter f16->f16 and f32->f16 into a Qwen3-Coder-30B-A3B f16 cache vs memcpy of the same bytes, "
     "in rotating rounds",
     [](const BenchArgs& args) {
-      std::vector<int> tokens = args.tokens.empty() ? std::vector<int>{4096} : args.tokens;
-      for (int n : tokens) {
+      for (int n : args.tokens) {
         const Shape shape = shape_for(args, n);
         benchmark::RegisterBenchmark(("scatter/" + std::to_string(shape.n_tokens)).c_str(),
                                      [shape](benchmark::State& s) { bm_rounds(s, shape); })
@@ -206,6 +205,8 @@ const bool registered = add_group({
       }
       return 0;
     },
+    {},
+    {4096},
 });
 
 }  // namespace

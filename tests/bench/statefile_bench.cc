@@ -112,9 +112,9 @@ std::pair<double, double> quartiles(const std::vector<double>& values) {
 
 // Our writer and a plain write() of the same byte count are timed in pairs, alternating
 // which goes first, and the medians and the median of the per-pair ratios are reported:
-// the VM's page-cache writeback makes a single buffered write vary 3x from one run to the
-// next, and pairing exposes both sides to the same state. Every file is removed (untimed)
-// before the next write.
+// the VM's page-cache writeback makes a single buffered write vary several-fold from one run
+// to the next (docs/state-file.md, "Performance"), and pairing exposes both sides to the same
+// state. Every file is removed (untimed) before the next write.
 Result<double> time_plain_write(const std::filesystem::path& path, uint64_t bytes, const std::vector<char>& buffer) {
   const auto start = Clock::now();
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -281,8 +281,7 @@ void register_all(const BenchArgs& args) {
     if (args.rest[i] == "--rows" && i + 1 < args.rest.size())  // f32|f16, checked by kvshare-bench
       s.rows = args.rest[i + 1] == "f16" ? layout::GgmlType::F16 : layout::GgmlType::F32;
   }
-  std::vector<int> tokens = args.tokens;
-  if (tokens.empty()) tokens = args.smoke ? std::vector<int>{16} : std::vector<int>{307, 4096, 32768};
+  const std::vector<int>& tokens = args.tokens;
   for (int n : tokens) {
     const int iters = iterations_for(n, args.smoke);
     using Fn = void (*)(benchmark::State&);
@@ -362,6 +361,8 @@ const bool registered = add_group({
         {"--buffered", "", "no O_DIRECT for the writer and the reader"},
         {"--rows", "f32|f16", "the provider's rows: f32 (default, converted) or already f16 (copied)"},
     },
+    {307, 4096, 32768},
+    {16},
 });
 
 }  // namespace

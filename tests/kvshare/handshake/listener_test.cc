@@ -43,7 +43,7 @@ TEST_F(HandshakeListener, ListensInAPrivateDirectoryAndRemovesItOnDestruction) {
 }
 
 // kvshare-serve binds one socket per request in its own slot directory: no directory is
-// made and removed per request (an rmdir cost ~3 ms on a VM).
+// made and removed per request (its rmdir's cost: docs/hybrid.md, "What it costs").
 TEST_F(HandshakeListener, ListensInTheCallersPrivateDirectoryAndLeavesIt) {
   testing::TempDir parent;
   const fs::path directory = parent / "serve";

@@ -263,9 +263,9 @@ TEST_F(Spawn, StartsTheChildWithNoBlockedSignalsAndSigpipeAtItsDefault) {
 }
 
 // Regression: fork() write-protected every page of the caller (kvshare-serve) for
-// copy-on-write, so each page it wrote afterwards faulted again; on a VM with shadow page
-// tables fork to exec took 50-60 ms per provider. The child now shares the caller's memory
-// until it execs.
+// copy-on-write, so each page it wrote afterwards faulted again, and on a VM with shadow
+// page tables fork to exec took tens of milliseconds per provider (docs/hybrid.md,
+// "Processes and descriptors"). The child now shares the caller's memory until it execs.
 TEST_F(Spawn, LeavesTheCallersPagesWritableWithoutAFault) {
   constexpr size_t kBytes = 64u << 20;
   void* memory = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
