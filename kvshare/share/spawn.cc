@@ -1,12 +1,10 @@
 #include "kvshare/share/spawn.h"
 
 #include <fcntl.h>
-#include <linux/close_range.h>
 #include <poll.h>
-#include <sched.h>
 #include <signal.h>
-#include <sys/mman.h>
-#include <sys/prctl.h>
+#include <spawn.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -16,8 +14,6 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
-#include <set>
-#include <thread>
 
 #include "kvshare/sys.h"
 
@@ -27,39 +23,6 @@ namespace kvshare {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// What the child reports on the status pipe when a step before exec (or exec) fails.
-enum class ChildStep : int { setpgid, pdeathsig, lift, stdin, stdout, stderr, inherit, close_range, exec };
-
-struct ChildFailure {
-  ChildStep step = ChildStep::exec;
-  int error = 0;
-  int fd = -1;  // the descriptor the step was about, or -1
-};
-
-std::string describe_step(const ChildFailure& failure) {
-  switch (failure.step) {
-    case ChildStep::setpgid:
-      return "setpgid (a process group of its own)";
-    case ChildStep::pdeathsig:
-      return "prctl(PR_SET_PDEATHSIG)";
-    case ChildStep::lift:
-      return fmt::format("moving fd {} out of the way of the inherited numbers", failure.fd);
-    case ChildStep::stdin:
-      return "dup2 of /dev/null to its stdin";
-    case ChildStep::stdout:
-      return "dup2 to its stdout";
-    case ChildStep::stderr:
-      return "dup2 to its stderr";
-    case ChildStep::inherit:
-      return fmt::format("dup2 to inherited fd {}", failure.fd);
-    case ChildStep::close_range:
-      return "close_range(CLOSE_RANGE_CLOEXEC) on every other descriptor (Linux 5.11 or later)";
-    case ChildStep::exec:
-      return "exec";
-  }
-  return "an unknown step";
-}
 
 Result<std::string> resolve_program(const std::string& name) {
   if (name.empty()) return fail(EINVAL, "spawn: the command is empty");
@@ -92,123 +55,77 @@ void append_capped(std::string& text, const char* data, size_t n) {
   if (text.size() > kCaptureBytes) text.erase(0, text.size() - kCaptureBytes);
 }
 
-// Everything the child needs, prepared before the clone: the child shares the parent's
-// memory until it execs (CLONE_VM | CLONE_VFORK) and the parent has other threads, so it
-// may only make async-signal-safe calls, no allocation, and write nothing of the parent's
-// but `lifted` and errno.
-struct ExecPlan {
-  const char* program = nullptr;
-  char* const* argv = nullptr;
-  char* const* envp = nullptr;
-  const SpawnOptions* options = nullptr;
-  pid_t parent = 0;
-  int devnull = -1;
-  int stdout_fd = -1;  // the capture pipe's write end, or -1
-  int stderr_fd = -1;  // the capture pipe's write end or the stderr file, or -1
-  int status_fd = -1;
-  int floor = 3;                        // above every target number: where sources are lifted to
-  int* lifted = nullptr;                // [n inherit] scratch
-  const int* sorted_targets = nullptr;  // [n inherit] ascending
+// posix_spawn_file_actions_t and posix_spawnattr_t, destroyed on every return.
+class FileActions {
+ public:
+  FileActions() { ::posix_spawn_file_actions_init(&actions_); }
+  ~FileActions() { ::posix_spawn_file_actions_destroy(&actions_); }
+  FileActions(const FileActions&) = delete;
+  FileActions& operator=(const FileActions&) = delete;
+  posix_spawn_file_actions_t* get() { return &actions_; }
+
+ private:
+  posix_spawn_file_actions_t actions_;
 };
 
-// The child's code runs on a stack ASan does not know (see clone_and_exec): uninstrumented,
-// or ASan's no-return bookkeeping warns on the child's stderr before exec.
-#define KVSHARE_CHILD_CODE __attribute__((no_sanitize("address")))
+class SpawnAttributes {
+ public:
+  SpawnAttributes() { ::posix_spawnattr_init(&attributes_); }
+  ~SpawnAttributes() { ::posix_spawnattr_destroy(&attributes_); }
+  SpawnAttributes(const SpawnAttributes&) = delete;
+  SpawnAttributes& operator=(const SpawnAttributes&) = delete;
+  posix_spawnattr_t* get() { return &attributes_; }
 
-[[noreturn]] KVSHARE_CHILD_CODE void child_fail(int status_fd, ChildStep step, int fd) {
-  const ChildFailure failure{step, errno, fd};
-  (void)!::write(status_fd, &failure, sizeof failure);
-  ::_exit(127);
+ private:
+  posix_spawnattr_t attributes_;
+};
+
+// The file actions run in order in the child, so a dup2 onto number N destroys whatever
+// the child had at N. A source that sits on a number some dup2 writes (0-2 or a target)
+// is therefore duplicated in this process, close-on-exec, to `floor` or above (past every
+// target) before the spawn, and the copy is what the child dup2s from. `copies` owns the
+// copies until the spawn has returned.
+Result<int> lift_off_targets(int fd, const std::vector<int>& sorted_targets, int floor, std::vector<Fd>& copies) {
+  if (fd < 0) return fd;
+  if (fd > STDERR_FILENO && !std::binary_search(sorted_targets.begin(), sorted_targets.end(), fd)) return fd;
+  Fd copy(::fcntl(fd, F_DUPFD_CLOEXEC, floor));
+  if (!copy) return fail(errno, "moving fd {} above the inherited numbers (to {} or more)", fd, floor);
+  copies.push_back(std::move(copy));
+  return copies.back().get();
 }
 
-[[noreturn]] KVSHARE_CHILD_CODE void exec_child(const ExecPlan& plan) {
-  const SpawnOptions& options = *plan.options;
-  // The status pipe first: every later failure is reported through it.
-  const int status_fd = ::fcntl(plan.status_fd, F_DUPFD_CLOEXEC, plan.floor);
-  if (status_fd < 0) child_fail(plan.status_fd, ChildStep::lift, plan.status_fd);
-  if (::setpgid(0, 0) != 0) child_fail(status_fd, ChildStep::setpgid, -1);
-  if (options.die_with_parent) {
-    if (::prctl(PR_SET_PDEATHSIG, SIGTERM) != 0) child_fail(status_fd, ChildStep::pdeathsig, -1);
-    // The parent may have died before the prctl: then no signal would ever come.
-    if (::getppid() != plan.parent) ::_exit(127);
-  }
-  // Every signal is blocked (the parent blocked them around the clone). A handler of the
-  // parent's must not run here, on memory the parent shares: back to the default before
-  // anything is unblocked. serve blocks SIGTERM/SIGINT for its signal thread and ignores
-  // SIGPIPE; both would survive exec and change how the child dies.
-  struct sigaction default_action {};
-  default_action.sa_handler = SIG_DFL;
-  for (int sig = 1; sig < NSIG; ++sig) {
-    struct sigaction current {};
-    if (::sigaction(sig, nullptr, &current) != 0) continue;  // 32/33: glibc's own, refused
-    if (sig == SIGPIPE || (current.sa_handler != SIG_DFL && current.sa_handler != SIG_IGN))
-      ::sigaction(sig, &default_action, nullptr);
-  }
-  sigset_t none;
-  sigemptyset(&none);
-  ::sigprocmask(SIG_SETMASK, &none, nullptr);
-
-  // Lift every source above the target numbers first, so a dup2 onto a target can never
-  // clobber a source that happens to sit there.
-  auto lift = [&](int fd) KVSHARE_CHILD_CODE {
-    if (fd < 0) return -1;
-    const int high = ::fcntl(fd, F_DUPFD_CLOEXEC, plan.floor);
-    if (high < 0) child_fail(status_fd, ChildStep::lift, fd);
-    return high;
-  };
-  const size_t n = options.inherit_fds.size();
-  for (size_t i = 0; i < n; ++i) plan.lifted[i] = lift(options.inherit_fds[i].first);
-  const int devnull = lift(plan.devnull), out = lift(plan.stdout_fd), err = lift(plan.stderr_fd);
-  // dup2 clears close-on-exec on the new number: these are exactly what survives exec.
-  if (::dup2(devnull, STDIN_FILENO) < 0) child_fail(status_fd, ChildStep::stdin, devnull);
-  if (err >= 0 && ::dup2(err, STDERR_FILENO) < 0) child_fail(status_fd, ChildStep::stderr, err);
-  if (out >= 0) {
-    if (::dup2(out, STDOUT_FILENO) < 0) child_fail(status_fd, ChildStep::stdout, out);
-  } else if (options.stdout_to_stderr) {
-    if (::dup2(STDERR_FILENO, STDOUT_FILENO) < 0) child_fail(status_fd, ChildStep::stdout, STDERR_FILENO);
-  }
-  for (size_t i = 0; i < n; ++i) {
-    const int target = options.inherit_fds[i].second;
-    if (::dup2(plan.lifted[i], target) != target) child_fail(status_fd, ChildStep::inherit, target);
-  }
-  // Everything but 0-2 and the targets closes at exec, even what a library opened without
-  // O_CLOEXEC (cpp-httplib's accepted client sockets, for one).
-  unsigned int from = 3;
-  for (size_t i = 0; i <= n; ++i) {
-    const unsigned int to = i < n ? static_cast<unsigned int>(plan.sorted_targets[i]) : UINT_MAX;
-    if (to > from && ::syscall(SYS_close_range, from, to == UINT_MAX ? UINT_MAX : to - 1, CLOSE_RANGE_CLOEXEC) != 0)
-      child_fail(status_fd, ChildStep::close_range, -1);
-    if (i < n) from = to + 1;
-  }
-  ::execve(plan.program, plan.argv, plan.envp);
-  child_fail(status_fd, ChildStep::exec, -1);
+// glibc's own signals, 32 and 33 (from __SIGRTMIN up to SIGRTMIN): its posix_spawn
+// (2.36, sysdeps/unix/sysv/linux/spawni.c) sets them to SIG_IGN in the child unless they
+// are in the spawn-sigdefault set, and an ignored signal stays ignored after exec. sigaddset
+// refuses them, so their bits are set by hand.
+void add_libc_signals(sigset_t& set) {
+  constexpr int kWordBits = 8 * sizeof set.__val[0];
+  for (int sig = __SIGRTMIN; sig < SIGRTMIN; ++sig) set.__val[(sig - 1) / kWordBits] |= 1UL << ((sig - 1) % kWordBits);
 }
 
-KVSHARE_CHILD_CODE int clone_entry(void* plan) { exec_child(*static_cast<const ExecPlan*>(plan)); }
+// The death signal. glibc's posix_spawn cannot call prctl(PR_SET_PDEATHSIG) in the child,
+// so the child execs setpriv (util-linux, essential on Debian) to set it, and setpriv execs
+// a shell that checks its parent is still this process: one that died before setpriv's
+// prctl sends no signal, and the child would run on as an orphan. The shell's $PPID is read
+// after the prctl; exit 127 then, as for an exec that failed. Two more execs (their cost is
+// in docs/hybrid.md) once per decoder or resident provider start buy one spawner, not two.
+constexpr const char* kCheckParentThenExec = "[ \"$PPID\" = \"$1\" ] || exit 127; shift; exec \"$@\"";
 
-// The child runs on a stack of its own in the parent's address space until it execs: no
-// copy of the parent's page tables and no copy-on-write faults in either process: a fork
-// from kvshare-serve (67 threads) was slow to reach exec on a VM with shadow page tables
-// (docs/hybrid.md, "What it costs", has before and after). This is what posix_spawn does,
-// which cannot set a death signal or lift fds. -1 with errno when the stack cannot be
-// mapped or the clone fails.
-constexpr size_t kChildStack = 256 * 1024;
-
-pid_t clone_and_exec(ExecPlan& plan) {
-  void* stack = ::mmap(nullptr, kChildStack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
-  if (stack == MAP_FAILED) return -1;
-  sigset_t all, old;
-  sigfillset(&all);
-  ::pthread_sigmask(SIG_BLOCK, &all, &old);
-  // CLONE_VFORK: this thread waits until the child has exec'd or exited, so the plan and
-  // the stack outlive every use.
-  const pid_t pid =
-      ::clone(clone_entry, static_cast<char*>(stack) + kChildStack, CLONE_VM | CLONE_VFORK | SIGCHLD, &plan);
-  const int clone_errno = errno;
-  ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
-  ::munmap(stack, kChildStack);
-  errno = clone_errno;
-  return pid;
+Result<std::vector<std::string>> through_death_signal(const std::string& program,
+                                                      const std::vector<std::string>& argv) {
+  auto setpriv = resolve_program("setpriv");
+  if (!setpriv)
+    return fail(ENOENT,
+                "spawn {}: a child that dies with its parent is started through setpriv (util-linux), "
+                "which is not in PATH; install util-linux",
+                program);
+  // The shell's exec of the program cannot report back: check it can run from here.
+  if (::access(program.c_str(), X_OK) != 0) return fail(errno, "spawn {}: exec", program);
+  // setpriv --pdeathsig TERM -- /bin/sh -c CHECK kvshare-spawn PARENT_PID PROGRAM ARGS...
+  std::vector<std::string> wrapped = {*setpriv, "--pdeathsig", "TERM", "--", "/bin/sh", "-c"};
+  wrapped.insert(wrapped.end(), {kCheckParentThenExec, "kvshare-spawn", std::to_string(::getpid()), program});
+  wrapped.insert(wrapped.end(), argv.begin() + 1, argv.end());
+  return wrapped;
 }
 
 }  // namespace
@@ -248,13 +165,19 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
   if (options.inherit_fds.size() > kMaxInheritedFds)
     return fail(EINVAL, "spawn {}: {} descriptors to pass, the limit is {}", argv[0], options.inherit_fds.size(),
                 kMaxInheritedFds);
+  rlimit open_files{};
+  ::getrlimit(RLIMIT_NOFILE, &open_files);
   std::vector<int> targets;
   for (const auto& [fd, target] : options.inherit_fds) {
-    if (fd < 0)
-      return fail(EBADF, "spawn {}: inherited descriptor {} (for number {}) is not open", argv[0], fd, target);
+    // Checked here: in the child a failed dup2 comes back as a bare EBADF, naming nothing.
+    if (fd < 0 || ::fcntl(fd, F_GETFD) < 0)
+      return fail(EBADF, "spawn {}: inherited fd {} (for number {}) is not open", argv[0], fd, target);
     if (target < kFirstInheritedFd)
       return fail(EINVAL, "spawn {}: an inherited descriptor cannot take number {} (0-2 are stdin, stdout, stderr)",
                   argv[0], target);
+    if (static_cast<rlim_t>(target) >= open_files.rlim_cur)
+      return fail(EINVAL, "spawn {}: inherited number {} is past the open-file limit {} (ulimit -n)", argv[0], target,
+                  open_files.rlim_cur);
     targets.push_back(target);
   }
   std::sort(targets.begin(), targets.end());
@@ -263,9 +186,17 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
                 *std::adjacent_find(targets.begin(), targets.end()));
   auto program = resolve_program(argv[0]);
   if (!program) return fail(program.error());
+  std::vector<std::string> exec_argv = argv;
+  std::string exec_program = *program;
+  if (options.die_with_parent) {
+    auto wrapped = through_death_signal(*program, argv);
+    if (!wrapped) return fail(wrapped.error());
+    exec_argv = std::move(*wrapped);
+    exec_program = exec_argv[0];
+  }
 
   std::vector<char*> child_argv;
-  for (const auto& arg : argv) child_argv.push_back(const_cast<char*>(arg.c_str()));
+  for (const auto& arg : exec_argv) child_argv.push_back(const_cast<char*>(arg.c_str()));
   child_argv.push_back(nullptr);
   // Our environment with options.env set on top (a NAME in both takes the new value).
   auto overridden = [&](std::string_view entry) {
@@ -278,13 +209,8 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
     if (!overridden(*entry)) child_env.push_back(*entry);
   for (const auto& set : options.env) child_env.push_back(const_cast<char*>(set.c_str()));
   child_env.push_back(nullptr);
-  std::vector<int> lifted(options.inherit_fds.size());
 
-  Fd devnull(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-  if (!devnull) return fail(errno, "spawn {}: open /dev/null for its stdin", *program);
   int pipe_fds[2];
-  if (::pipe2(pipe_fds, O_CLOEXEC) != 0) return fail(errno, "spawn {}: status pipe", *program);
-  Fd status_r(pipe_fds[0]), status_w(pipe_fds[1]);
   Fd out_r, out_w, err_r, err_w;
   if (options.capture_stdout) {
     if (::pipe2(pipe_fds, O_CLOEXEC) != 0) return fail(errno, "spawn {}: stdout pipe", *program);
@@ -300,27 +226,71 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
     if (!err_w) return fail(errno, "spawn {}: opening {} for its stderr", *program, options.stderr_path);
   }
 
-  ExecPlan plan;
-  plan.program = program->c_str();
-  plan.argv = child_argv.data();
-  plan.envp = child_env.data();
-  plan.options = &options;
-  plan.parent = ::getpid();
-  plan.devnull = devnull.get();
-  plan.stdout_fd = out_w.get();
-  plan.stderr_fd = err_w.get();
-  plan.status_fd = status_w.get();
-  plan.floor = std::max(kFirstInheritedFd, targets.empty() ? 0 : targets.back() + 1);
-  plan.lifted = lifted.data();
-  plan.sorted_targets = targets.data();
+  // Above every number the child's dup2s write: where sources are lifted to, and where the
+  // child's closefrom starts.
+  const int floor = std::max(kFirstInheritedFd, targets.empty() ? 0 : targets.back() + 1);
+  std::vector<Fd> copies;
+  FileActions actions;
+  int rc = ::posix_spawn_file_actions_addopen(actions.get(), STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+  auto dup_to = [&](int fd, int number) -> Result<void> {
+    auto source = lift_off_targets(fd, targets, floor, copies);
+    if (!source) return fail(source.error().with_context(fmt::format("spawn {}", *program)));
+    // dup2 clears close-on-exec on the new number (also when source and number are equal,
+    // glibc 2.29 on): these are exactly what survives exec.
+    if (rc == 0) rc = ::posix_spawn_file_actions_adddup2(actions.get(), *source, number);
+    return {};
+  };
+  if (err_w) {
+    if (auto dup = dup_to(err_w.get(), STDERR_FILENO); !dup) return fail(dup.error());
+  }
+  if (out_w) {
+    if (auto dup = dup_to(out_w.get(), STDOUT_FILENO); !dup) return fail(dup.error());
+  } else if (options.stdout_to_stderr && rc == 0) {
+    rc = ::posix_spawn_file_actions_adddup2(actions.get(), STDERR_FILENO, STDOUT_FILENO);
+  }
+  for (const auto& [fd, target] : options.inherit_fds)
+    if (auto dup = dup_to(fd, target); !dup) return fail(dup.error());
+  // Everything but 0-2 and the targets is closed, even what a library opened without
+  // O_CLOEXEC (cpp-httplib's accepted client sockets, for one): each number between the
+  // targets (glibc ignores one that is not open), then everything from `floor` up.
+  for (int number = kFirstInheritedFd; number < floor && rc == 0; ++number)
+    if (!std::binary_search(targets.begin(), targets.end(), number))
+      rc = ::posix_spawn_file_actions_addclose(actions.get(), number);
+  // At the open-file limit nothing can be open from `floor` up, and glibc refuses the action.
+  if (rc == 0 && static_cast<rlim_t>(floor) < open_files.rlim_cur)
+    rc = ::posix_spawn_file_actions_addclosefrom_np(actions.get(), floor);
+  if (rc != 0) return fail(rc, "spawn {}: building its file actions", *program);
 
+  // Its own process group, no blocked signal, SIGPIPE and glibc's signals at their default:
+  // serve blocks SIGTERM and SIGINT for its signal thread and ignores SIGPIPE, and both
+  // would survive exec. glibc also resets every handler of ours to the default in the child
+  // before unblocking, since the child runs on our memory until it execs.
+  SpawnAttributes attributes;
+  sigset_t none, to_default;
+  sigemptyset(&none);
+  sigemptyset(&to_default);
+  sigaddset(&to_default, SIGPIPE);
+  add_libc_signals(to_default);
+  rc = ::posix_spawnattr_setflags(attributes.get(),
+                                  POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+  if (rc == 0) rc = ::posix_spawnattr_setpgroup(attributes.get(), 0);
+  if (rc == 0) rc = ::posix_spawnattr_setsigmask(attributes.get(), &none);
+  if (rc == 0) rc = ::posix_spawnattr_setsigdefault(attributes.get(), &to_default);
+  if (rc != 0) return fail(rc, "spawn {}: building its attributes", *program);
+
+  // glibc clones with CLONE_VM | CLONE_VFORK: no copy of our page tables and no
+  // copy-on-write fault afterwards, and this thread waits until the child has exec'd, so
+  // the group exists before anyone can signal it. Failures of the steps before exec come
+  // back as posix_spawn's result.
   const auto started = Clock::now();
-  const pid_t pid = clone_and_exec(plan);
-  if (pid < 0) return fail(errno, "spawn {}: clone (or mapping its {} KiB stack)", *program, kChildStack / 1024);
-  // Also from the parent: whichever runs first, the group exists before anyone signals it.
-  // (EACCES once the child has exec'd: it made the group itself by then.)
-  ::setpgid(pid, pid);
-  status_w.reset();
+  pid_t pid = -1;
+  rc = ::posix_spawn(&pid, exec_program.c_str(), actions.get(), attributes.get(), child_argv.data(), child_env.data());
+  if (rc != 0)
+    return fail(rc,
+                "spawn {}: exec (or a step before it: its process group, /dev/null on its stdin, a dup2, "
+                "closing the rest) failed",
+                *program);
+  copies.clear();
   out_w.reset();
   err_w.reset();
 
@@ -330,14 +300,6 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
   child.started_ = started;
   child.stdout_ = std::move(out_r);
   child.stderr_ = std::move(err_r);
-  ChildFailure failure;
-  ssize_t got;
-  do got = ::read(status_r.get(), &failure, sizeof failure);
-  while (got < 0 && errno == EINTR);
-  if (got == static_cast<ssize_t>(sizeof failure)) {
-    child.kill_group();  // it never exec'd: nothing but itself is in its group
-    return fail(failure.error, "spawn {}: {} failed in the child", *program, describe_step(failure));
-  }
   // Without a pidfd (Linux before 5.3) waiting falls back to polling every 10 ms.
   child.pidfd_.reset(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
   return child;

@@ -105,6 +105,19 @@ TEST_F(Spawn, PassesTwoHundredFiftyThreeDescriptors) {
   EXPECT_EQ(result.out, "257\n");  // 0-2, 253 told, and ls's own
 }
 
+// The file actions run in order: a source sitting on another's target number must be read
+// before that dup2 clobbers it. Here each source sits on the other's target.
+TEST_F(Spawn, PassesTwoDescriptorsThatSitOnEachOthersTargetNumbers) {
+  Fd a(::memfd_create("spawn-a", MFD_CLOEXEC)), b(::memfd_create("spawn-b", MFD_CLOEXEC));
+  SpawnOptions options;
+  options.inherit_fds = {{a.get(), b.get()}, {b.get(), a.get()}};
+  const std::string script = fmt::format("readlink /proc/self/fd/{} /proc/self/fd/{}", b.get(), a.get());
+  const auto result = run({"/bin/sh", "-c", script}, options);
+  ASSERT_TRUE(result.status.ok()) << result.err;
+  EXPECT_EQ(result.out.rfind("/memfd:spawn-a"), 0u) << "fd " << b.get() << " should be a: " << result.out;
+  EXPECT_NE(result.out.find("\n/memfd:spawn-b"), std::string::npos) << "fd " << a.get() << " should be b";
+}
+
 TEST_F(Spawn, RefusesAnInheritListThatWouldOverwriteTheStandardStreamsOrRepeatANumber) {
   Fd a(::memfd_create("spawn-a", MFD_CLOEXEC));
   auto low = ChildProcess::spawn({"/bin/true"}, SpawnOptions{.inherit_fds = {{a.get(), 2}}});
@@ -293,6 +306,64 @@ TEST_F(Spawn, NamesAProgramThatCannotStart) {
   ASSERT_FALSE(result);
   EXPECT_EQ(result.error().errno_value(), ENOENT);
   EXPECT_NE(result.error().message().find("no-such-provider"), std::string::npos);
+}
+
+// The death signal is set by exec'ing through setpriv and a shell: the child must still get
+// exactly the told descriptors, no blocked signal, and its own exit code.
+TEST_F(Spawn, PassesTheSameDescriptorsAndSignalsWhenItDiesWithItsParent) {
+  Fd stray(::socket(AF_INET, SOCK_STREAM, 0));  // no SOCK_CLOEXEC
+  Fd told(::memfd_create("spawn-told", MFD_CLOEXEC));
+  SpawnOptions options;
+  options.inherit_fds = {{told.get(), 9}};
+  options.die_with_parent = true;
+  const auto result = run({"/bin/sh", "-c",
+                           "ls /proc/self/fd | tr '\\n' ' '; grep -E '^Sig(Blk|Ign)' /proc/self/status; "
+                           "exit 5"},
+                          options);
+  EXPECT_EQ(result.status.describe(), "exit code 5") << result.err;
+  EXPECT_EQ(result.out, "0 1 2 3 9 SigBlk:\t0000000000000000\nSigIgn:\t0000000000000000\n");
+}
+
+// Regression guard for the death-signal path: the program's exec happens in the shell, which
+// cannot report back, so a missing program must be refused before the spawn.
+TEST_F(Spawn, NamesAMissingProgramThatShouldDieWithItsParent) {
+  testing::TempDir dir;
+  auto result =
+      run_child({(dir / "no-such-decoder").string()}, SpawnOptions{.die_with_parent = true}, std::chrono::seconds(1));
+  ASSERT_FALSE(result);
+  EXPECT_EQ(result.error().errno_value(), ENOENT);
+  EXPECT_NE(result.error().message().find("no-such-decoder"), std::string::npos) << result.error().message();
+}
+
+TEST_F(Spawn, SignalsAChildThatDiesWithItsParentWhenTheParentDies) {
+  testing::TempDir dir;
+  const auto pid_file = dir / "child.pid";
+  // A parent of our own to kill: it spawns the child, tells us its pid, and waits.
+  const pid_t parent = ::fork();
+  ASSERT_GE(parent, 0);
+  if (parent == 0) {
+    // exec: the death signal is the process's own, a process the shell forked would not get it.
+    auto child = ChildProcess::spawn({"/bin/sh", "-c", "exec " + testing::sleep_past_deadline()},
+                                     SpawnOptions{.die_with_parent = true});
+    if (!child) ::_exit(1);
+    std::ofstream(pid_file) << child->pid() << "\n";
+    ::pause();
+    ::_exit(0);
+  }
+  const pid_t child = wait_for_pid_file(pid_file);
+  // Through setpriv and the parent check to the program: a check that failed would end the
+  // child before its parent did, and this test would pass without a death signal.
+  const bool reached_program = child > 0 && testing::wait_until([&] {
+                                 std::ifstream cmdline("/proc/" + std::to_string(child) + "/cmdline");
+                                 std::string argv0;
+                                 return std::getline(cmdline, argv0, '\0') && argv0.ends_with("sleep");
+                               });
+  ::kill(parent, SIGKILL);
+  ::waitpid(parent, nullptr, 0);
+  ASSERT_GT(child, 0) << "the parent never wrote its child's pid";
+  ASSERT_TRUE(reached_program) << "child " << child << " never exec'd sleep";
+  EXPECT_TRUE(testing::wait_until([&] { return process_gone(child); }))
+      << "child " << child << " outlived its killed parent";
 }
 
 TEST_F(Spawn, TerminateGivesTheChildItsGraceThenReportsHowItEnded) {
