@@ -101,18 +101,17 @@ TEST(StateGoldenVectors, ReencodeByteForByteFromTheDecodedLayout) {
 
 class StateGoldenWriter : public kvshare::testing::FdLeakCheck {
  protected:
-  // The f32 vector's rows for (kind, il), as an f32 provider would hand them.
-  std::vector<float> f32_rows(TensorKind kind, uint32_t il) {
+  // An f32 vector's rows for (kind, il), as an f32 provider would hand them. A vector that
+  // does not read as the f32 shape is an error, not a crash of the test binary.
+  Result<std::vector<float>> f32_rows(TensorKind kind, uint32_t il, const char* f32_file) {
     const auto shape = testing::dense_shape(GgmlType::F32, GgmlType::F32, false);
-    auto file = read_state_file(kvshare::testing::data_path("state-dense-f32.bin"), &shape);
-    EXPECT_TRUE(file) << file.error().what();
-    auto rows = file->rows_f32(*file->find_section(kind, il));
-    EXPECT_TRUE(rows);
-    return *rows;
+    auto file = read_state_file(kvshare::testing::data_path(f32_file), &shape);
+    if (!file) return fail(file.error());
+    return file->rows_f32(*file->find_section(kind, il));
   }
 
-  // Writes a file of `type` from the f32 vector's rows and reads it back.
-  Result<StateFile> write_from_f32(GgmlType type, bool v_trans) {
+  // Writes a file of `type` from an f32 vector's rows (d32676d's unless named) and reads it back.
+  Result<StateFile> write_from_f32(GgmlType type, bool v_trans, const char* f32_file = "state-dense-f32.bin") {
     const auto path = dir_ / "ours.bin";
     StateFileWriterOptions options;
     options.n_embd_head_k = options.n_embd_head_v = 64;
@@ -120,10 +119,12 @@ class StateGoldenWriter : public kvshare::testing::FdLeakCheck {
     auto writer = StateFileWriter::create(path, testing::dense_shape(type, type, v_trans), kTokens, 5, options);
     if (!writer) return fail(writer.error());
     for (uint32_t il = 0; il < 2; ++il) {
-      const auto k = f32_rows(TensorKind::k, il);
-      const auto v = f32_rows(TensorKind::v, il);
-      if (auto rc =
-              writer->write_layer(il, RowsView{GgmlType::F32, k.data(), 5, 0}, RowsView{GgmlType::F32, v.data(), 5, 0});
+      const auto k = f32_rows(TensorKind::k, il, f32_file);
+      if (!k) return fail(k.error());
+      const auto v = f32_rows(TensorKind::v, il, f32_file);
+      if (!v) return fail(v.error());
+      if (auto rc = writer->write_layer(il, RowsView{GgmlType::F32, k->data(), 5, 0},
+                                        RowsView{GgmlType::F32, v->data(), 5, 0});
           !rc)
         return fail(rc.error());
     }
@@ -191,6 +192,14 @@ const Vector kVectorsV3[] = {
     {"state-v3-dense-f16.bin", GgmlType::F16, false, 5276 + 16},
     {"state-v3-dense-f16-vtrans.bin", GgmlType::F16, true, 5276 + 16},
     {"state-v3-dense-q8_0.bin", GgmlType::Q8_0, false, 2876 + 16},
+    // Saved by the pin de3ff815 (same state version): 124 bytes of header, token words and
+    // cells, then 4 sections of a 12-byte header and 5 rows of 128 elements (4 blocks).
+    {"state-v3-dense-f32.bin", GgmlType::F32, false, 124 + 4 * (12 + 5 * 128 * 4)},
+    {"state-v3-dense-q4_0.bin", GgmlType::Q4_0, false, 124 + 4 * (12 + 5 * 4 * 18)},
+    {"state-v3-dense-q4_1.bin", GgmlType::Q4_1, false, 124 + 4 * (12 + 5 * 4 * 20)},
+    {"state-v3-dense-q5_0.bin", GgmlType::Q5_0, false, 124 + 4 * (12 + 5 * 4 * 22)},
+    {"state-v3-dense-q5_1.bin", GgmlType::Q5_1, false, 124 + 4 * (12 + 5 * 4 * 24)},
+    {"state-v3-dense-iq4_nl.bin", GgmlType::IQ4_NL, false, 124 + 4 * (12 + 5 * 4 * 18)},
 };
 
 TEST(StateGoldenVectorsV3, DecodeFieldByFieldWithThePackedPrompt) {
@@ -210,6 +219,12 @@ TEST(StateGoldenVectorsV3, DecodeFieldByFieldWithThePackedPrompt) {
     }
     EXPECT_EQ(at<uint32_t>(bytes, 116), v.v_trans ? 1u : 0u);
     EXPECT_EQ(at<uint32_t>(bytes, 120), 2u);  // n_layer
+    // Each K section (and V's without v_trans): i32 type, u64 row size, 5 rows.
+    const uint64_t row_bytes = layout::ggml_row_size(v.type, 128);
+    for (uint64_t il = 0, offset = 124; il < (v.v_trans ? 2u : 4u); ++il, offset += 12 + 5 * row_bytes) {
+      EXPECT_EQ(at<int32_t>(bytes, offset), static_cast<int32_t>(v.type)) << "section " << il;
+      EXPECT_EQ(at<uint64_t>(bytes, offset + 4), row_bytes) << "section " << il;
+    }
 
     const auto shape = testing::dense_shape(v.type, v.type, v.v_trans);
     auto file = parse_state_bytes(bytes, &shape, v.file);
@@ -264,6 +279,33 @@ TEST_F(StateGoldenWriter, WritesVersion3AsLlamaServerSavesItButForThePlainIds) {
   EXPECT_EQ(at<uint32_t>(ours, 4), 3u);
   EXPECT_EQ(at<uint32_t>(ours, 8), 5u);
   EXPECT_TRUE(std::equal(ours.begin() + 32, ours.end(), bytes.begin() + 48));
+}
+
+// The other cache types llama-server accepts for -ctk/-ctv, saved by the pin de3ff815:
+// llama.cpp's CPU backend quantizes them with quantize_row_*_ref after the same rotation as
+// q8_0 (every quantized type; group 64 for head size 64). Fed that server's own f32 rows,
+// our writer must give layer 0's bytes exactly.
+TEST_F(StateGoldenWriter, QuantizesLayerZeroExactlyAsLlamaServerForQ4Q5AndIq4Nl) {
+  for (auto [type, name] :
+       {std::pair{GgmlType::Q4_0, "state-v3-dense-q4_0.bin"}, std::pair{GgmlType::Q4_1, "state-v3-dense-q4_1.bin"},
+        std::pair{GgmlType::Q5_0, "state-v3-dense-q5_0.bin"}, std::pair{GgmlType::Q5_1, "state-v3-dense-q5_1.bin"},
+        std::pair{GgmlType::IQ4_NL, "state-v3-dense-iq4_nl.bin"}}) {
+    SCOPED_TRACE(name);
+    auto ours = write_from_f32(type, false, "state-v3-dense-f32.bin");
+    ASSERT_TRUE(ours) << ours.error().what();
+    auto theirs = read_state_file(kvshare::testing::data_path(name), nullptr);
+    ASSERT_TRUE(theirs) << theirs.error().what();
+    for (TensorKind kind : {TensorKind::k, TensorKind::v}) {
+      const StateSection* theirs_section = theirs->find_section(kind, 0);
+      ASSERT_NE(theirs_section, nullptr);
+      EXPECT_EQ(theirs_section->type, type);
+      const auto a = ours->section_bytes(*ours->find_section(kind, 0));
+      const auto b = theirs->section_bytes(*theirs_section);
+      ASSERT_EQ(b.size(), 5 * layout::ggml_row_size(type, 128));
+      ASSERT_EQ(a.size(), b.size());
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size()), 0) << "layer 0 " << layout::tensor_kind_name(kind);
+    }
+  }
 }
 
 // ---- a hybrid (LFM2-shaped) file, constructed byte by byte -------------------------------
