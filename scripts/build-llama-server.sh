@@ -3,7 +3,8 @@
 # outside the tree, and prints the binary's path as its only line on stdout.
 #
 #   scripts/build-llama-server.sh              stock llama-server (the pin in llama-cpp.pin)
-#   scripts/build-llama-server.sh --with-kvshare   the same tree with integrations/llama.cpp applied
+#   scripts/build-llama-server.sh --with-kvshare   the same tree with integrations/llama.cpp applied,
+#                                                  and llama-kvshare-prefill beside llama-server
 #   scripts/build-llama-server.sh --repin V    rewrite llama-cpp.pin for node-llama-cpp@V
 #
 # Where llama.cpp comes from: the npm package node-llama-cpp ships a whole llama.cpp tree as
@@ -13,7 +14,11 @@
 #
 # The cache: ${KVSHARE_CACHE:-$HOME/.cache/kvshare}/llama.cpp/<commit>/stock/{src,build-<key>}
 # where <key> hashes the CMake flags below and this script's build recipe; a second run with
-# the build present takes a few seconds (ninja finds nothing to do). Compiles go through
+# the build present takes a few seconds (ninja finds nothing to do). --with-kvshare adds
+# kvshare/{prefix,src,build-<key>,build-<key>-prefix,prefill-<pkey>}: kvshare installed, the
+# patched tree and its build, that build's libllama installed, and llama-kvshare-prefill
+# (integrations/llama.cpp/kvshare-prefill, built out of the llama.cpp tree against both
+# prefixes; <pkey> hashes <key> and the provider's sources). Compiles go through
 # ccache (one cache for every tree, base dir = the tree's parent, so two trees that differ in
 # a few files share every other object). Progress goes to stderr; a failed build prints the
 # end of its log and exits 1.
@@ -26,7 +31,7 @@ say() { echo "build-llama-server: $*" >&2; }
 die() { say "$*"; exit 1; }
 
 usage() {
-  sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
   echo "Environment: KVSHARE_CACHE (cache root, default \$HOME/.cache/kvshare), KVSHARE_JOBS (parallel compiles, default nproc)."
   echo "--with-kvshare: KVSHARE_BUILD_DIR (the kvshare build to install, default build/ of this tree)."
 }
@@ -155,7 +160,6 @@ if [ "$with_kvshare" = 1 ]; then
   fi
   tree=$ktree
   flags+=(-DLLAMA_KVSHARE=ON "-DCMAKE_PREFIX_PATH=$prefix")
-  targets+=(llama-kvshare-prefill)
 fi
 
 key=$(printf '%s\n' "${flags[@]}" "$(c++ --version | head -1)" | sha256sum | cut -c1-12)
@@ -187,6 +191,39 @@ if [ "$status" -ne 0 ]; then
 fi
 server="$build/bin/llama-server"
 [ -x "$server" ] || die "the build finished but $server is missing"
+
+# 4. --with-kvshare: llama-kvshare-prefill, out of the llama.cpp tree. libllama, its headers
+# (llama-kvshare.h among them) and ggml are installed from the build above into
+# $build-prefix: the top directory's install rules alone (CMAKE_INSTALL_LOCAL_ONLY) and
+# ggml's, since the tools' rules want binaries this build does not make. The provider's
+# sources are copied into the cache under a key of their content and the llama.cpp build's,
+# so two kvshare trees with different providers never share a build; the binary is then put
+# beside llama-server (renamed into place: a running copy keeps its file), where the tests,
+# benches and demo look for it.
+if [ "$with_kvshare" = 1 ]; then
+  lprefix="$build-prefix"
+  (cd "$build" && cmake -DCMAKE_INSTALL_LOCAL_ONLY=ON -DCMAKE_INSTALL_PREFIX="$lprefix" -P cmake_install.cmake &&
+    cmake -DCMAKE_INSTALL_PREFIX="$lprefix" -P ggml/cmake_install.cmake) >>"$log" 2>&1 ||
+    { tail -n 20 "$log" >&2; die "installing libllama into $lprefix failed (log: $log)"; }
+  provider_dir="$root/integrations/llama.cpp/kvshare-prefill"
+  pkey=$( (echo "$key"; cd "$provider_dir" && cat CMakeLists.txt kvshare-prefill.cpp) | sha256sum | cut -c1-12)
+  pbase="$tree/prefill-$pkey"
+  if [ ! -f "$pbase/build/build.ninja" ]; then
+    rm -rf "$pbase"
+    mkdir -p "$pbase/src"
+    cp "$provider_dir/CMakeLists.txt" "$provider_dir/kvshare-prefill.cpp" "$pbase/src/"
+    cmake -S "$pbase/src" -B "$pbase/build" -G Ninja -DCMAKE_BUILD_TYPE=Release "-DCMAKE_PREFIX_PATH=$lprefix;$prefix" \
+      "${launcher[@]}" >"$pbase/build.log" 2>&1 ||
+      { tail -n 30 "$pbase/build.log" >&2; die "configuring llama-kvshare-prefill failed (log: $pbase/build.log)"; }
+  fi
+  ninja -C "$pbase/build" -j "$jobs" llama-kvshare-prefill >>"$pbase/build.log" 2>&1 ||
+    { grep -B2 -A20 -m3 -E "FAILED|error:" "$pbase/build.log" >&2; die "building llama-kvshare-prefill failed (log: $pbase/build.log)"; }
+  if ! cmp -s "$pbase/build/llama-kvshare-prefill" "$build/bin/llama-kvshare-prefill"; then
+    cp "$pbase/build/llama-kvshare-prefill" "$build/bin/.llama-kvshare-prefill.new"
+    mv -f "$build/bin/.llama-kvshare-prefill.new" "$build/bin/llama-kvshare-prefill"
+  fi
+fi
 elapsed=$(( $(date +%s) - start ))
+[ "$with_kvshare" = 0 ] || targets+=(llama-kvshare-prefill)
 [ "$elapsed" -lt 5 ] || say "${targets[*]} built in ${elapsed}s"
 echo "$server"
