@@ -44,11 +44,7 @@ struct JsonReader {
     return value;
   }
   Result<uint64_t> u64(std::string_view key) const {
-    auto value = this->value(key);
-    if (!value) return fail(value.error());
-    if (!(*value)->is_number_unsigned())
-      return fail(EINVAL, "{}: \"{}{}\" is {}, not an unsigned integer", source, path, key, dump(**value));
-    return (*value)->template get<uint64_t>();
+    return typed<uint64_t>(key, &Json::is_number_unsigned, "an unsigned integer");
   }
   Result<uint64_t> u64(std::string_view key, uint64_t max) const {
     auto value = u64(key);
@@ -62,20 +58,8 @@ struct JsonReader {
     if (*value > UINT32_MAX) return fail(EINVAL, "{}: \"{}{}\" is {}, past 2^32-1", source, path, key, *value);
     return static_cast<uint32_t>(*value);
   }
-  Result<std::string> text(std::string_view key) const {
-    auto value = this->value(key);
-    if (!value) return fail(value.error());
-    if (!(*value)->is_string())
-      return fail(EINVAL, "{}: \"{}{}\" is {}, not a string", source, path, key, dump(**value));
-    return (*value)->template get<std::string>();
-  }
-  Result<bool> boolean(std::string_view key) const {
-    auto value = this->value(key);
-    if (!value) return fail(value.error());
-    if (!(*value)->is_boolean())
-      return fail(EINVAL, "{}: \"{}{}\" is {}, not true or false", source, path, key, dump(**value));
-    return (*value)->template get<bool>();
-  }
+  Result<std::string> text(std::string_view key) const { return typed<std::string>(key, &Json::is_string, "a string"); }
+  Result<bool> boolean(std::string_view key) const { return typed<bool>(key, &Json::is_boolean, "true or false"); }
   // "errno" (1..4095) and "error" of a refusal.
   Result<ChannelRefusal> refusal() const {
     auto error_errno = u32("errno");
@@ -86,13 +70,7 @@ struct JsonReader {
       return fail(EINVAL, "{}: \"errno\" is {}, not an errno value 1..4095", source, *error_errno);
     return ChannelRefusal{static_cast<int>(*error_errno), std::move(*error)};
   }
-  Result<double> number(std::string_view key) const {
-    auto value = this->value(key);
-    if (!value) return fail(value.error());
-    if (!(*value)->is_number())
-      return fail(EINVAL, "{}: \"{}{}\" is {}, not a number", source, path, key, dump(**value));
-    return (*value)->template get<double>();
-  }
+  Result<double> number(std::string_view key) const { return typed<double>(key, &Json::is_number, "a number"); }
 
   // The same readers for a field that may be absent: nullopt then, an error only for a
   // present value of the wrong type or range.
@@ -109,6 +87,16 @@ struct JsonReader {
  private:
   // Invalid UTF-8 in a peer's string must not make an error message throw.
   static std::string dump(const Json& value) { return value.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+  // The value of `key` as a T when `is` says it has that type; else the error naming it.
+  template <class T>
+  Result<T> typed(std::string_view key, bool (Json::*is)() const noexcept, std::string_view expected) const {
+    auto value = this->value(key);
+    if (!value) return fail(value.error());
+    if (!((*value)->*is)())
+      return fail(EINVAL, "{}: \"{}{}\" is {}, not {}", source, path, key, dump(**value), expected);
+    return (*value)->template get<T>();
+  }
 
   template <class Read>
   auto optional(std::string_view key, Read read) const -> Result<std::optional<typename decltype(read())::value_type>> {
