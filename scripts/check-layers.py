@@ -14,9 +14,9 @@ import os
 import re
 import sys
 
-INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
+from source_tree import quoted_includes, tree_sources
+
 RULE = re.compile(r"^([a-z_]+):\s*(.*)$")
-SOURCE_SUFFIXES = (".h", ".hpp", ".c", ".cc", ".cpp")
 # Not product code: tests, benches and fuzzers may include any layer. Build trees in the
 # source tree (build/, build-asan/, any folder holding a CMakeCache.txt) are skipped too.
 SKIPPED = ("tests", "integrations", "docs", "scripts")
@@ -58,17 +58,6 @@ def read_rules(path):
     return rules
 
 
-def sources(root):
-    for directory, dirs, files in os.walk(root):
-        relative = os.path.relpath(directory, root)
-        if relative == ".":
-            dirs[:] = [d for d in dirs if d not in SKIPPED and not d.startswith((".", "build")) and
-                       not os.path.exists(os.path.join(directory, d, "CMakeCache.txt"))]
-        for name in files:
-            if name.endswith(SOURCE_SUFFIXES):
-                yield os.path.normpath(os.path.join(relative, name))
-
-
 def main():
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -77,26 +66,21 @@ def main():
     args = parser.parse_args()
     rules = read_rules(args.rules or os.path.join(args.root, "docs", "layers.md"))
     broken, checked = [], 0
-    for path in sorted(sources(args.root)):
+    for path in sorted(tree_sources(args.root, SKIPPED)):
         mine = module_of(path)
         if mine is None:
             continue
         if mine not in rules:
             broken.append("%s: the folder %s/ has no rule in the rules block" % (path, mine))
             continue
-        with open(os.path.join(args.root, path), errors="replace") as f:
-            for number, line in enumerate(f, 1):
-                include = INCLUDE.match(line)
-                if not include:
-                    continue
-                target = include.group(1)
-                # the C API's own header, found through its include directory
-                theirs = "capi" if target == "kvshare.h" else module_of(target)
-                checked += 1
-                if theirs is None or theirs not in rules or theirs in rules[mine]:
-                    continue
-                broken.append("%s:%d: #include \"%s\": %s/ may include only %s" %
-                              (path, number, target, mine, ", ".join(sorted(rules[mine]))))
+        for number, target in quoted_includes(os.path.join(args.root, path)):
+            # the C API's own header, found through its include directory
+            theirs = "capi" if target == "kvshare.h" else module_of(target)
+            checked += 1
+            if theirs is None or theirs not in rules or theirs in rules[mine]:
+                continue
+            broken.append("%s:%d: #include \"%s\": %s/ may include only %s" %
+                          (path, number, target, mine, ", ".join(sorted(rules[mine]))))
     for line in broken:
         print("check-layers: " + line, file=sys.stderr)
     if broken:

@@ -24,8 +24,8 @@ import os
 import re
 import sys
 
-INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
-SOURCE_SUFFIXES = (".h", ".hpp", ".c", ".cc", ".cpp")
+from source_tree import quoted_includes, tree_sources
+
 HEADER_SUFFIXES = (".h", ".hpp")
 LINK_ONLY = re.compile(r"^\$<LINK_ONLY:(.*)>$")
 FIELDS = ("name", "type", "folder", "sources", "links", "interface_links")
@@ -59,23 +59,12 @@ def read_manifest(path):
     return targets
 
 
-def tree_files(root):
-    """Every C or C++ file of the tree (relative paths), build trees and hidden folders left out."""
-    found = []
-    for directory, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith((".", "build")) and
-                   not os.path.exists(os.path.join(directory, d, "CMakeCache.txt"))]
-        relative = os.path.relpath(directory, root)
-        found += [os.path.normpath(os.path.join(relative, name)) for name in files if name.endswith(SOURCE_SUFFIXES)]
-    return found
-
-
 class Tree:
     """The tree's files, who owns each header, and what each file includes."""
 
     def __init__(self, root, targets):
         self.root = root
-        self.files = set(tree_files(root))
+        self.files = set(tree_sources(root))
         self.by_name = collections.defaultdict(list)
         for path in self.files:
             self.by_name[os.path.basename(path)].append(path)
@@ -112,13 +101,10 @@ class Tree:
         if path not in self.includes_of:
             found = []
             try:
-                with open(os.path.join(self.root, path), errors="replace") as f:
-                    for number, line in enumerate(f, 1):
-                        include = INCLUDE.match(line)
-                        if include:
-                            resolved = self.resolve(path, include.group(1))
-                            if resolved:
-                                found.append((number, include.group(1), resolved))
+                for number, written in quoted_includes(os.path.join(self.root, path)):
+                    resolved = self.resolve(path, written)
+                    if resolved:
+                        found.append((number, written, resolved))
             except OSError:
                 pass  # a generated source: nothing of ours to read
             self.includes_of[path] = found
