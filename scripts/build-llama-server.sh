@@ -4,7 +4,8 @@
 #
 #   scripts/build-llama-server.sh              stock llama-server (the pin in llama-cpp.pin)
 #   scripts/build-llama-server.sh --with-kvshare   the same tree with integrations/llama.cpp applied,
-#                                                  and llama-kvshare-prefill beside llama-server
+#                                                  the Vulkan backend beside the CPU one, and
+#                                                  llama-kvshare-prefill beside llama-server
 #   scripts/build-llama-server.sh --repin V    rewrite llama-cpp.pin for node-llama-cpp@V
 #
 # Where llama.cpp comes from: the npm package node-llama-cpp ships a whole llama.cpp tree as
@@ -33,7 +34,8 @@ die() { say "$*"; exit 1; }
 usage() {
   sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
   echo "Environment: KVSHARE_CACHE (cache root, default \$HOME/.cache/kvshare), KVSHARE_JOBS (parallel compiles, default nproc)."
-  echo "--with-kvshare: KVSHARE_BUILD_DIR (the kvshare build to install, default build/ of this tree)."
+  echo "--with-kvshare: KVSHARE_BUILD_DIR (the kvshare build to install, default build/ of this tree),"
+  echo "  KVSHARE_LLAMA_VULKAN (1, the default: build the Vulkan backend too; 0: the CPU backend alone)."
 }
 
 repin() {
@@ -160,6 +162,15 @@ if [ "$with_kvshare" = 1 ]; then
   fi
   tree=$ktree
   flags+=(-DLLAMA_KVSHARE=ON "-DCMAKE_PREFIX_PATH=$prefix")
+  # The GPU decoder of the shared route (docs/llama-server.md, "Device caches"): one binary
+  # serves both, -ngl 0 (or no visible device) is the CPU decoder. A Vulkan device of CPU
+  # type (lavapipe) is used only when GGML_VK_VISIBLE_DEVICES names it, so the CPU tests
+  # run as before. 0003 and 0004 of the series let Debian 12's glslc and headers build it.
+  if [ "${KVSHARE_LLAMA_VULKAN:-1}" = 1 ]; then
+    command -v glslc >/dev/null && [ -f /usr/include/vulkan/vulkan.h ] ||
+      die "the Vulkan backend needs glslc and the Vulkan headers (scripts/install-deps.sh installs them; KVSHARE_LLAMA_VULKAN=0 builds without it)"
+    flags+=(-DGGML_VULKAN=ON)
+  fi
 fi
 
 key=$(printf '%s\n' "${flags[@]}" "$(c++ --version | head -1)" | sha256sum | cut -c1-12)

@@ -10,6 +10,8 @@ packages=(
   libfmt-dev nlohmann-json3-dev libcli11-dev libexpected-dev libcpp-httplib-dev libucx-dev
   liburing-dev libdrm-dev libopenblas-dev
   iproute2                            # ip netns: the remote route's two-namespace test
+  libvulkan-dev glslc glslang-tools spirv-headers  # the patched llama-server's Vulkan backend
+  mesa-vulkan-drivers vulkan-tools    # lavapipe, the Vulkan device on the CPU the GPU-decoder tests run on
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-matplotlib                  # scripts/plot-bench.py: the benchmark plots in docs/
 )

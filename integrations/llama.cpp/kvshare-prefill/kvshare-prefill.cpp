@@ -65,6 +65,7 @@ struct options {
     int         n_ctx = 4096;
     std::string flash_attn = "auto", type_k = "f16", type_v = "f16";
     int         n_threads = 0;
+    int         n_gpu_layers = -1; // llama.cpp's default: every layer on the GPU when one is visible
     int         n_seq_max = 1;     // file route: the decoder's -np (a state file has one stream per slot)
     bool        kv_unified = false;
     bool        verbose = false;
@@ -74,8 +75,8 @@ void usage(const char * argv0) {
     fprintf(stderr,
             "usage: %s --tokens IDS --model GGUF (--out STATE | --layout HEADER --fds N[,N...] [--cached P] [--stream S])\n"
             "          [-c|--ctx-size N] [-fa|--flash-attn on|off|auto] [-ctk|--cache-type-k T] [-ctv|--cache-type-v T]\n"
-            "          [-np|--parallel N] [-kvu|--kv-unified] [-t|--threads N] [--elfs DIR] [-v]\n"
-            "       %s --model GGUF (--serve-fd N | --serve PATH) [-t|--threads N] [--elfs DIR] [-v]\n"
+            "          [-np|--parallel N] [-kvu|--kv-unified] [-t|--threads N] [-ngl|--gpu-layers N|auto|all] [--elfs DIR] [-v]\n"
+            "       %s --model GGUF (--serve-fd N | --serve PATH) [-t|--threads N] [-ngl|--gpu-layers N|auto|all] [--elfs DIR] [-v]\n"
             "Prefills the ids (one decimal id per line, or a JSON array) and writes the KV as a llama.cpp\n"
             "sequence-state file (--out) or into a kvshare decoder's shared region (--layout/--fds, whose\n"
             "header fixes the KV params). --cached P (shared route only, 0 <= P < the number of ids): the\n"
@@ -87,7 +88,10 @@ void usage(const char * argv0) {
             "Prints {\"prefill_ms\": X, \"n_prefilled\": N} (N: ids computed).\n"
             "--serve-fd N / --serve PATH: a resident provider: loads the model once and takes kvshare-serve's\n"
             "requests (a region, then shared or file prefills) on socket N, or from each serve that connects to\n"
-            "PATH (its directory private, 0700), until serve closes the channel.\n",
+            "PATH (its directory private, 0700), until serve closes the channel.\n"
+            "-ngl N|auto|all (as llama-server's): layers on the GPU, default auto (all when a GPU is visible; a\n"
+            "Vulkan device of CPU type, such as lavapipe, only when GGML_VK_VISIBLE_DEVICES names it). On the shared\n"
+            "route the device's layers keep their KV in the decoder's region, imported by the device.\n",
             argv0, argv0);
 }
 
@@ -123,6 +127,18 @@ bool parse_args(int argc, char ** argv, options & o) {
         else if (a == "-ctv" || a == "--cache-type-v") { if (!value(o.type_v)) return false; }
         else if (a == "-np" || a == "--parallel") { if (!value(number)) return false; o.n_seq_max = atoi(number.c_str()); }
         else if (a == "-kvu" || a == "--kv-unified") { o.kv_unified = true; }
+        else if (a == "-ngl" || a == "--gpu-layers" || a == "--n-gpu-layers") {
+            if (!value(number)) return false;
+            if (number == "auto") { o.n_gpu_layers = -1; }
+            else if (number == "all") { o.n_gpu_layers = -2; }
+            else if (!number.empty() && number.size() <= 6 && number.find_first_not_of("0123456789") == std::string::npos) {
+                o.n_gpu_layers = atoi(number.c_str());
+            } else {
+                fprintf(stderr, "llama-kvshare-prefill: %s %s: not a count of layers, 'auto' or 'all'\n", a.c_str(),
+                        number.c_str());
+                return false;
+            }
+        }
         else if (a == "-v" || a == "--verbose") { o.verbose = true; }
         else {
             fprintf(stderr, "llama-kvshare-prefill: unknown argument %s\n", a.c_str());
@@ -539,7 +555,9 @@ int serve_main(const options & o) {
     {
         resident res;
         res.n_threads = o.n_threads;
-        res.model = llama_model_load_from_file(o.model.c_str(), llama_model_default_params());
+        llama_model_params mparams = llama_model_default_params();
+        mparams.n_gpu_layers = o.n_gpu_layers;
+        res.model = llama_model_load_from_file(o.model.c_str(), mparams);
         if (res.model == nullptr) {
             fprintf(stderr, "llama-kvshare-prefill: model %s: llama.cpp could not load it\n", o.model.c_str());
             kvshare_resident_close(r);
@@ -671,6 +689,7 @@ int main(int argc, char ** argv) {
     }
 
     llama_model_params mparams = llama_model_default_params();
+    mparams.n_gpu_layers = o.n_gpu_layers;
     llama_model * model = llama_model_load_from_file(o.model.c_str(), mparams);
     if (model == nullptr) {
         fprintf(stderr, "llama-kvshare-prefill: model %s: llama.cpp could not load it\n", o.model.c_str());
