@@ -26,7 +26,12 @@ decoder (the metrics count each rule); --handoff never forwards every turn; a pr
 context is forwarded (the decoder's own answer, whatever --handoff says); a provider that
 exits 2 on --cached (one from before it) gets that turn and every later one whole.
 
-usage: conversation.py BIN_DIR      (exit 77 = skipped: a tool of the reference pair is missing)
+--vulkan (issue #42): the chat of the patched llama-server pair on the shared route, the
+decoder on a Vulkan device (-ngl 99, GGML_VK_VISIBLE_DEVICES=0: lavapipe in CI; skipped
+without one, failed under CI=true), its provider on the CPU (the NPU case), against
+--device cpu of that decoder.
+
+usage: conversation.py BIN_DIR [--vulkan]     (exit 77 = skipped: a tool of the reference pair is missing)
 """
 import http.client
 import json
@@ -37,7 +42,8 @@ import stat
 import subprocess
 import sys
 
-from hybrid_common import llama_kvshare_prefill, Serve, chat_reply_of, check, run_tests, temp_dir
+from hybrid_common import (VULKAN_ENV, Serve, chat_reply_of, check, llama_kvshare_prefill, run_tests, temp_dir,
+                           vulkan_device, wrapped_provider)
 
 BIN = os.path.abspath(sys.argv[1])
 TOOLS = {name: os.path.join(BIN, name) for name in ("kvshare-serve", "kvshare-decoder", "kvshare-prefill",
@@ -51,8 +57,20 @@ LLAMA_PREFILL = llama_kvshare_prefill(LLAMA)
 PAIRS = {"reference": (TOOLS["kvshare-decoder"], TOOLS["kvshare-prefill"])}
 if LLAMA and os.access(LLAMA, os.X_OK) and os.access(LLAMA_PREFILL, os.X_OK):
     PAIRS["llama"] = (LLAMA, LLAMA_PREFILL)
+VULKAN = "--vulkan" in sys.argv[2:]
+if VULKAN:
+    if "llama" not in PAIRS:
+        print("SKIP conversation --vulkan: set LLAMA_SERVER_KVSHARE=path of a llama-server built with "
+              "scripts/build-llama-server.sh --with-kvshare")
+        sys.exit(77)
+    vulkan_device(LLAMA, "conversation --vulkan")  # exits without a Vulkan device
 
 WORK = temp_dir()
+if VULKAN:
+    # the provider on the CPU, as an NPU engine is (on lavapipe a per-request provider on the
+    # device would compile its pipelines anew for every turn)
+    PAIRS["vulkan"] = (LLAMA, wrapped_provider(WORK, "cpu-provider", "os.environ.pop('GGML_VK_VISIBLE_DEVICES', None)",
+                                               LLAMA_PREFILL))
 MODEL = os.path.join(WORK, "tiny.gguf")
 subprocess.run([TOOLS["kvshare-mkmodel"], MODEL, "--seed", "7", "--residual-gain", "3"], check=True, timeout=120,
                capture_output=True)
@@ -112,7 +130,11 @@ def start(device, pair, kv_share, args=(), provider=None):
     if device == "hybrid":
         full += ["--prefill-provider", provider or pair_provider]
     env = {"TMPDIR": SERVE_TMP, "ONEBIT_HYBRID_PREFILL": "", "ONEBIT_KV_SHARE": "1" if kv_share else None}
-    return Serve(TOOLS["kvshare-serve"], full, env, timeout=180)
+    if pair == "vulkan":
+        # every layer on the device; the provider inherits the environment and uses it too
+        full += ["--", "-ngl", "99"]
+        env.update(VULKAN_ENV)
+    return Serve(TOOLS["kvshare-serve"], full, env, timeout=300)
 
 
 def ask(serve, messages):
@@ -360,4 +382,11 @@ def test_a_provider_without_cached_gets_whole_prompts():
 
 
 if __name__ == "__main__":
-    run_tests(globals(), WORK)
+    if VULKAN:
+    def test_chat_vulkan_shared_route():
+        check_chat("vulkan", "shared")
+
+    for name in [n for n in globals() if n.startswith("test_") and n != "test_chat_vulkan_shared_route"]:
+        del globals()[name]
+
+run_tests(globals(), WORK)

@@ -290,6 +290,31 @@ def wrapped_provider(work, name, body, real):
     return path
 
 
+# The GPU decoder (issue #42) on a Vulkan device: in CI lavapipe, Mesa's Vulkan 1.3 device on
+# the CPU, which llama.cpp takes only when GGML_VK_VISIBLE_DEVICES names it (without it the
+# same patched build is the CPU decoder every other test runs).
+VULKAN_ENV = {"GGML_VK_VISIBLE_DEVICES": "0"}
+VULKAN_DEVICE_RE = re.compile(r"^\s*(Vulkan\d+): (.+)$", re.M)
+
+
+def vulkan_device(llama_server, test):
+    """'Vulkan0: <description>' as the patched `llama_server` lists it under VULKAN_ENV. With
+    none the script exits: skipped (77) on a developer's machine, failed under CI=true, where
+    scripts/install-deps.sh installs lavapipe and the build always has the Vulkan backend."""
+    listed = subprocess.run([llama_server, "--list-devices"], env=dict(os.environ, **VULKAN_ENV),
+                            capture_output=True, text=True, timeout=300)
+    found = VULKAN_DEVICE_RE.search(listed.stdout + listed.stderr)
+    if found:
+        return "%s: %s" % (found.group(1), found.group(2).strip())
+    why = ("%s lists no Vulkan device with GGML_VK_VISIBLE_DEVICES=0 (a build without the Vulkan backend, "
+           "KVSHARE_LLAMA_VULKAN=0, or no Vulkan driver: Debian's mesa-vulkan-drivers is lavapipe)" % llama_server)
+    if os.environ.get("CI") == "true":
+        print("FAIL %s: %s" % (test, why))
+        sys.exit(1)
+    print("SKIP %s: %s" % (test, why))
+    sys.exit(77)
+
+
 def temp_dir():
     return tempfile.mkdtemp(prefix="kvshare-serve-test-")
 

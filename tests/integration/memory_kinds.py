@@ -24,7 +24,20 @@ field was altered, and a provider that wrote the whole state and then died, are 
 forwarded to the erased slot with the reply still --device cpu's; 32 concurrent requests
 through the shared route are all right and leave nothing behind.
 
-usage: memory_kinds.py BIN_DIR
+--vulkan (issue #42): the same into the patched llama-server as a GPU decoder, every layer
+and its whole KV cache on a Vulkan device (-ngl 99 and GGML_VK_VISIBLE_DEVICES=0: lavapipe in
+CI), against --device cpu of that same decoder. The decoder's log says its cache is on the
+device and in the exported region. The provider runs on the CPU (the NPU case: another
+engine computed the rows; the decoder's memory after the handoff equals its own prefill
+within 0.01) and, for qwen3, on the same device (a Vulkan provider: byte for byte). On
+lavapipe every process that computes on the device first compiles its pipelines (about 4 s
+here), so the per-request providers stay on the CPU where the device is not the point.
+Partial offload (a 4-layer qwen3 at -ngl 3: two layers' KV on the device, two on the CPU)
+takes both routes. A device that cannot import the region (LLAMA_KVSHARE_DEVICE_IMPORT=none) or whose
+import fails (=misaligned) answers the share 501 with the reason, and the request takes
+the file route, reply unchanged.
+
+usage: memory_kinds.py BIN_DIR [--vulkan]
 """
 import concurrent.futures
 import json
@@ -34,8 +47,8 @@ import shutil
 import subprocess
 import sys
 
-from hybrid_common import (DECODER_RE, SHARED_LINE, Serve, chat_reply_of, check, llama_kvshare_prefill, run_tests,
-                           temp_dir, wait_until, wrapped_provider)
+from hybrid_common import (DECODER_RE, SHARED_LINE, VULKAN_ENV, Serve, chat_reply_of, check, llama_kvshare_prefill,
+                           run_tests, temp_dir, vulkan_device, wait_until, wrapped_provider)
 
 BIN = os.path.abspath(sys.argv[1])
 LLAMA = os.environ.get("LLAMA_SERVER_KVSHARE", "")
@@ -52,7 +65,14 @@ if missing:
     print("SKIP memory_kinds: %s not built" % ", ".join(missing))
     sys.exit(77)
 
+VULKAN = "--vulkan" in sys.argv[2:]
+# "Vulkan0: llvmpipe (...)" with --vulkan (exits, skipped or failed, without such a device)
+DEVICE = vulkan_device(LLAMA, "memory_kinds --vulkan") if VULKAN else None
+
 WORK = temp_dir()
+# --vulkan: the provider on the CPU, as an NPU engine is: it does not see the Vulkan device
+CPU_PROVIDER = (wrapped_provider(WORK, "cpu-provider", "os.environ.pop('GGML_VK_VISIBLE_DEVICES', None)",
+                                 LLAMA_PREFILL) if VULKAN else LLAMA_PREFILL)
 SERVE_TMP = os.path.join(WORK, "serve-tmp")
 os.makedirs(SERVE_TMP)
 KV_FLAGS = ["-c", "1024", "-fa", "on", "-ctk", "f16", "-ctv", "f16"]
@@ -63,13 +83,18 @@ FILE_LINE = re.compile(r"hybrid: (\d+) prompt tokens: prefill \d+\.\d{3} ms, res
 # slot's cached prompt (serve forwards a prompt it holds).
 PROMPTS = ["Tell me about the sea, the ships on it and the people who sail them: " + "waves " * 30,
            "Write one line of code that prints the sum of a list, then explain it: " + "numbers " * 30]
+if VULKAN:
+    # Shorter, still past gemma3's window plus two: lavapipe prefills qwen35's Gated DeltaNet
+    # at about 9 tokens/s on this VM, and every baseline prefills each prompt twice.
+    PROMPTS = ["Tell me about the sea, the ships on it and the people who sail them: " + "waves " * 6,
+               "Write one line of code that prints the sum of a list, then explain it: " + "numbers " * 6]
 
 
-def make_model(arch):
-    path = os.path.join(WORK, arch + ".gguf")
+def make_model(arch, layers=None):
+    path = os.path.join(WORK, arch + ("-%d" % layers if layers else "") + ".gguf")
     if not os.path.exists(path):
-        subprocess.run([TOOLS["kvshare-mkmodel"], path, "--arch", arch, "--seed", "5"], check=True, timeout=120,
-                       capture_output=True)
+        subprocess.run([TOOLS["kvshare-mkmodel"], path, "--arch", arch, "--seed", "5"] +
+                       (["--layers", str(layers)] if layers else []), check=True, timeout=120, capture_output=True)
     return path
 
 
@@ -77,13 +102,20 @@ def request(text, stream=False):
     return {"messages": [{"role": "user", "content": text}], "max_tokens": 8, "temperature": 0, "stream": stream}
 
 
-def start(model, device, kv_share=False, provider=LLAMA_PREFILL, decoder_args=None):
+def start(model, device, kv_share=False, provider=LLAMA_PREFILL, decoder_args=None, ngl="99", env=None):
+    """serve in front of the patched llama-server; `decoder_args` go to llama-server. With
+    --vulkan the decoder (and a provider that inherits the environment) sees the Vulkan
+    device and puts `ngl` layers on it; -lv 4 shows libllama's lines about where its cache is."""
     args = ["-m", model, "--device", device, "--port", "0", "--backend", LLAMA] + KV_FLAGS
     if device == "hybrid":
         # The prompts are short: the test is of the handoff, which auto would skip.
         args += ["--prefill-provider", provider, "--handoff", "always"]
-    env = {"TMPDIR": SERVE_TMP, "ONEBIT_HYBRID_PREFILL": "", "ONEBIT_KV_SHARE": "1" if kv_share else None}
-    return Serve(TOOLS["kvshare-serve"], args + (decoder_args or []), env, timeout=180)
+    decoder_args = (["-ngl", ngl, "-lv", "4"] if VULKAN else []) + (decoder_args or [])
+    if decoder_args:
+        args += ["--"] + decoder_args
+    env = dict({"TMPDIR": SERVE_TMP, "ONEBIT_HYBRID_PREFILL": "", "ONEBIT_KV_SHARE": "1" if kv_share else None},
+               **(VULKAN_ENV if VULKAN else {}), **(env or {}))
+    return Serve(TOOLS["kvshare-serve"], args, env, timeout=300)
 
 
 def replies(serve, stream=False):
@@ -114,7 +146,7 @@ def save_slot(serve, name):
     return out
 
 
-def baseline(arch):
+def baseline(arch, model=None, ngl="99"):
     """--device cpu's replies to PROMPTS, and the slot after the decoder alone computed the
     last prompt as a handoff splits it: its ids but the last in one batch, then the chat
     request (the last id and the reply). Recurrent state and the attention over a batch are
@@ -122,7 +154,7 @@ def baseline(arch):
     differs is only who computed the first batch (llama-kvshare-prefill or the decoder)."""
     # Without context checkpoints: llama-server otherwise ends a prompt's batch 4 tokens
     # early to checkpoint there (PR #20288), a split the provider does not make.
-    serve = start(make_model(arch), "cpu", decoder_args=["--", "--ctx-checkpoints", "0"])
+    serve = start(model or make_model(arch), "cpu", decoder_args=["--ctx-checkpoints", "0"], ngl=ngl)
     try:
         out = [text for text, _ in replies(serve)]
         decoder_post(serve, "/slots/0?action=erase", {})
@@ -140,10 +172,15 @@ def baseline(arch):
     return out, own
 
 
-def check_route(arch, kv_share):
-    expected, own = baseline(arch)
+def check_route(arch, kv_share, model=None, ngl="99", provider=CPU_PROVIDER, tolerance=None, on="Vulkan0"):
+    """`tolerance`: kvshare-state diff's, None for byte for byte (with --vulkan, 0.01 unless
+    the provider computes on the decoder's device). `on` (--vulkan): the devices the
+    decoder's log says its placed cache is on."""
+    if VULKAN and tolerance is None and provider == CPU_PROVIDER:
+        tolerance = "0.01"
+    expected, own = baseline(arch, model, ngl)
     route = "shared" if kv_share else "file"
-    serve = start(make_model(arch), "hybrid", kv_share)
+    serve = start(model or make_model(arch), "hybrid", kv_share, provider=provider, ngl=ngl)
     try:
         for stream in (False, True):
             for prompt, want, (text, prompt_n) in zip(PROMPTS, expected, replies(serve, stream)):
@@ -158,11 +195,14 @@ def check_route(arch, kv_share):
               "%s: fallbacks:\n%s" % (arch, "\n".join(serve.lines)))
         for l in lines[:2]:
             print("  %s %s: %s" % (arch, route, l[l.index("hybrid: "):]))
+        if VULKAN and kv_share:
+            check_placed_on_device(serve, arch, on)
         if kv_share:
             # The strong check: the memory after the handoff of the last prompt is the memory
             # the server holds after prefilling that prompt itself.
             handed = save_slot(serve, arch + "-handoff.state")
-            result = subprocess.run([TOOLS["kvshare-state"], "diff", handed, own], capture_output=True, text=True,
+            result = subprocess.run([TOOLS["kvshare-state"], "diff", handed, own] +
+                                    (["--tolerance", tolerance] if tolerance else []), capture_output=True, text=True,
                                     timeout=60)
             check(result.returncode == 0, "%s: the handed-over memory differs from llama-server's own prefill:\n%s%s" %
                   (arch, result.stdout, result.stderr))
@@ -283,6 +323,77 @@ def test_qwen35_32_concurrent_requests_through_the_shared_route():
     finally:
         serve.stop()
     check(os.listdir(SERVE_TMP) == [], "left behind after stop: %s" % os.listdir(SERVE_TMP))
+
+
+PLACED_LINE = re.compile(r"kvshare: KV cache in exported region, \d+ bytes in \d+ chunk\(s\), backend \S+, on (.+)$")
+
+
+def check_placed_on_device(serve, arch, on):
+    """The decoder's log (llama-server writes it to serve's stderr) says once which device
+    imported the region, and that the whole cache is in it, on `on`."""
+    device_name = DEVICE.split(":")[0]
+    said = [l for l in serve.lines if "kvshare: KV cache on device %s" % device_name in l or
+            "kvshare: recurrent state on device %s" % device_name in l]
+    check(said and "through host-pointer import" in said[0],
+          "%s: the decoder's log does not say its cache is on %s:\n%s" % (arch, device_name, "\n".join(serve.lines[-60:])))
+    placed = [PLACED_LINE.search(l).group(1) for l in serve.lines if PLACED_LINE.search(l)]
+    check(placed == [on.replace("Vulkan0", device_name)],
+          "%s: the placement lines say %s, expected one on %s" % (arch, placed, on))
+    print("  %s: %s" % (arch, said[0][said[0].index("kvshare: "):]))
+
+
+if VULKAN:
+    # The CPU-only cases (provider faults, 32 clients, file routes of every kind) are the CPU
+    # run's; the device run keeps what the device changes.
+    for name in [n for n in globals() if n.startswith("test_") and n not in (
+            "test_mamba2_recurrent_shared_route", "test_lfm2_hybrid_shared_route",
+            "test_qwen35_gated_deltanet_shared_route", "test_gemma3_iswa_shared_route")]:
+        del globals()[name]
+
+    def test_qwen3_plain_shared_route():
+        check_route("qwen3", True)
+
+    def test_qwen3_vulkan_provider_into_the_vulkan_decoder():
+        # prefill in one device process, decode in another, one KV cache: the same libllama
+        # on the same driver over the same batches, so byte for byte
+        check_route("qwen3", True, provider=LLAMA_PREFILL, tolerance="0")
+
+    def test_qwen3_partial_offload_shared_route():
+        check_route("qwen3", True, model=make_model("qwen3", layers=4), ngl="3", on="CPU and Vulkan0")
+
+    def test_qwen3_partial_offload_file_route():
+        check_route("qwen3", False, model=make_model("qwen3", layers=4), ngl="3")
+
+    def check_refused(knob, said):
+        """A device that does not take the region: share answers 501 with the reason, the
+        request takes the file route, the reply is the decoder's own."""
+        expected, _ = baseline("qwen3")
+        serve = start(make_model("qwen3"), "hybrid", True, provider=CPU_PROVIDER,
+                      env={"LLAMA_KVSHARE_DEVICE_IMPORT": knob})
+        try:
+            for want, (text, prompt_n) in zip(expected, replies(serve)):
+                check(text == want and prompt_n == 1, "import %s: %r (prompt_n %s), --device cpu said %r" %
+                      (knob, text, prompt_n, want))
+            lines = serve.wait_count(r"hybrid: shared route not taken", len(PROMPTS))
+            check(len(lines) == len(PROMPTS) and all(said in l for l in lines),
+                  "import %s: serve's lines do not say %r:\n%s" % (knob, said, "\n".join(lines or serve.lines[-40:])))
+            # the file route after a shared attempt: its line has "share 0.000 ms, restore Y ms"
+            restored = serve.wait_count(r"hybrid: \d+ prompt tokens: prefill [\d.]+ ms, share 0\.000 ms, restore "
+                                        r"[\d.]+ ms, first byte", len(PROMPTS))
+            check(len(restored) == len(PROMPTS), "import %s: not the file route:\n%s" % (knob, "\n".join(serve.lines[-30:])))
+            print("  import %s: %s" % (knob, lines[0][lines[0].index("hybrid: "):][:300]))
+        finally:
+            code = serve.stop()
+        check(code == 0, "serve exit code %d" % code)
+
+    def test_a_device_without_host_pointer_import_takes_the_file_route():
+        check_refused("none", "LLAMA_KVSHARE_DEVICE_IMPORT=none forbids importing")
+
+    def test_a_failed_import_takes_the_file_route():
+        check_refused("misaligned", "refused to import")
+else:
+    def test_qwen3_plain_shared_route():
+        check_route("qwen3", True)
 
 
 run_tests(globals(), WORK)

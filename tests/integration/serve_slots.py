@@ -19,7 +19,12 @@ the provider (per request, and resident), and llama-kvshare-prefill resident.
 - (that a provider cannot write another slot's stream: tests/kvshare/share and the C API
   tests; that llama-server adopts per slot: llama_server_slots_share.py.)
 
-usage: serve_slots.py BIN_DIR
+--vulkan (issue #42): the shared route's cases into the same decoder on a Vulkan device
+(-ngl 99, GGML_VK_VISIBLE_DEVICES=0: lavapipe in CI; skipped without one, failed under
+CI=true), against --device cpu of that decoder: kvshare-prefill per request (another engine
+wrote the rows), llama-kvshare-prefill resident (on the same device), and a unified cache.
+
+usage: serve_slots.py BIN_DIR [--vulkan]
 """
 import http.client
 import json
@@ -30,8 +35,8 @@ import subprocess
 import sys
 import threading
 
-from hybrid_common import (DECODER_RE, Serve, chat_reply_of, check, descendants, llama_kvshare_prefill, pid_alive, run_tests,
-                           temp_dir, wait_until, wrapped_provider)
+from hybrid_common import (DECODER_RE, VULKAN_ENV, Serve, chat_reply_of, check, descendants, llama_kvshare_prefill,
+                           pid_alive, run_tests, temp_dir, vulkan_device, wait_until, wrapped_provider)
 
 BIN = os.path.abspath(sys.argv[1])
 LLAMA = os.environ.get("LLAMA_SERVER_KVSHARE", "")
@@ -42,6 +47,10 @@ if not LLAMA or not os.access(LLAMA, os.X_OK):
 LLAMA_PREFILL = llama_kvshare_prefill(LLAMA)
 TOOLS = {name: os.path.join(BIN, name) for name in ("kvshare-serve", "kvshare-prefill", "kvshare-mkmodel",
                                                     "kvshare-state")}
+
+VULKAN = "--vulkan" in sys.argv[2:]
+if VULKAN:
+    vulkan_device(LLAMA, "serve_slots --vulkan")  # exits without a Vulkan device
 
 WORK = temp_dir()
 MODEL = os.path.join(WORK, "tiny.gguf")
@@ -71,7 +80,11 @@ def start(device, kv_share=False, provider=None, extra=None):
     env = {"TMPDIR": SERVE_TMP, "ONEBIT_HYBRID_PREFILL": "", "ONEBIT_KV_SHARE": "1" if kv_share else None}
     if device == "hybrid":
         args += ["--prefill-provider", provider, "--handoff", "always"] + (extra or [])
-    return Serve(TOOLS["kvshare-serve"], args, env, timeout=180)
+    if VULKAN:
+        # every layer on the device; a provider that inherits the environment sees it too
+        args += ([] if "--" in args else ["--"]) + ["-ngl", "99"]
+        env.update(VULKAN_ENV)
+    return Serve(TOOLS["kvshare-serve"], args, env, timeout=300)
 
 
 def reply(serve, text, stream=False):
@@ -337,5 +350,11 @@ def test_sigterm_with_eight_requests_in_flight():
     finally:
         serve.kill()
 
+
+if VULKAN:
+    for name in [n for n in globals() if n.startswith("test_") and n not in (
+            "test_shared_route_sixteen_clients", "test_shared_route_resident_llama_provider",
+            "test_unified_cache_shared_route")]:
+        del globals()[name]
 
 run_tests(globals(), WORK)
