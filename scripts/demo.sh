@@ -16,6 +16,10 @@
 # KVSHARE_BUILD_DIR=dir uses another build directory; KVSHARE_DEMO_ROUTE=file shows the
 # state-file route instead. KVSHARE_DEMO_DECODER=reference runs the reference pair
 # (kvshare-prefill, kvshare-decoder) instead of llama-server: no llama.cpp build.
+# KVSHARE_DEMO_DEVICE=vulkan runs llama-server as a GPU decoder: every layer and its KV cache
+# on a Vulkan device (-ngl 99; GGML_VK_VISIBLE_DEVICES, default 0: on a machine without a
+# GPU that is lavapipe, Mesa's Vulkan device on the CPU), the region imported by the device;
+# with no Vulkan device the demo says so and stays on the CPU.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${KVSHARE_BUILD_DIR:-$root/build}
@@ -23,6 +27,8 @@ bin=$build/bin
 route=${KVSHARE_DEMO_ROUTE:-shared}
 decoder_kind=${KVSHARE_DEMO_DECODER:-llama-server}
 case "$decoder_kind" in reference|llama-server) ;; *) echo "KVSHARE_DEMO_DECODER=$decoder_kind: not llama-server or reference"; exit 2 ;; esac
+device=${KVSHARE_DEMO_DEVICE:-cpu}
+case "$device" in cpu|vulkan) ;; *) echo "KVSHARE_DEMO_DEVICE=$device: not cpu or vulkan"; exit 2 ;; esac
 
 need=(kvshare-serve kvshare-decoder kvshare-prefill kvshare-mkmodel)
 missing=0
@@ -61,6 +67,23 @@ if [ "$decoder_kind" = llama-server ]; then
   [ -x "$provider" ] || { echo "no llama-kvshare-prefill beside $backend"; exit 1; }
   echo "   $backend"
 fi
+decoder_args=()
+if [ "$device" = vulkan ]; then
+  if [ "$decoder_kind" != llama-server ]; then
+    echo "== KVSHARE_DEMO_DEVICE=vulkan: the reference decoder has no GPU backend; staying on the CPU"
+  else
+    export GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0}
+    vk=$("$backend" --list-devices 2>&1 | grep -m1 -o 'Vulkan[0-9]*: .*' || true)
+    if [ -z "$vk" ]; then
+      echo "== KVSHARE_DEMO_DEVICE=vulkan: llama-server lists no Vulkan device (GGML_VK_VISIBLE_DEVICES=$GGML_VK_VISIBLE_DEVICES); staying on the CPU"
+      unset GGML_VK_VISIBLE_DEVICES
+    else
+      echo "== the decoder on $vk (-ngl 99; lavapipe is Vulkan on the CPU)"
+      # -lv 4: libllama's line saying where the cache is goes to serve's log
+      decoder_args=(-- -ngl 99 -lv 4)
+    fi
+  fi
+fi
 
 echo "== a tiny model (kvshare-mkmodel, random weights, byte-level BPE, ChatML template)"
 # --residual-gain 3: the reply depends on the whole prompt, not only its last token.
@@ -83,12 +106,12 @@ if [ "$route" = shared ]; then export ONEBIT_KV_SHARE=1; else unset ONEBIT_KV_SH
 # --handoff always: the demo shows the handoff itself. By default (auto) serve forwards what
 # the decoder alone would answer sooner (docs/hybrid.md, "When serve hands off").
 "$bin/kvshare-serve" -m "$work/tiny.gguf" --device hybrid --prefill-provider "$provider" --handoff always \
-  --backend "$backend" --host 127.0.0.1 --port "$port" -c 1024 -fa on \
+  --backend "$backend" --host 127.0.0.1 --port "$port" -c 1024 -fa on "${decoder_args[@]}" \
   2>"$work/serve.log" &
 serve_pid=$!
 unset ONEBIT_KV_SHARE
 "$bin/kvshare-serve" -m "$work/tiny.gguf" --device cpu --backend "$backend" --host 127.0.0.1 --port "$cpu_port" \
-  -c 1024 -fa on 2>"$work/cpu.log" &
+  -c 1024 -fa on "${decoder_args[@]}" 2>"$work/cpu.log" &
 cpu_pid=$!
 wait_listening "$serve_pid" "$work/serve.log"
 wait_listening "$cpu_pid" "$work/cpu.log"
@@ -127,6 +150,10 @@ else
   echo "== serve's hybrid: lines (the file route hands over whole prompts)"
 fi
 grep "^hybrid:" "$work/serve.log" | sed 's/^/   /'
+if [ "${#decoder_args[@]}" -gt 0 ]; then
+  echo "== where the decoder's KV cache is (its log)"
+  grep -o "kvshare: KV cache on device.*\|kvshare: KV cache in exported region.*" "$work/serve.log" | sed 's/^/   /'
+fi
 
 echo "== stopping both serves (SIGTERM)"
 status=0

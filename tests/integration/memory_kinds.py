@@ -29,7 +29,9 @@ and its whole KV cache on a Vulkan device (-ngl 99 and GGML_VK_VISIBLE_DEVICES=0
 CI), against --device cpu of that same decoder. The decoder's log says its cache is on the
 device and in the exported region. The provider runs on the CPU (the NPU case: another
 engine computed the rows; the decoder's memory after the handoff equals its own prefill
-within 0.01) and, for qwen3, on the same device (a Vulkan provider: byte for byte). On
+within 0.01) and, for qwen3 and qwen35, on the same device (a Vulkan provider: byte for
+byte; qwen35's Gated DeltaNet state, computed by the CPU backend and by lavapipe, differs
+enough to move its attention K and V past 0.01). On
 lavapipe every process that computes on the device first compiles its pipelines (about 4 s
 here), so the per-request providers stay on the CPU where the device is not the point.
 Partial offload (a 4-layer qwen3 at -ngl 3: two layers' KV on the device, two on the CPU)
@@ -229,7 +231,11 @@ def test_lfm2_hybrid_file_route():
 
 
 def test_qwen35_gated_deltanet_shared_route():
-    check_route("qwen35", True)
+    # --vulkan: the provider on the decoder's device. A CPU provider's rows reach the same
+    # replies, but lavapipe and the CPU backend compute the Gated DeltaNet state apart (up to
+    # 4e-4 in S), which carries into the attention layer's K and V past 0.01 (0.029 seen).
+    check_route("qwen35", True, provider=LLAMA_PREFILL if VULKAN else CPU_PROVIDER,
+                tolerance="0" if VULKAN else None)
 
 
 def test_qwen35_gated_deltanet_file_route():
