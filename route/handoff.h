@@ -154,6 +154,9 @@ struct HandoffContext {
   // The provider takes --cached (prefills only what the slot does not hold) until it exits 2
   // on the flag: from then on it gets whole prompts.
   mutable std::atomic<bool> provider_takes_cached{true};
+  // Requests that chose a handoff and have not finished it: at a resident provider, which
+  // prefills one at a time, the queue a new handoff would wait in.
+  mutable std::atomic<size_t> handoffs_in_flight{0};
 };
 
 // Takes a slot for a request whose prompt is `ids` (empty when serve could not tokenize it)

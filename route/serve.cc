@@ -102,6 +102,9 @@ void on_relay_end(RelayState& state) {
   // What the decoder generated stays in its slot after the prompt: the next turn's estimate.
   if (timings.predicted_n)
     state.context->slot_record(state.report.slot).remember_generated(state.report.slot_prompt_id, *timings.predicted_n);
+  // The streams' pace, for the load rule's words.
+  if (timings.predicted_n && timings.predicted_ms)
+    state.context->rates.observe_decode(*timings.predicted_n, *timings.predicted_ms);
   if (!state.report.handed_off()) {
     // A forward is the decoder's own prompt speed over what its slot did not hold.
     if (timings.prompt_n && timings.prompt_ms)

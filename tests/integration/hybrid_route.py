@@ -352,8 +352,14 @@ def test_handoff_flag_values_and_help():
                                                                                  result.stderr))
         check("--handoff" in result.stderr and "auto, always, never" in result.stderr,
               "--handoff %r: message %r" % (value, result.stderr))
+    for value in ("-1", "nan", "inf"):
+        result = subprocess.run([SERVE, "-m", MODEL, "--backend", FAKE_DECODER, "--stream-weight", value],
+                                capture_output=True, timeout=20, text=True)
+        check(result.returncode == 2 and "--stream-weight" in result.stderr,
+              "--stream-weight %s: exit %d (%s)" % (value, result.returncode, result.stderr))
     result = subprocess.run([SERVE, "--help"], capture_output=True, timeout=20, text=True)
     check(result.returncode == 0 and "--handoff" in result.stdout and "auto" in result.stdout, result.stdout)
+    check("--stream-weight" in result.stdout, result.stdout)
 
 
 def test_print_backend():
