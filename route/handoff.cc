@@ -529,6 +529,12 @@ std::string_view endpoint_path(Endpoint endpoint) {
   return endpoint == Endpoint::chat_completions ? "/v1/chat/completions" : "/v1/completions";
 }
 
+size_t slot_context(const HandoffContext& context) {
+  if (context.slot_ctx_size != 0) return context.slot_ctx_size;
+  const int n_slots = context.slot ? context.slot->n_slots() : 1;
+  return static_cast<size_t>(std::max(context.config->ctx_size, 0) / std::max(n_slots, 1));
+}
+
 namespace {
 
 // "N prompt tokens", when the slot held some ", P cached", and with several slots ", slot S".
@@ -689,8 +695,7 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
   HandoffQuestion question;
   question.n_prompt = ids->size();
   question.n_cached = n_cached_estimate;
-  // Each slot has its share of -c (llama-server splits the context between its slots).
-  question.ctx_size = static_cast<size_t>(std::max(context.config->ctx_size, 0) / std::max(report.n_slots, 1));
+  question.ctx_size = slot_context(context);
   question.provider_incremental =
       context.config->prefill_remote.empty() && context.config->kv_share &&
       (context.resident_provider ? context.resident_provider->takes_cached() : context.provider_takes_cached.load());

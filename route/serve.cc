@@ -305,6 +305,22 @@ int Server::run() {
     context_.resident_provider = resident_provider_.get();
   }
   if (hybrid_active()) {
+    // What fits a slot is the decoder's to say: llama-server caps -c / -np at the model's
+    // training context (and -kvu gives every slot the whole -c). Every "does it fit" uses it.
+    const size_t assumed = static_cast<size_t>(config_.ctx_size / slot_.n_slots());
+    if (auto n_ctx = client_->slot_context(); n_ctx) {
+      context_.slot_ctx_size = *n_ctx;
+      if (*n_ctx != assumed)
+        log_line(
+            fmt::format("kvshare-serve: each decoder slot holds {} cells, not the {} of -c {} / -np {} (GET /props): a "
+                        "longer prompt goes to the decoder as it came",
+                        *n_ctx, assumed, config_.ctx_size, slot_.n_slots()));
+    } else {
+      log_line(
+          fmt::format("kvshare-serve: could not learn the decoder's slot context ({}); serve assumes -c / -np, "
+                      "{} cells",
+                      n_ctx.error().what(), assumed));
+    }
     auto version = probe_decoder_state_version(*client_, decoder_->slot_dir());
     if (version) {
       context_.decoder_state_version = *version;
