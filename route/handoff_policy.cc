@@ -54,7 +54,7 @@ void RateBook::observe_decoder(size_t n_prompt, int64_t prompt_n, double prompt_
 void RateBook::observe_provider(size_t n_cached, size_t n_prefilled, double prefill_ms, double wall_ms) {
   if (n_prefilled == 0 || !(prefill_ms > 0)) return;
   std::lock_guard lock(mutex_);
-  provider_.add(n_cached, n_prefilled, prefill_ms);
+  if (n_prefilled >= static_cast<size_t>(kMinRateSampleTokens)) provider_.add(n_cached, n_prefilled, prefill_ms);
   blend(rates_.provider_overhead_ms, std::max(0.0, wall_ms - prefill_ms));
 }
 

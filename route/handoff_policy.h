@@ -41,9 +41,9 @@ std::string handoff_policy_name(const HandoffPolicy& policy);
 // this many uncached tokens (the last one aside) would be handed over: the first long
 // prompt teaches serve the provider's speed.
 inline constexpr size_t kDefaultMinHandoffTokens = 256;
-// A forwarded reply teaches the decoder's prompt speed only when it evaluated at least
-// this many tokens: fewer measure its per-call overhead and a small batch's inefficiency,
-// not what it takes for a long message.
+// A forwarded reply teaches the decoder's prompt speed, and a provider run the provider's,
+// only when it evaluated at least this many tokens: fewer measure the per-call overhead
+// and a small batch's inefficiency, not what it takes for a long message.
 inline constexpr int64_t kMinRateSampleTokens = 64;
 // `auto` compares its estimates only for an uncached part at most this many times the
 // decoder's largest measured one; past it, the request is forwarded and measures the decoder

@@ -248,6 +248,16 @@ TEST(HandoffPolicyUnderLoad, LeavesPinnedPoliciesAndUnmeasuredDecodersAlone) {
   EXPECT_EQ(decide_handoff({}, unmeasured, under_load(3)).label, "measuring");
 }
 
+TEST(RateBook, LearnsTheProvidersSpeedOnlyFromRunsLongEnoughToMeasureIt) {
+  // #43: a stream's 21-token prompt, handed off while the provider shared its cores with two
+  // streams, took 1311 ms; as a rate it made the next 474-token prompt look 17 s away.
+  RateBook book;
+  book.observe_provider(0, 474, 505, 510);
+  book.observe_provider(0, kMinRateSampleTokens - 1, 1311, 1320);
+  EXPECT_NEAR(book.snapshot().provider->ms_for(0, 474), 505, 1e-9);
+  EXPECT_DOUBLE_EQ(*book.snapshot().provider_overhead_ms, 5 + 0.25 * (9 - 5));  // its start-up still counts
+}
+
 TEST(RateBook, LearnsTheStreamsPaceFromReplies) {
   RateBook book;
   book.observe_decode(1, 50);  // one token says nothing of a pace
