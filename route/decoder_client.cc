@@ -123,6 +123,54 @@ Result<std::vector<int32_t>> DecoderClient::tokenize(const std::string& text) co
   return ids;
 }
 
+namespace {
+
+// A positive cell count at `field` of `object`, named `where` in the refusal.
+Result<size_t> positive_count(const Json& object, const char* field, const std::string& where) {
+  if (!object.is_object() || !object.contains(field)) return fail(EPROTO, "{}: no field \"{}\"", where, field);
+  const Json& value = object[field];
+  if (!value.is_number_integer() || value.get<int64_t>() <= 0)
+    return fail(EPROTO, "{}: field \"{}\" is {}, expected a positive count of cells", where, field, value.dump());
+  return static_cast<size_t>(value.get<int64_t>());
+}
+
+}  // namespace
+
+Result<size_t> slot_context_from_props(const Json& props) {
+  if (!props.is_object() || !props.contains("default_generation_settings"))
+    return fail(EPROTO, "GET /props: no object \"default_generation_settings\"");
+  return positive_count(props["default_generation_settings"], "n_ctx", "GET /props default_generation_settings");
+}
+
+Result<size_t> slot_context_from_slots(const Json& slots) {
+  if (!slots.is_array() || slots.empty()) return fail(EPROTO, "GET /slots: not a non-empty array of slots");
+  size_t smallest = 0;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    auto n_ctx = positive_count(slots[i], "n_ctx", fmt::format("GET /slots [{}]", i));
+    if (!n_ctx) return n_ctx;
+    if (smallest == 0 || *n_ctx < smallest) smallest = *n_ctx;
+  }
+  return smallest;
+}
+
+Result<size_t> DecoderClient::slot_context() const {
+  std::string props_error;
+  if (auto props = get("/props"); !props)
+    props_error = props.error().what();
+  else if (props->status != 200)
+    props_error = fmt::format("GET /props answered {}", props->status);
+  else if (auto n_ctx = slot_context_from_props(props->json()); n_ctx)
+    return n_ctx;
+  else
+    props_error = n_ctx.error().what();
+  auto slots = get("/slots");
+  if (!slots) return fail(slots.error().errno_value(), "{}; {}", props_error, slots.error().message());
+  if (slots->status != 200) return fail(EPROTO, "{}; GET /slots answered {}", props_error, slots->status);
+  auto n_ctx = slot_context_from_slots(slots->json());
+  if (!n_ctx) return fail(EPROTO, "{}; {}", props_error, n_ctx.error().what());
+  return n_ctx;
+}
+
 Result<SlotReply> DecoderClient::slot_action(const std::string& action, const Json& body, int slot) const {
   auto reply = post_json(fmt::format("/slots/{}?action={}", slot, action), body.dump());
   if (!reply) return fail(reply.error());

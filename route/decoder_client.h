@@ -66,12 +66,23 @@ class DecoderClient {
 
   Result<SlotReply> slot_action(const std::string& action, const nlohmann::json& body, int slot = 0) const;
 
+  // Each slot's context in cells, as the decoder runs it: GET /props, else GET /slots (see
+  // slot_context_from_props). llama-server caps -c / -np at the model's training context
+  // and says so only in its log. Fails naming both paths when neither tells.
+  Result<size_t> slot_context() const;
+
  private:
   std::string host_;
   int port_;
   std::chrono::milliseconds timeout_;
   std::vector<std::pair<std::string, std::string>> headers_;  // sent with every call
 };
+
+// A slot's context from GET /props (`default_generation_settings.n_ctx`, llama-server's
+// slot_n_ctx), or from GET /slots (every slot's `n_ctx`: the smallest). EPROTO naming the
+// field when it is missing or not a positive count.
+Result<size_t> slot_context_from_props(const nlohmann::json& props);
+Result<size_t> slot_context_from_slots(const nlohmann::json& slots);
 
 // "error.message" of a llama-server error body, else the body itself (shortened).
 std::string error_message_of(const std::string& body);

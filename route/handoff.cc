@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <fstream>
+#include <utility>
 
 #include "kvshare/env.h"
 #include "kvshare/share/broker.h"
@@ -28,6 +29,24 @@ struct ScopedFile {
     std::error_code ec;
     if (!path.empty()) std::filesystem::remove(path, ec);
   }
+};
+
+// One request counted in HandoffContext::handoffs_in_flight from its decision to its end
+// (or until leave()); ahead() is how many were counted before it.
+class InFlight {
+ public:
+  explicit InFlight(std::atomic<size_t>& count) : count_(&count), ahead_(count.fetch_add(1)) {}
+  ~InFlight() { leave(); }
+  InFlight(const InFlight&) = delete;
+  InFlight& operator=(const InFlight&) = delete;
+  void leave() {
+    if (count_) std::exchange(count_, nullptr)->fetch_sub(1);
+  }
+  size_t ahead() const { return ahead_; }
+
+ private:
+  std::atomic<size_t>* count_;
+  size_t ahead_;
 };
 
 // Where a handoff attempt ended.
@@ -510,6 +529,12 @@ std::string_view endpoint_path(Endpoint endpoint) {
   return endpoint == Endpoint::chat_completions ? "/v1/chat/completions" : "/v1/completions";
 }
 
+size_t slot_context(const HandoffContext& context) {
+  if (context.slot_ctx_size != 0) return context.slot_ctx_size;
+  const int n_slots = context.slot ? context.slot->n_slots() : 1;
+  return static_cast<size_t>(std::max(context.config->ctx_size, 0) / std::max(n_slots, 1));
+}
+
 namespace {
 
 // "N prompt tokens", when the slot held some ", P cached", and with several slots ", slot S".
@@ -670,19 +695,29 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
   HandoffQuestion question;
   question.n_prompt = ids->size();
   question.n_cached = n_cached_estimate;
-  // Each slot has its share of -c (llama-server splits the context between its slots).
-  question.ctx_size = static_cast<size_t>(std::max(context.config->ctx_size, 0) / std::max(report.n_slots, 1));
+  question.ctx_size = slot_context(context);
   question.provider_incremental =
       context.config->prefill_remote.empty() && context.config->kv_share &&
       (context.resident_provider ? context.resident_provider->takes_cached() : context.provider_takes_cached.load());
+  // The load: the streams a prefill by the decoder would stall, and the handoffs ahead of
+  // this one at a resident provider (a per-request provider is a process of its own: no
+  // queue). Counting this request in before deciding makes two arrivals at once see each other.
+  question.n_decoding = context.slot ? static_cast<size_t>(context.slot->decoding_besides(report.slot)) : 0;
+  InFlight in_flight(context.handoffs_in_flight);
+  if (context.resident_provider) question.provider_queue = in_flight.ahead();
   const HandoffDecision decision = decide_handoff(context.config->handoff, context.rates.snapshot(), question);
   context.metrics->count_decision(decision.hand_off ? "handoff" : "forward", decision.label);
   if (!decision.hand_off) {
+    in_flight.leave();
     report.decided_forward = true;
     report.n_cached = n_cached_estimate;
     report.decision = decision.why;
     report.body = as_it_came_body(body, report.slot, report.n_slots);
     return report;  // as it came: the decoder's own prompt cache finds what it holds
+  }
+  if (decision.label == "load") {
+    context.metrics->count_load_handoff();
+    context.log(fmt::format("hybrid: {}: handed off: {}", prompt_words(report), decision.why));
   }
 
   const uint64_t sequence = ++g_request_sequence;

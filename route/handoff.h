@@ -154,7 +154,17 @@ struct HandoffContext {
   // The provider takes --cached (prefills only what the slot does not hold) until it exits 2
   // on the flag: from then on it gets whole prompts.
   mutable std::atomic<bool> provider_takes_cached{true};
+  // Each slot's context in cells, as the decoder said at start (GET /props; llama-server caps
+  // -c / -np at the model's training context); 0: not learned, -c / -np is assumed.
+  size_t slot_ctx_size = 0;
+  // Requests that chose a handoff and have not finished it: at a resident provider, which
+  // prefills one at a time, the queue a new handoff would wait in.
+  mutable std::atomic<size_t> handoffs_in_flight{0};
 };
+
+// The context a prompt must fit in one of the decoder's slots: what the decoder said
+// (slot_ctx_size), else -c / -np (llama-server splits the context between its slots).
+size_t slot_context(const HandoffContext& context);
 
 // Takes a slot for a request whose prompt is `ids` (empty when serve could not tokenize it)
 // and returns its id_slot; blocks until one is free. The caller keeps the hold.

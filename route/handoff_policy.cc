@@ -54,7 +54,7 @@ void RateBook::observe_decoder(size_t n_prompt, int64_t prompt_n, double prompt_
 void RateBook::observe_provider(size_t n_cached, size_t n_prefilled, double prefill_ms, double wall_ms) {
   if (n_prefilled == 0 || !(prefill_ms > 0)) return;
   std::lock_guard lock(mutex_);
-  provider_.add(n_cached, n_prefilled, prefill_ms);
+  if (n_prefilled >= static_cast<size_t>(kMinRateSampleTokens)) provider_.add(n_cached, n_prefilled, prefill_ms);
   blend(rates_.provider_overhead_ms, std::max(0.0, wall_ms - prefill_ms));
 }
 
@@ -62,6 +62,12 @@ void RateBook::observe_handoff(double handoff_ms) {
   if (!(handoff_ms >= 0)) return;
   std::lock_guard lock(mutex_);
   blend(rates_.handoff_ms, handoff_ms);
+}
+
+void RateBook::observe_decode(int64_t predicted_n, double predicted_ms) {
+  if (predicted_n < 2 || !(predicted_ms > 0)) return;
+  std::lock_guard lock(mutex_);
+  blend(rates_.decode_ms_per_token, predicted_ms / static_cast<double>(predicted_n));
 }
 
 MeasuredRates RateBook::snapshot() const {
@@ -114,9 +120,18 @@ HandoffDecision decide_handoff(const HandoffPolicy& policy, const MeasuredRates&
     default:
       break;
   }
+  // auto. A resident provider prefills one request at a time: a handoff behind another one
+  // would wait for it, a wait none of the estimates holds, so the decoder takes this one.
+  auto unless_provider_busy = [&](HandoffDecision decision) {
+    if (!decision.hand_off || question.provider_queue == 0) return decision;
+    return forward("provider_busy",
+                   fmt::format("uncached {} tokens: the provider is prefilling {} other request{} (one at a time), "
+                               "the decoder evaluates them",
+                               n_uncached, question.provider_queue, question.provider_queue == 1 ? "" : "s"));
+  };
   if (!rates.provider)
-    return by_count(kDefaultMinHandoffTokens,
-                    fmt::format("{} before the provider's speed is measured", kDefaultMinHandoffTokens));
+    return unless_provider_busy(by_count(
+        kDefaultMinHandoffTokens, fmt::format("{} before the provider's speed is measured", kDefaultMinHandoffTokens)));
   if (!rates.decoder || n_uncached > kMaxRateReach * rates.decoder_largest_sample) {
     if (n_handed_over < kDefaultMinHandoffTokens)
       return forward("short", fmt::format("uncached {} tokens: {} to hand over, below {} before the decoder's speed "
@@ -138,12 +153,32 @@ HandoffDecision decide_handoff(const HandoffPolicy& policy, const MeasuredRates&
                             rates.provider->ms_for(prefill_from, n_to_prefill) + rates.handoff_ms.value_or(0) +
                             rates.decoder->ms_for(n_prompt - 1, 1);
   if (handoff_ms <= kHandoffMargin * forward_ms)
-    return hand_off("faster", fmt::format("uncached {} tokens: the provider is faster (about {:.1f} ms against the "
-                                          "decoder's {:.1f} ms)",
-                                          n_uncached, handoff_ms, forward_ms));
-  return forward("faster", fmt::format("uncached {} tokens: the decoder is about as fast or faster (about {:.1f} ms "
-                                       "against {:.1f} ms by the provider)",
-                                       n_uncached, forward_ms, handoff_ms));
+    return unless_provider_busy(
+        hand_off("faster", fmt::format("uncached {} tokens: the provider is faster (about {:.1f} ms against the "
+                                       "decoder's {:.1f} ms)",
+                                       n_uncached, handoff_ms, forward_ms)));
+  // Under load: llama-server evaluates a prompt in the same steps as the other slots' next
+  // tokens, so while it prefills this one every decoding stream waits about forward_ms.
+  // An idle provider takes that off the decoder; the price is this request's extra wait
+  // (docs/hybrid.md, "Under load").
+  const size_t n_decoding = question.n_decoding;
+  const double stall_ms = forward_ms * static_cast<double>(n_decoding) * policy.stream_weight;
+  const double extra_ms = handoff_ms - forward_ms;
+  const bool weighs_load = n_decoding > 0 && question.provider_queue == 0 && policy.stream_weight > 0;
+  const std::string slots = fmt::format(
+      "{} slot{} decoding{}", n_decoding, n_decoding == 1 ? "" : "s",
+      rates.decode_ms_per_token ? fmt::format(" at about {:.1f} ms a token", *rates.decode_ms_per_token) : "");
+  if (weighs_load && stall_ms > extra_ms)
+    return hand_off("load", fmt::format("{} (decoder about {:.0f} ms would stall {}, provider about {:.0f} ms)", slots,
+                                        forward_ms, n_decoding == 1 ? "it" : "them", handoff_ms));
+  std::string why = fmt::format(
+      "uncached {} tokens: the decoder is about as fast or faster (about {:.1f} ms against {:.1f} ms by the "
+      "provider)",
+      n_uncached, forward_ms, handoff_ms);
+  if (weighs_load)
+    why += fmt::format("; {}: their stall weighs about {:.0f} ms, the provider's extra wait {:.0f} ms", slots, stall_ms,
+                       extra_ms);
+  return forward("faster", std::move(why));
 }
 
 }  // namespace kvshare::route

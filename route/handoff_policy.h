@@ -19,12 +19,19 @@
 
 namespace kvshare::route {
 
+// --stream-weight's default: one ms of one decoding stream's stall is worth one ms of the
+// arriving request's first byte (docs/hybrid.md, "Under load").
+inline constexpr double kDefaultStreamWeight = 1.0;
+
 // --handoff: auto (by measured rates), always, never, or N (hand off when at least N of
 // the prompt's tokens, its last one aside, are not in the decoder's slot).
 enum class HandoffMode { automatic, always, never, threshold };
 struct HandoffPolicy {
   HandoffMode mode = HandoffMode::automatic;
   size_t min_tokens = 0;  // threshold only
+  // auto only (--stream-weight): how many ms of the arriving request's first byte one ms
+  // of one decoding stream's stall is worth; 0 turns the load rule off.
+  double stream_weight = kDefaultStreamWeight;
 };
 // "auto", "always", "never" or a positive decimal count; EINVAL naming the flag otherwise.
 Result<HandoffPolicy> parse_handoff_policy(std::string_view text);
@@ -34,9 +41,9 @@ std::string handoff_policy_name(const HandoffPolicy& policy);
 // this many uncached tokens (the last one aside) would be handed over: the first long
 // prompt teaches serve the provider's speed.
 inline constexpr size_t kDefaultMinHandoffTokens = 256;
-// A forwarded reply teaches the decoder's prompt speed only when it evaluated at least
-// this many tokens: fewer measure its per-call overhead and a small batch's inefficiency,
-// not what it takes for a long message.
+// A forwarded reply teaches the decoder's prompt speed, and a provider run the provider's,
+// only when it evaluated at least this many tokens: fewer measure the per-call overhead
+// and a small batch's inefficiency, not what it takes for a long message.
 inline constexpr int64_t kMinRateSampleTokens = 64;
 // `auto` compares its estimates only for an uncached part at most this many times the
 // decoder's largest measured one; past it, the request is forwarded and measures the decoder
@@ -53,6 +60,7 @@ struct MeasuredRates {
   std::optional<TokenRate> provider;           // handoffs: the provider's prefill_ms over the tokens it prefilled
   std::optional<double> provider_overhead_ms;  // handoffs: the provider's wall time less its prefill_ms (EWMA)
   std::optional<double> handoff_ms;            // handoffs: share + adopt, or the restore (EWMA)
+  std::optional<double> decode_ms_per_token;   // replies: predicted_ms over predicted_n (EWMA)
 };
 
 // The rates, shared by every request's thread. The EWMAs weigh the newest sample 1/4.
@@ -63,6 +71,8 @@ class RateBook {
   // A provider run: it prefilled `n_prefilled` tokens after `n_cached` it found in place.
   void observe_provider(size_t n_cached, size_t n_prefilled, double prefill_ms, double wall_ms);
   void observe_handoff(double handoff_ms);
+  // A reply's generation: `predicted_n` tokens took `predicted_ms` (fewer than 2 say nothing).
+  void observe_decode(int64_t predicted_n, double predicted_ms);
   MeasuredRates snapshot() const;
 
  private:
@@ -76,13 +86,19 @@ struct HandoffQuestion {
   size_t n_cached = 0;                // of it, what the decoder's slot holds (an estimate before the share)
   size_t ctx_size = 0;                // the decoder's context in cells (0: unknown)
   bool provider_incremental = false;  // the provider can prefill from n_cached on (--cached)
+  // The load (docs/hybrid.md, "Under load"): the decoder's other slots with a reply in
+  // flight, whose every next token waits while the decoder prefills this prompt; and the
+  // handoffs ahead of this one at a resident provider (it prefills one request at a time).
+  size_t n_decoding = 0;
+  size_t provider_queue = 0;
 };
 
 struct HandoffDecision {
   bool hand_off = false;
   size_t n_to_prefill = 0;  // the tokens the provider prefills when handing off
-  std::string label;        // metric label: threshold, short, faster, measuring, always, never, cached, too_long
-  std::string why;          // the log line's words, e.g. "uncached 42 tokens: the decoder is faster"
+  // metric label: threshold, short, faster, load, provider_busy, measuring, always, never, cached, too_long
+  std::string label;
+  std::string why;  // the log line's words, e.g. "uncached 42 tokens: the decoder is faster"
 };
 
 HandoffDecision decide_handoff(const HandoffPolicy& policy, const MeasuredRates& rates,

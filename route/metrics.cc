@@ -79,6 +79,11 @@ void Metrics::count_cached_tokens(size_t n_cached) {
   cached_tokens_ += n_cached;
 }
 
+void Metrics::count_load_handoff() {
+  std::lock_guard lock(mutex_);
+  ++load_handoffs_;
+}
+
 void Metrics::count_reply_cut(const std::string& by) {
   std::lock_guard lock(mutex_);
   ++replies_cut_[by];
@@ -118,6 +123,11 @@ std::string Metrics::render() const {
       "# HELP kvshare_cached_tokens_total Prompt tokens a handoff left in the decoder's cells instead of "
       "prefilling them again.\n# TYPE kvshare_cached_tokens_total counter\n";
   out += fmt::format("kvshare_cached_tokens_total {}\n", cached_tokens_);
+  out +=
+      "# HELP kvshare_load_handoffs_total Prompts handed off because other slots were decoding: the decoder's "
+      "prefill would have stalled their streams (docs/hybrid.md, \"Under load\").\n"
+      "# TYPE kvshare_load_handoffs_total counter\n";
+  out += fmt::format("kvshare_load_handoffs_total {}\n", load_handoffs_);
   out +=
       "# HELP kvshare_prompt_not_reused_total Replies whose timings.prompt_n was not 1 after a handoff.\n"
       "# TYPE kvshare_prompt_not_reused_total counter\n";

@@ -42,6 +42,9 @@ class Metrics {
   // again because the decoder's slot held them (--cached).
   void count_decision(const std::string& decision, const std::string& label);
   void count_cached_tokens(size_t n_cached);
+  // A handoff the load rule chose (decision "handoff", rule "load"): the provider took a
+  // prefill off a decoder whose other slots were decoding.
+  void count_load_handoff();
   // serve started kvshare-remote-receiver again after it had exited.
   void count_receiver_restart();
   // serve started (or reached) a resident provider again after it had lost one.
@@ -61,6 +64,7 @@ class Metrics {
   std::map<std::string, unsigned long long> requests_;
   std::map<std::pair<std::string, std::string>, unsigned long long> decisions_;
   unsigned long long cached_tokens_ = 0;
+  unsigned long long load_handoffs_ = 0;
   unsigned long long prompt_not_reused_ = 0;
   unsigned long long receiver_restarts_ = 0;
   unsigned long long provider_restarts_ = 0;

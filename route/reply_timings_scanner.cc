@@ -18,6 +18,8 @@ std::optional<ReplyTimings> timings_of(std::string_view json_text) {
     found.prompt_ms = ms->get<double>();
   if (auto n = timings->find("predicted_n"); n != timings->end() && n->is_number_integer())
     found.predicted_n = n->get<int64_t>();
+  if (auto ms = timings->find("predicted_ms"); ms != timings->end() && ms->is_number())
+    found.predicted_ms = ms->get<double>();
   return found;
 }
 

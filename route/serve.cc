@@ -102,6 +102,9 @@ void on_relay_end(RelayState& state) {
   // What the decoder generated stays in its slot after the prompt: the next turn's estimate.
   if (timings.predicted_n)
     state.context->slot_record(state.report.slot).remember_generated(state.report.slot_prompt_id, *timings.predicted_n);
+  // The streams' pace, for the load rule's words.
+  if (timings.predicted_n && timings.predicted_ms)
+    state.context->rates.observe_decode(*timings.predicted_n, *timings.predicted_ms);
   if (!state.report.handed_off()) {
     // A forward is the decoder's own prompt speed over what its slot did not hold.
     if (timings.prompt_n && timings.prompt_ms)
@@ -302,6 +305,22 @@ int Server::run() {
     context_.resident_provider = resident_provider_.get();
   }
   if (hybrid_active()) {
+    // What fits a slot is the decoder's to say: llama-server caps -c / -np at the model's
+    // training context (and -kvu gives every slot the whole -c). Every "does it fit" uses it.
+    const size_t assumed = static_cast<size_t>(config_.ctx_size / slot_.n_slots());
+    if (auto n_ctx = client_->slot_context(); n_ctx) {
+      context_.slot_ctx_size = *n_ctx;
+      if (*n_ctx != assumed)
+        log_line(
+            fmt::format("kvshare-serve: each decoder slot holds {} cells, not the {} of -c {} / -np {} (GET /props): a "
+                        "longer prompt goes to the decoder as it came",
+                        *n_ctx, assumed, config_.ctx_size, slot_.n_slots()));
+    } else {
+      log_line(
+          fmt::format("kvshare-serve: could not learn the decoder's slot context ({}); serve assumes -c / -np, "
+                      "{} cells",
+                      n_ctx.error().what(), assumed));
+    }
     auto version = probe_decoder_state_version(*client_, decoder_->slot_dir());
     if (version) {
       context_.decoder_state_version = *version;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <sstream>
 
@@ -132,6 +133,11 @@ Result<void> validate(const ServeConfig& config) {
   if (auto kv = layout::apply_kv_flags({}, config.flash_attn, config.cache_type_k, config.cache_type_v); !kv)
     return fail(kv.error());
   if (config.ctx_size <= 0) return fail(EINVAL, "-c {}: the context must be positive", config.ctx_size);
+  if (!(config.handoff.stream_weight >= 0) || !std::isfinite(config.handoff.stream_weight))
+    return fail(EINVAL,
+                "--stream-weight {}: expected a number of 0 or more (how many ms of an arriving request's first "
+                "byte one ms of one decoding stream's stall is worth; 0: the load is not weighed)",
+                config.handoff.stream_weight);
   if (!(config.provider_timeout_s > 0))
     return fail(EINVAL, "--provider-timeout {}: expected a positive number of seconds", config.provider_timeout_s);
   if (config.port < 0 || config.port > 65535) return fail(EINVAL, "--port {}: expected 0..65535", config.port);

@@ -34,7 +34,7 @@ struct ServeConfig {
   int ctx_size = 4096;                     // -c
   bool kv_flags_given = false;             // -c/-fa/-ctk/-ctv on the command line: the provider gets them too
   double provider_timeout_s = 120;         // --provider-timeout
-  HandoffPolicy handoff;                   // --handoff auto|always|never|N (route/handoff_policy.h)
+  HandoffPolicy handoff;                   // --handoff auto|always|never|N, --stream-weight W (route/handoff_policy.h)
   std::string backend;                     // --backend PATH ("" = search)
   bool print_backend = false;              // --print-backend
   bool kv_share = false;                   // ONEBIT_KV_SHARE set and non-empty
@@ -82,7 +82,7 @@ inline constexpr int kMaxSlots = 256;
 // after `--` with another value; --mtp, --dflash, --mmproj, --moe-slots, --embedding(s), --reranking,
 // --pm (also inside backend_extra); a missing model; a -fa, -ctk or -ctv value llama-server
 // refuses (layout::apply_kv_flags); a non-positive
-// -c or --provider-timeout. EINVAL.
+// -c or --provider-timeout; a negative or non-finite --stream-weight. EINVAL.
 Result<void> validate(const ServeConfig& config);
 
 struct Backend {

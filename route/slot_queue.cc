@@ -86,6 +86,14 @@ bool SlotQueue::wait_idle(int slot, std::chrono::milliseconds timeout) {
   return changed_.wait_for(lock, timeout, [&] { return decodes_in_flight_[static_cast<size_t>(slot)] == 0; });
 }
 
+int SlotQueue::decoding_besides(int slot) const {
+  std::lock_guard lock(mutex_);
+  int count = 0;
+  for (int other = 0; other < n_slots(); ++other)
+    if (other != slot && decodes_in_flight_[static_cast<size_t>(other)] > 0) ++count;
+  return count;
+}
+
 uint64_t SlotQueue::waiting() const {
   std::lock_guard lock(mutex_);
   return next_ticket_ - serving_ + held_;

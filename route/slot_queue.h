@@ -67,6 +67,10 @@ class SlotQueue {
   bool wait_idle(int slot, std::chrono::milliseconds timeout);
   bool wait_idle(std::chrono::milliseconds timeout) { return wait_idle(0, timeout); }
 
+  // Slots other than `slot` with a forwarded request in flight (the decoder prefills or
+  // streams its reply): the streams a prefill in `slot` would stall (the load rule).
+  int decoding_besides(int slot) const;
+
   int n_slots() const { return static_cast<int>(busy_.size()); }
   // Tickets taken and not yet released: requests holding a slot or waiting for one.
   uint64_t waiting() const;

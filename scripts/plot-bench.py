@@ -21,6 +21,10 @@ keeps their lines in docs/plots/bench.jsonl and writes:
     load.svg           many users at once: requests/s vs concurrent clients, one line per serve
                        configuration (cpu -np 4, hybrid -np 1 and -np 4, kvshare-decoder -np 1), and
                        their first byte p50 and p99
+    load-mix.svg       streams decoding while long prompts arrive (only when the lines hold
+                       `kvshare-bench load-mix --json` output, which this script does not run: it
+                       needs a patched llama-server and pinned cores): the streams' p99 gap and the
+                       arrivals' first byte vs the arrival interval, one line per configuration
 
 `--groups route,conversation` runs only those groups and replaces their lines in the kept
 bench.jsonl (the others stay as they were measured).
@@ -360,6 +364,39 @@ def plot_load(lines, out, stamp):
     return save_figure(fig, out, "load.svg", stamp)
 
 
+def plot_load_mix(lines, out, stamp):
+    """The streams' p99 inter-token gap and the arrivals' first byte vs the arrival interval."""
+    rows = of(lines, "load_mix")
+    if not rows:
+        return None
+    configs = []
+    for line in rows:
+        if line["config"] not in configs:
+            configs.append(line["config"])
+    labels = {"cpu": "--device cpu", "auto": "hybrid auto", "always": "hybrid always", "never": "hybrid never",
+              "auto-slow": "hybrid auto, provider +1 s"}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    for config in configs:
+        series = sorted((line for line in rows if line["config"] == config), key=lambda line: line["interval_ms"])
+        xs = [line["interval_ms"] for line in series]
+        label = labels.get(config, config)
+        left.plot(xs, [line["gap_ms_p99"] for line in series], "-o", label=label)
+        right.plot(xs, [line["first_byte_ms_p50"] for line in series], "-o", label=label + " p50")
+        right.plot(xs, [line["first_byte_ms_p99"] for line in series], ":o", alpha=0.6, label=label + " p99")
+    first = rows[0]
+    left.set_title("%d stream(s) of %d tokens, %d arrival(s) of %d tokens: streams' p99 gap while they arrive"
+                   % (first["streams"], first["stream_tokens"], first["arrivals"], first["tokens"]), fontsize=9)
+    left.set_ylabel("ms between two pieces of a stream (p99)")
+    right.set_title("arrivals' first byte")
+    right.set_ylabel("ms to first byte (p50 solid, p99 dotted)")
+    for ax in (left, right):
+        ax.set_xlabel("ms between two arrivals")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    return save_figure(fig, out, "load-mix.svg", stamp)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
@@ -385,7 +422,8 @@ def main():
         kept = os.path.join(args.out, "bench.jsonl")
         if args.groups and os.path.exists(kept):
             # The other groups' lines stay, and so does the meta line of the run that made them.
-            lines = [line for line in load_lines(kept) if line.get("bench", "").split("_")[0] not in groups]
+            lines = [line for line in load_lines(kept)
+                     if line.get("bench", "").replace("load_mix", "load-mix").split("_")[0] not in groups]
         for group in groups:
             if group == "load":
                 # One run: the llama-server configurations and kvshare-decoder's side by side.
@@ -407,7 +445,7 @@ def main():
     # line naming them, else the one of a whole run); a --groups run redraws only its plots.
     plots = ((plot_handoff_cost, ["equal"]), (plot_first_byte, ["route"]), (plot_resident, ["route"]),
              (plot_throughput, ["scatter", "statefile"]), (plot_conversation, ["conversation"]),
-             (plot_load, ["load"]))
+             (plot_load, ["load"]), (plot_load_mix, ["load-mix"]))
     metas = [line for line in lines if line.get("bench") == "meta"]
     for draw, drawn in plots:
         if args.groups and not args.from_file and not set(drawn) & set(groups):

@@ -51,6 +51,13 @@ int main(int argc, char** argv) {
                  "decoder evaluating what its slot does not hold), always, never, or N (when the provider would "
                  "prefill at least N tokens); docs/hybrid.md")
       ->capture_default_str();
+  double stream_weight = kDefaultStreamWeight;
+  app.add_option("--stream-weight", stream_weight,
+                 "--handoff auto under load: how many ms of an arriving request's first byte one ms of one decoding "
+                 "stream's stall is worth; a prompt the decoder would prefill while other slots decode is handed off "
+                 "when its stall of them outweighs the provider's extra time (0: the load is not weighed); "
+                 "docs/hybrid.md, \"Under load\"")
+      ->capture_default_str();
   app.add_option("--backend", config.backend,
                  "the decoder: llama-server, patched by integrations/llama.cpp for the shared route (default: "
                  "llama-server on PATH); build/bin/kvshare-decoder runs the reference decoder");
@@ -87,6 +94,7 @@ int main(int argc, char** argv) {
   config.device = device == "cpu" ? Device::cpu : Device::hybrid;
   if (auto policy = parse_handoff_policy(handoff); policy) {
     config.handoff = *policy;
+    config.handoff.stream_weight = stream_weight;
   } else {
     std::fprintf(stderr, "kvshare-serve: %s\n", policy.error().what().c_str());
     return 2;

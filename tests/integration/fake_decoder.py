@@ -4,7 +4,8 @@ fails or shortens restores, fails save, erase and adopt, refuses or breaks a sha
 a stream, dies mid-reply or mid-adopt, and logs every call so a test sees what serve sent.
 A test that needs a working decoder runs the patched llama-server or kvshare-decoder.
 
-It speaks only what the hybrid route uses (template, tokenize, slots, completions, /health).
+It speaks only what the hybrid route uses (template, tokenize, slots, completions, /health,
+and /props when FAKE_DECODER_SLOT_CTX is set).
 
 Tokenizer: BOS (id 1), then each UTF-8 byte b of the text as id b + 10. The chat template
 is ChatML. A reply's text is a function of the prompt's ids, so a test can tell a right
@@ -38,6 +39,9 @@ Behaviour switches (environment, inherited from kvshare-serve):
   FAKE_DECODER_SHARE=replay    put share_id 1 in every share message (the first share's
                                message replayed) while the reply names the new id
   FAKE_DECODER_SHARE=no_id     answer share 200 without a share_id
+  FAKE_DECODER_SLOT_CTX=n       GET /props says each slot holds n cells (default_generation_settings.n_ctx),
+                               as llama-server does after capping -c / -np at the training context;
+                               unset, /props is 404
   FAKE_DECODER_DIE=adopt|completion   exit (code 9) in the middle of an adopt / after the
                                first chunk of a streamed reply
 
@@ -153,6 +157,8 @@ class Handler(BaseHTTPRequestHandler):
         log("get", path=path)
         if path == "/health":
             self.send_json(200, {"status": "ok"})
+        elif path == "/props" and os.environ.get("FAKE_DECODER_SLOT_CTX"):
+            self.send_json(200, {"default_generation_settings": {"n_ctx": int(os.environ["FAKE_DECODER_SLOT_CTX"])}})
         else:
             self.send_error_json(404, "File Not Found", "not_found_error")
 

@@ -331,6 +331,30 @@ def test_metrics_count_a_file_route_handoff():
             check(needle in text, "metrics lack %r:\n%s" % (needle, text))
 
 
+def test_a_prompt_past_the_decoders_slot_context_goes_straight_to_it():
+    # #43: llama-server caps -c at the model's training context and serve trusted -c: a
+    # prompt was handed off past the slot's real context, and the restore failed.
+    text = "a prompt longer than the slot the decoder really has, whatever -c says"
+    ids = expected_chat_ids(text)
+    with Case("slot_context", env={"FAKE_DECODER_SLOT_CTX": "48"}, args=["-c", "8192"]) as case:
+        case.serve.wait_line(r"^kvshare-serve: each decoder slot holds 48 cells, not the 8192 of -c 8192 / -np 1 ")
+        status, data = case.serve.post("/v1/chat/completions", chat(text))
+        check(status == 200 and reply_text(data) == expected_reply(ids), "reply %s %s" % (status, data))
+        line = case.serve.wait_line(r"^hybrid: %d prompt tokens, 0 cached: forwarded \(" % len(ids))
+        check("%d tokens do not fit the decoder's context of 48 cells" % len(ids) in line, line)
+        check(not events(case.decoder_log, "restore"), "a restore past the slot's context")
+        check(not read_log(case.provider_log), "a provider ran for a prompt that cannot fit")
+        _, _, metrics = case.serve.request("GET", "/metrics")
+        check('kvshare_handoff_decisions_total{decision="forward",rule="too_long"} 1' in metrics.decode(),
+              "metrics: no too_long decision")
+
+
+def test_a_decoder_without_props_leaves_the_context_to_c():
+    with Case("slot_context_unknown") as case:
+        line = case.serve.wait_line(r"^kvshare-serve: could not learn the decoder's slot context ")
+        check("GET /props answered 404" in line and "assumes -c / -np, 4096 cells" in line, line)
+
+
 def test_refused_flags():
     for flags, name in ((["--parallel", "0"], "--parallel 0"), (["-np", "300"], "--parallel 300"), (["--mtp"], "--mtp"),
                         (["--dflash"], "--dflash"), (["--mmproj", "x.gguf"], "--mmproj"),
@@ -352,8 +376,14 @@ def test_handoff_flag_values_and_help():
                                                                                  result.stderr))
         check("--handoff" in result.stderr and "auto, always, never" in result.stderr,
               "--handoff %r: message %r" % (value, result.stderr))
+    for value in ("-1", "nan", "inf"):
+        result = subprocess.run([SERVE, "-m", MODEL, "--backend", FAKE_DECODER, "--stream-weight", value],
+                                capture_output=True, timeout=20, text=True)
+        check(result.returncode == 2 and "--stream-weight" in result.stderr,
+              "--stream-weight %s: exit %d (%s)" % (value, result.returncode, result.stderr))
     result = subprocess.run([SERVE, "--help"], capture_output=True, timeout=20, text=True)
     check(result.returncode == 0 and "--handoff" in result.stdout and "auto" in result.stdout, result.stdout)
+    check("--stream-weight" in result.stdout, result.stdout)
 
 
 def test_print_backend():

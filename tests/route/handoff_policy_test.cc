@@ -154,6 +154,120 @@ TEST(HandoffPolicy, NeverHandsOffAPromptThatDoesNotFitOrIsAllCached) {
   EXPECT_FALSE(decide_handoff(always, {}, question(100, 500)).hand_off);
 }
 
+// The box (#43): a 2300-token prompt, the decoder about 1.06 ms a token, the
+// provider (the NPU analog) slower, 1.3 ms a token: about 2438 ms against 3015.
+MeasuredRates slower_provider() { return measured(1.06, 1.3, 20, 5); }
+
+HandoffQuestion under_load(size_t n_decoding, size_t provider_queue = 0) {
+  HandoffQuestion q = question(2300, 0);
+  q.n_decoding = n_decoding;
+  q.provider_queue = provider_queue;
+  return q;
+}
+
+TEST(HandoffPolicyUnderLoad, HandsOffToAnIdleSlowerProviderWhileOtherSlotsDecode) {
+  // Before #43 the decoder took it (it is sooner for this request) and froze three streams
+  // for two seconds.
+  const auto decision = decide_handoff({}, slower_provider(), under_load(3));
+  EXPECT_TRUE(decision.hand_off) << decision.why;
+  EXPECT_EQ(decision.label, "load");
+  EXPECT_EQ(decision.n_to_prefill, 2299u);
+  EXPECT_EQ(decision.why, "3 slots decoding (decoder about 2438 ms would stall them, provider about 3015 ms)");
+}
+
+TEST(HandoffPolicyUnderLoad, ForwardsToASlowerProviderWhenNoOtherSlotDecodes) {
+  const auto decision = decide_handoff({}, slower_provider(), under_load(0));
+  EXPECT_FALSE(decision.hand_off);
+  EXPECT_EQ(decision.label, "faster");
+  EXPECT_EQ(decision.why.find("decoding"), std::string::npos) << decision.why;
+}
+
+TEST(HandoffPolicyUnderLoad, ForwardsWhatABusyResidentProviderWouldQueue) {
+  // A provider faster than the decoder: on an idle one the estimates hand off; behind
+  // another request's prefill it would wait a time no estimate holds.
+  const auto idle = decide_handoff({}, measured(0.5, 0.2, 50, 1), question(5000, 3000));
+  ASSERT_TRUE(idle.hand_off);
+  HandoffQuestion behind_one = question(5000, 3000);
+  behind_one.provider_queue = 1;
+  const auto busy = decide_handoff({}, measured(0.5, 0.2, 50, 1), behind_one);
+  EXPECT_FALSE(busy.hand_off);
+  EXPECT_EQ(busy.label, "provider_busy");
+  EXPECT_NE(busy.why.find("the provider is prefilling 1 other request (one at a time)"), std::string::npos) << busy.why;
+  // So is the first long prompt, before the provider's speed is measured.
+  const auto unmeasured = decide_handoff({}, {}, under_load(0, 2));
+  EXPECT_FALSE(unmeasured.hand_off);
+  EXPECT_EQ(unmeasured.label, "provider_busy");
+  // And the load rule does not send streams' work to a provider with a queue.
+  EXPECT_FALSE(decide_handoff({}, slower_provider(), under_load(3, 1)).hand_off);
+}
+
+TEST(HandoffPolicyUnderLoad, StreamWeightZeroIsTodaysRule) {
+  HandoffPolicy unweighted;
+  unweighted.stream_weight = 0;
+  const auto loaded = decide_handoff(unweighted, slower_provider(), under_load(3));
+  const auto idle = decide_handoff(unweighted, slower_provider(), under_load(0));
+  EXPECT_FALSE(loaded.hand_off);
+  EXPECT_EQ(loaded.label, idle.label);
+  EXPECT_EQ(loaded.why, idle.why);
+}
+
+TEST(HandoffPolicyUnderLoad, WeighsTheStreamsStallAgainstTheArrivalsExtraWait) {
+  // One stream, worth a tenth: a stall of about 244 ms against 577 ms more to first byte.
+  HandoffPolicy light;
+  light.stream_weight = 0.1;
+  const auto forwarded = decide_handoff(light, slower_provider(), under_load(1));
+  EXPECT_FALSE(forwarded.hand_off);
+  EXPECT_NE(forwarded.why.find("1 slot decoding: their stall weighs about 244 ms, the provider's extra wait 577 ms"),
+            std::string::npos)
+      << forwarded.why;
+  const auto one_stream = decide_handoff({}, slower_provider(), under_load(1));
+  EXPECT_TRUE(one_stream.hand_off);
+  EXPECT_NE(one_stream.why.find("1 slot decoding (decoder about 2438 ms would stall it,"), std::string::npos)
+      << one_stream.why;
+  // A provider four times slower than the decoder costs the arrival more than three
+  // streams' stall is worth.
+  EXPECT_FALSE(decide_handoff({}, measured(1.06, 5.0, 20, 5), under_load(3)).hand_off);
+}
+
+TEST(HandoffPolicyUnderLoad, NamesTheStreamsPaceWhenMeasured) {
+  MeasuredRates rates = slower_provider();
+  rates.decode_ms_per_token = 8.7;
+  const auto decision = decide_handoff({}, rates, under_load(3));
+  EXPECT_EQ(decision.why.rfind("3 slots decoding at about 8.7 ms a token (decoder about 2438 ms", 0), 0u)
+      << decision.why;
+}
+
+TEST(HandoffPolicyUnderLoad, LeavesPinnedPoliciesAndUnmeasuredDecodersAlone) {
+  HandoffPolicy always{HandoffMode::always, 0};
+  EXPECT_TRUE(decide_handoff(always, slower_provider(), under_load(0, 3)).hand_off);  // queues, as asked
+  HandoffPolicy never{HandoffMode::never, 0};
+  EXPECT_FALSE(decide_handoff(never, slower_provider(), under_load(3)).hand_off);
+  // Without the decoder's speed the stall cannot be weighed: the decoder measures it.
+  MeasuredRates unmeasured = slower_provider();
+  unmeasured.decoder.reset();
+  EXPECT_EQ(decide_handoff({}, unmeasured, under_load(3)).label, "measuring");
+}
+
+TEST(RateBook, LearnsTheProvidersSpeedOnlyFromRunsLongEnoughToMeasureIt) {
+  // #43: a stream's 21-token prompt, handed off while the provider shared its cores with two
+  // streams, took 1311 ms; as a rate it made the next 474-token prompt look 17 s away.
+  RateBook book;
+  book.observe_provider(0, 474, 505, 510);
+  book.observe_provider(0, kMinRateSampleTokens - 1, 1311, 1320);
+  EXPECT_NEAR(book.snapshot().provider->ms_for(0, 474), 505, 1e-9);
+  EXPECT_DOUBLE_EQ(*book.snapshot().provider_overhead_ms, 5 + 0.25 * (9 - 5));  // its start-up still counts
+}
+
+TEST(RateBook, LearnsTheStreamsPaceFromReplies) {
+  RateBook book;
+  book.observe_decode(1, 50);  // one token says nothing of a pace
+  EXPECT_FALSE(book.snapshot().decode_ms_per_token);
+  book.observe_decode(64, 640);
+  EXPECT_DOUBLE_EQ(*book.snapshot().decode_ms_per_token, 10);
+  book.observe_decode(10, 60);  // the newest weighs a quarter
+  EXPECT_DOUBLE_EQ(*book.snapshot().decode_ms_per_token, 9);
+}
+
 TEST(RateBook, LearnsOnlyFromSamplesThatMeasureSpeed) {
   RateBook book;
   book.observe_decoder(1000, kMinRateSampleTokens - 1, 100);  // a few tokens: overhead, not speed

@@ -29,6 +29,16 @@ TEST(Metrics, CountsRepliesCutByWhoCutThem) {
   EXPECT_NE(text.find("kvshare_replies_cut_total{by=\"decoder\"} 1\n"), std::string::npos) << text;
 }
 
+TEST(Metrics, CountsHandoffsChosenForLoad) {
+  Metrics metrics;
+  EXPECT_NE(metrics.render().find("kvshare_load_handoffs_total 0\n"), std::string::npos);
+  metrics.count_load_handoff();
+  metrics.count_load_handoff();
+  const std::string text = metrics.render();
+  EXPECT_NE(text.find("# TYPE kvshare_load_handoffs_total counter\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("kvshare_load_handoffs_total 2\n"), std::string::npos) << text;
+}
+
 TEST(Metrics, PutsEachTimingInCumulativeBuckets) {
   Metrics metrics;
   metrics.observe("shared", 30.0, 0.4, 31.0);

@@ -49,6 +49,12 @@ TEST(ReplyTimingsScanner, ReadsThePromptSpeedAndTheGeneratedCount) {
   EXPECT_EQ(timings.predicted_n, 9);
 }
 
+TEST(ReplyTimingsScanner, ReadsTheStreamsPace) {
+  ReplyTimingsScanner scanner(true);
+  scanner.feed("data: {\"timings\":{\"prompt_n\":1,\"predicted_n\":64,\"predicted_ms\":556.8}}\n\n");
+  EXPECT_EQ(scanner.finish().predicted_ms, 556.8);
+}
+
 TEST(ReplyTimingsScanner, LeavesOutAFieldOfTheWrongType) {
   ReplyTimingsScanner scanner(false);
   scanner.feed("{\"timings\":{\"prompt_n\":3,\"prompt_ms\":\"fast\",\"predicted_n\":1.5}}");

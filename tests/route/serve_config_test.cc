@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 
 #include "support/test_support.h"
@@ -31,6 +32,23 @@ void make_executable(const std::filesystem::path& path) {
 TEST(ServeConfigValidate, AcceptsTheDefaultsWithAModel) {
   TempDir dir;
   EXPECT_TRUE(validate(config_with_model(dir)));
+}
+
+TEST(ServeConfigValidate, TakesAStreamWeightOfZeroOrMoreAndRefusesTheRestByName) {
+  TempDir dir;
+  ServeConfig config = config_with_model(dir);
+  EXPECT_EQ(config.handoff.stream_weight, kDefaultStreamWeight);
+  for (double weight : {0.0, 0.25, 4.0}) {
+    config.handoff.stream_weight = weight;
+    EXPECT_TRUE(validate(config)) << weight;
+  }
+  for (double weight : {-1.0, std::nan(""), HUGE_VAL}) {
+    config.handoff.stream_weight = weight;
+    auto valid = validate(config);
+    ASSERT_FALSE(valid) << weight;
+    EXPECT_EQ(valid.error().errno_value(), EINVAL);
+    EXPECT_NE(valid.error().message().find("--stream-weight"), std::string::npos) << valid.error().message();
+  }
 }
 
 TEST(ServeConfigValidate, TakesSeveralSlotsAndRefusesCountsOutsideTheRange) {

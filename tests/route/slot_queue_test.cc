@@ -114,5 +114,17 @@ TEST(SlotQueue, WaitIdleWaitsOnlyForItsOwnSlotsDecodes) {
   EXPECT_TRUE(queue.wait_idle(1, std::chrono::milliseconds(0)));
 }
 
+TEST(SlotQueue, CountsTheOtherSlotsWithAReplyInFlight) {
+  SlotQueue queue(4);
+  EXPECT_EQ(queue.decoding_besides(0), 0);
+  auto one = std::make_unique<SlotQueue::Decode>(queue.begin_decode(1));
+  SlotQueue::Decode again = queue.begin_decode(1);  // two decodes in one slot: one stream stalled
+  SlotQueue::Decode three = queue.begin_decode(3);
+  EXPECT_EQ(queue.decoding_besides(0), 2);
+  EXPECT_EQ(queue.decoding_besides(1), 1);  // its own slot is not one it would stall
+  one.reset();
+  EXPECT_EQ(queue.decoding_besides(0), 2);
+}
+
 }  // namespace
 }  // namespace kvshare::route
