@@ -3,6 +3,7 @@
 // of one invocation into the side-by-side ratios the issues ask for.
 #pragma once
 
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <string>
@@ -52,6 +53,20 @@ struct Group {
 // Adds a group; used from a static initialiser in each <group>_bench.cc:
 //   static const bool registered = kvshare::bench::add_group({...});
 bool add_group(Group group);
+
+// The items of a comma-list flag's value ("cpu,auto,cpu" -> {"cpu", "auto"}): in order,
+// empty items and repeats dropped.
+inline std::vector<std::string> split_list(const std::string& list) {
+  std::vector<std::string> items;
+  size_t start = 0;
+  while (start <= list.size()) {
+    const size_t end = std::min(list.find(',', start), list.size());
+    std::string item = list.substr(start, end - start);
+    if (!item.empty() && std::find(items.begin(), items.end(), item) == items.end()) items.push_back(std::move(item));
+    start = end + 1;
+  }
+  return items;
+}
 
 // Finds runs whose name starts with `prefix`, in run order.
 std::vector<const RunResult*> runs_with_prefix(const std::vector<RunResult>& runs, const std::string& prefix);

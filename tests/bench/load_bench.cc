@@ -57,6 +57,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench_completion.h"
 #include "bench_files.h"
 #include "bench_registry.h"
 #include "bench_serve.h"
@@ -173,15 +174,6 @@ Setup& setup_state() {
   return s;
 }
 
-// The last non-empty line of serve's log: its reason when it exits at once.
-std::string last_log_line(const fs::path& log) {
-  std::stringstream text(read_all(log));
-  std::string last;
-  for (std::string line; std::getline(text, line);)
-    if (!line.empty()) last = line;
-  return last;
-}
-
 std::unique_ptr<ServeUnderTest> start_config(const Config& config, const Setup& made, std::string& why) {
   const Settings& s = settings();
   const fs::path backend = config.kvshare_decoder ? bin("kvshare-decoder") : s.backend;
@@ -234,30 +226,12 @@ int count_matches(const std::string& text, const std::regex& re) {
 
 // One streamed completion; an error message instead of a reply when it did not come whole.
 Result<Reply> one_request(int port, const std::string& prompt, int n_predict) {
-  route::UpstreamStream::Request request;
-  request.host = "127.0.0.1";
-  request.port = port;
-  request.method = "POST";
-  request.path = "/v1/completions";
-  request.body =
-      nlohmann::json{
-          {"prompt", prompt}, {"max_tokens", n_predict}, {"temperature", 0}, {"ignore_eos", true}, {"stream", true}}
-          .dump();
-  const auto start = Clock::now();
-  auto stream = route::UpstreamStream::start(request, nullptr);
-  auto head = stream->wait_head();
-  if (!head) return fail(head.error());
+  auto streamed = stream_completion(port, prompt, n_predict);
+  if (!streamed) return tl::unexpected(streamed.error());
   Reply reply;
-  std::string body, piece;
-  if (stream->next(piece)) {
-    reply.first_byte_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-    body += piece;
-  }
-  while (stream->next(piece)) body += piece;
-  reply.total_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-  if (auto cut = stream->transport_error()) return fail(*cut);
-  stream.reset();
-  if (head->status != 200) return fail(EPROTO, "HTTP {}: {}", head->status, body.substr(0, 200));
+  reply.first_byte_ms = streamed->first_byte_ms;
+  reply.total_ms = streamed->total_ms;
+  const std::string& body = streamed->body;
   // The tokens generated: the last event's usage.completion_tokens, else the events that
   // do not finish the reply.
   int events = 0, usage = -1;
@@ -437,14 +411,6 @@ void bm_clients(benchmark::State& state) {
   for (const auto& [route, values] : ratio) record_spread(state, "ratio." + route, values);
   state.counters["clients"] = n_clients;
   state.counters["rounds"] = static_cast<double>(state.iterations());
-}
-
-std::vector<std::string> split_list(const std::string& list) {
-  std::vector<std::string> items;
-  std::stringstream in(list);
-  for (std::string item; std::getline(in, item, ',');)
-    if (!item.empty() && std::find(items.begin(), items.end(), item) == items.end()) items.push_back(item);
-  return items;
 }
 
 void register_all(const BenchArgs& args) {

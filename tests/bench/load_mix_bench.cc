@@ -53,6 +53,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench_completion.h"
 #include "bench_files.h"
 #include "bench_registry.h"
 #include "bench_serve.h"
@@ -115,14 +116,6 @@ Setup& setup_state() {
   return s;
 }
 
-std::string last_log_line(const fs::path& log) {
-  std::stringstream text(read_all(log));
-  std::string last;
-  for (std::string line; std::getline(text, line);)
-    if (!line.empty()) last = line;
-  return last;
-}
-
 fs::path write_wrapper(const fs::path& dir, const std::string& name, const std::string& before, const fs::path& prog,
                        bool pin) {
   const fs::path path = dir / name;
@@ -141,33 +134,12 @@ struct Reply {
 
 // One streamed completion; `pieces` holds the arrival time of each event.
 Result<Reply> streamed(int port, const std::string& prompt, int n_predict) {
-  route::UpstreamStream::Request request;
-  request.host = "127.0.0.1";
-  request.port = port;
-  request.method = "POST";
-  request.path = "/v1/completions";
-  request.body =
-      nlohmann::json{
-          {"prompt", prompt}, {"max_tokens", n_predict}, {"temperature", 0}, {"ignore_eos", true}, {"stream", true}}
-          .dump();
-  const auto start = Clock::now();
-  auto stream = route::UpstreamStream::start(request, nullptr);
-  auto head = stream->wait_head();
-  if (!head) return fail(head.error());
+  auto completion = stream_completion(port, prompt, n_predict);
+  if (!completion) return tl::unexpected(completion.error());
   Reply reply;
-  std::string body, piece;
-  while (stream->next(piece)) {
-    const auto now = Clock::now();
-    if (body.empty()) reply.first_byte_ms = std::chrono::duration<double, std::milli>(now - start).count();
-    for (size_t at = piece.find("data: {"); at != std::string::npos; at = piece.find("data: {", at + 1))
-      reply.pieces.push_back(now);
-    body += piece;
-  }
-  if (auto cut = stream->transport_error()) return fail(*cut);
-  stream.reset();
-  if (head->status != 200) return fail(EPROTO, "HTTP {}: {}", head->status, body.substr(0, 200));
+  reply.first_byte_ms = completion->first_byte_ms;
+  reply.pieces = std::move(completion->events);
   reply.tokens = static_cast<int>(reply.pieces.size());
-  if (reply.tokens == 0) return fail(EPROTO, "a reply without one token: {}", body.substr(0, 200));
   return reply;
 }
 
@@ -377,14 +349,6 @@ void bm_interval(benchmark::State& state) {
     state.SetIterationTime(round_s);
   }
   state.counters["interval_ms"] = interval_ms;
-}
-
-std::vector<std::string> split_list(const std::string& list) {
-  std::vector<std::string> items;
-  std::stringstream in(list);
-  for (std::string item; std::getline(in, item, ',');)
-    if (!item.empty() && std::find(items.begin(), items.end(), item) == items.end()) items.push_back(item);
-  return items;
 }
 
 void register_all(const BenchArgs& args) {
