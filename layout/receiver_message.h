@@ -35,10 +35,18 @@ std::string_view receiver_op_name(ReceiverOp op);
 
 struct ReceiverRequest {
   ReceiverOp op = ReceiverOp::listen;
-  std::string socket_name;  // listen: a file name (no '/'), at most 100 bytes
-  uint32_t n_cells = 0;     // grant: cells 0..n_cells-1, at least 1
+  // listen: a file name (no '/'), at most 100 bytes. grant: the listen socket whose share
+  // it takes (several listens and grants may be open at once, one per slot). revoke: the
+  // pending listen to drop, if any.
+  std::string socket_name;
+  // grant: the share's positions 0..n_cells-1 (the prompt less its last token), at least 1;
+  // position p sits in cell first_cell + p of the share's stream (the decoder's share
+  // message says which). The decoder keeps positions 0..n_cached-1 (it holds them), so the
+  // grant covers positions n_cached..n_cells-1 only.
+  uint32_t n_cells = 0;
+  uint32_t n_cached = 0;
   uint64_t timeout_ms = 0;  // grant: the grant's lifetime, and the wait for the decoder's message
-  uint64_t grant_id = 0;    // complete: the offer's share_id
+  uint64_t grant_id = 0;    // complete, revoke: the offer's share_id (revoke: 0 names no grant)
   uint32_t n_tokens = 0;    // complete
   std::string why;          // revoke: said on the receiver's stderr
 };

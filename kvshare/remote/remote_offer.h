@@ -32,8 +32,14 @@ struct RemoteOffer {
   uint64_t share_id = 0;                  // random: every message names the share with it
   layout::RemoteSecret secret{};          // 128 random bits: every message must carry them
   std::vector<std::byte> worker_address;  // ucp_worker_get_address, opaque
-  uint32_t n_cells = 0;                   // cells 0..n_cells-1 of every K/V tensor are granted
-  uint64_t bytes = 0;                     // layout::granted_bytes for n_cells
+  // The grant: positions n_cached..n_cells-1 of the prompt, position p in cell
+  // first_cell + p of `stream`, in every K/V tensor. Positions 0..n_cached-1 are the
+  // decoder's (it holds them); the provider attends over them but writes none.
+  uint32_t stream = 0;
+  uint32_t first_cell = 0;
+  uint32_t n_cached = 0;
+  uint32_t n_cells = 0;
+  uint64_t bytes = 0;  // layout::granted_bytes for the granted cells
   uint64_t layout_hash = 0;               // layout::whole_layout_hash
   uint64_t timeout_ms = 0;                // the grant ends this long after the share answered
   layout::ShareHeader header;
