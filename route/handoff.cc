@@ -11,7 +11,8 @@
 
 #include "kvshare/env.h"
 #include "kvshare/share/broker.h"
-#include "route/remote_receiver_process.h"
+#include "route/handoff_steps.h"
+#include "route/remote_handoff.h"
 #include "route/resident_provider.h"
 #include "route/state_version_probe.h"
 
@@ -48,19 +49,6 @@ class InFlight {
   std::atomic<size_t>* count_;
   size_t ahead_;
 };
-
-// Where a handoff attempt ended.
-enum class Step { handed_off, take_file_route, forward };
-struct StepResult {
-  Step step = Step::forward;
-  std::string reason;              // metric label
-  std::string why;                 // the sentence on stderr
-  bool slot_may_be_stale = false;  // slot 0 could not be erased after its cells may have changed
-};
-
-StepResult forward_because(std::string reason, std::string why, bool slot_may_be_stale = false) {
-  return {Step::forward, std::move(reason), std::move(why), slot_may_be_stale};
-}
 
 // Not part.value("type", ""): value() throws when "type" is there but not a string.
 bool is_text_part(const Json& part) {
@@ -101,21 +89,6 @@ Result<void> write_ids_file(const std::filesystem::path& path, std::span<const i
   out.close();
   if (!out) return fail(EIO, "writing the ids file {}", path.string());
   return {};
-}
-
-Json ids_json(std::span<const int32_t> ids) { return Json(std::vector<int32_t>(ids.begin(), ids.end())); }
-
-// The decoder forgets the slot (its cached tokens no longer describe its cells). False when
-// it could not: the caller must then keep the decoder from reusing any of the slot's cells.
-bool erase_slot(const HandoffContext& context, int slot) {
-  auto erased = context.decoder->slot_action("erase", Json::object(), slot);
-  if (erased && erased->ok()) return true;
-  context.metrics->count_fallback("erase_failed");
-  context.log(
-      fmt::format("hybrid: POST /slots/{0}?action=erase failed ({1}); the request goes to slot {0} with "
-                  "cache_prompt false, so the decoder recomputes every cell instead of reusing stale ones",
-                  slot, erased ? fmt::format("{}: {}", erased->status, erased->error_message) : erased.error().what()));
-  return false;
 }
 
 // The file route's KV params, for a resident provider (the per-request one gets flags).
@@ -250,26 +223,6 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
   return {Step::handed_off, "", ""};
 }
 
-// POST adopt of the slot's cells 0..n-1 for `share_id` (both shared routes' last step): the
-// decoder's adopt time (its own figure, else the wall time since `start`), or, when it
-// refused, the forward with the slot erased (a provider wrote its cells).
-tl::expected<double, StepResult> adopt_cells(const HandoffContext& context, int slot,
-                                             std::span<const int32_t> handoff_ids, uint64_t share_id,
-                                             std::chrono::steady_clock::time_point start, size_t n_cached = 0) {
-  Json body = {{"tokens", ids_json(handoff_ids)}, {"share_id", share_id}, {"leave_one_token", true}};
-  // The decoder checks that the cells it said it holds still hold these tokens.
-  if (n_cached > 0) body["n_cached"] = n_cached;
-  auto adopted = context.decoder->slot_action("adopt", body, slot);
-  const double wall_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-  if (adopted && adopted->ok()) return adopted->timings_ms().value_or(wall_ms);
-  const bool erased = erase_slot(context, slot);
-  return tl::unexpected(forward_because("adopt_failed",
-                                        adopted ? fmt::format("POST /slots/{}?action=adopt answered {}: {}", slot,
-                                                              adopted->status, adopted->error_message)
-                                                : adopted.error().what(),
-                                        !erased));
-}
-
 }  // namespace
 
 std::vector<std::string> shared_provider_flags(const ReceivedShare& share, size_t n_cached) {
@@ -398,131 +351,6 @@ StepResult shared_route(const HandoffContext& context, std::span<const int32_t> 
   return {Step::handed_off, "", ""};
 }
 
-// The remote route (docs/remote.md): the decoder shares its region with serve's resident
-// receiver process (the ordinary share handshake, every check of the local shared route),
-// the receiver grants the prompt's cells to the provider server, which prefills and writes
-// them over UCX, and the decoder adopts them once the receiver found the provider's
-// completion matching. Until the grant no peer can write, so a failure takes the local
-// route; from the grant on the cells may hold a peer's partial work, so every failure
-// revokes the grant first (or kills the receiver, which ends every write with its
-// mappings), then erases the slot and forwards the request.
-StepResult remote_route(const HandoffContext& context, std::span<const int32_t> handoff_ids, uint64_t sequence,
-                        HandoffReport& report) {
-  const ServeConfig& config = *context.config;
-  RemoteReceiverProcess& receiver = *context.remote_receiver;
-  auto url = parse_prefill_remote_url(config.prefill_remote);
-  if (!url) return {Step::take_file_route, "remote_url", url.error().what()};
-  if (auto up = receiver.ensure_running(); !up)
-    return {Step::take_file_route,
-            up.error().errno_value() == EAGAIN ? "remote_receiver_restarting" : "remote_receiver_died",
-            up.error().what()};
-  // A receiver that could not do what was asked, or that is gone (ESRCH: then it was reaped).
-  auto receiver_failed = [](const Error& error) {
-    return error.errno_value() == ESRCH ? std::string("remote_receiver_died") : std::string("remote_receiver_failed");
-  };
-  auto ask = [&](const layout::ReceiverRequest& request,
-                 std::chrono::milliseconds timeout) -> Result<layout::ReceiverReply> {
-    auto reply = receiver.call(request, timeout);
-    if (!reply) return fail(reply.error());
-    if (!reply->ok)
-      return fail(reply->error_errno == 0 ? EIO : reply->error_errno, "the remote receiver refused to {}: {}",
-                  layout::receiver_op_name(request.op), reply->error);
-    return reply;
-  };
-  // Safety nets for a busy machine, not measurements: each bounds a wait the receiver has
-  // its own, shorter bound for (the decoder's message, the completion, the drain).
-  const std::chrono::milliseconds call_timeout = std::max(context.handshake_timeout, std::chrono::milliseconds(60000));
-
-  layout::ReceiverRequest listen;
-  listen.op = layout::ReceiverOp::listen;
-  listen.socket_name = fmt::format("kvshare-remote-{}.sock", sequence);
-  auto listening = ask(listen, call_timeout);
-  if (!listening) return {Step::take_file_route, receiver_failed(listening.error()), listening.error().what()};
-  if (!context.slot->wait_idle(report.slot, provider_timeout(config)))
-    return {Step::take_file_route, "decoder_busy", "the decoder is still generating an earlier reply"};
-  // Drops the receiver's socket when the share does not come to a grant.
-  auto drop_listen = [&] {
-    layout::ReceiverRequest revoke;
-    revoke.op = layout::ReceiverOp::revoke;
-    revoke.why = "the decoder did not share";
-    (void)receiver.call(revoke, call_timeout);
-  };
-  const auto share_start = std::chrono::steady_clock::now();
-  auto shared = context.decoder->slot_action("share", Json{{"socket", listening->socket_path}}, report.slot);
-  if (!shared) {
-    drop_listen();
-    return {Step::take_file_route, "handshake_failed", shared.error().what()};
-  }
-  if (!shared->ok()) {
-    drop_listen();
-    return {Step::take_file_route, "share_refused",
-            fmt::format("the decoder refused to share ({}: {})", shared->status, shared->error_message)};
-  }
-  layout::ReceiverRequest grant;
-  grant.op = layout::ReceiverOp::grant;
-  grant.n_cells = static_cast<uint32_t>(handoff_ids.size());
-  grant.timeout_ms = static_cast<uint64_t>(provider_timeout(config).count());
-  auto granted = ask(grant, call_timeout);
-  const double share_wall_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - share_start).count();
-  if (!granted)
-    return {Step::take_file_route, receiver_failed(granted.error()),
-            fmt::format("the decoder's share did not reach a grant ({})", granted.error().what())};
-  // The message on the receiver's socket must be the share this request asked for.
-  if (!shared->body.contains("share_id") || !shared->body["share_id"].is_number_unsigned() ||
-      shared->body["share_id"].get<uint64_t>() != granted->share_id) {
-    drop_listen();
-    return {Step::take_file_route, "handshake_failed",
-            fmt::format("the share reply says share_id {}, the message the receiver took says {}",
-                        shared->body.value("share_id", Json()).dump(), granted->share_id)};
-  }
-  const uint64_t share_id = granted->share_id;
-  const uint64_t grant_id = granted->offer.value("share_id", uint64_t{0});
-  // From here a peer may write the granted cells: revoke (or kill the receiver), then erase.
-  auto after_grant = [&](std::string reason, std::string why) {
-    layout::ReceiverRequest revoke;
-    revoke.op = layout::ReceiverOp::revoke;
-    revoke.why = "the handoff failed";
-    if (auto revoked = receiver.call(revoke, call_timeout); !revoked) {
-      reason = receiver_failed(revoked.error());
-      why = fmt::format("{}; {}", why, revoked.error().what());
-    }
-    const bool erased = erase_slot(context, report.slot);
-    return forward_because(std::move(reason), std::move(why), !erased);
-  };
-  const DecoderClient provider(url->host, url->port, provider_timeout(config), config.prefill_remote_key);
-  const Json prefill_body = {{"tokens", ids_json(handoff_ids)}, {"share", granted->offer}};
-  const auto prefill_start = std::chrono::steady_clock::now();
-  auto prefilled = provider.post_json("/prefill", prefill_body.dump());
-  report.prefill_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - prefill_start).count();
-  if (!prefilled)
-    return after_grant("remote_provider_failed", fmt::format("the remote provider {} did not answer: {}",
-                                                             config.prefill_remote, prefilled.error().what()));
-  if (prefilled->status != 200)
-    return after_grant("remote_provider_failed",
-                       fmt::format("the remote provider {} answered {}: {}", config.prefill_remote, prefilled->status,
-                                   error_message_of(prefilled->body)));
-  const double prefill_wall_ms = report.prefill_ms;
-  const Json answer = Json::parse(prefilled->body, nullptr, false);
-  if (answer.is_object() && answer.contains("prefill_ms") && answer["prefill_ms"].is_number())
-    report.prefill_ms = answer["prefill_ms"].get<double>();
-  context.rates.observe_provider(0, handoff_ids.size(), report.prefill_ms, prefill_wall_ms);
-  report.n_prefilled = handoff_ids.size();
-  layout::ReceiverRequest complete;
-  complete.op = layout::ReceiverOp::complete;
-  complete.grant_id = grant_id;
-  complete.n_tokens = static_cast<uint32_t>(handoff_ids.size());
-  const auto adopt_start = std::chrono::steady_clock::now();
-  auto completed = ask(complete, call_timeout);
-  if (!completed) return after_grant(receiver_failed(completed.error()), completed.error().what());
-  auto adopted = adopt_cells(context, report.slot, handoff_ids, share_id, adopt_start);
-  if (!adopted) return std::move(adopted.error());
-  receiver.note_success();
-  report.handoff_ms = shared->timings_ms().value_or(share_wall_ms) + *adopted;
-  return {Step::handed_off, "", ""};
-}
-
 }  // namespace
 
 std::string_view endpoint_path(Endpoint endpoint) {
@@ -557,8 +385,12 @@ std::string hybrid_line(const HandoffReport& report, double first_byte_ms) {
       return fmt::format("hybrid: {}: {}, share {:.3f} ms, first byte {:.3f} ms", prompt_words(report), prefill,
                          report.handoff_ms, first_byte_ms);
     case HandoffRoute::remote:
-      return fmt::format("hybrid: {}: {}, share {:.3f} ms remote, first byte {:.3f} ms", prompt_words(report), prefill,
-                         report.handoff_ms, first_byte_ms);
+      return fmt::format("hybrid: {}: {}, share {:.3f} ms remote{}, first byte {:.3f} ms", prompt_words(report),
+                         prefill, report.handoff_ms,
+                         report.remote_host.empty()
+                             ? std::string()
+                             : fmt::format(" from {} ({} bytes)", report.remote_host, report.kv_bytes),
+                         first_byte_ms);
     case HandoffRoute::shared_then_file:
       return fmt::format("hybrid: {}: {}, share 0.000 ms, restore {:.3f} ms, first byte {:.3f} ms",
                          prompt_words(report), prefill, report.handoff_ms, first_byte_ms);
@@ -726,9 +558,10 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
     return fall_back("ids_file_failed", written.error().what());
 
   if (!context.config->prefill_remote.empty()) {
-    StepResult remote = remote_route(context, handoff_ids, sequence, report);
+    StepResult remote = remote_handoff(context, handoff_ids, sequence, report);
     if (remote.step == Step::handed_off) {
       report.route = HandoffRoute::remote;
+      context.metrics->count_cached_tokens(report.n_cached);
       report.body = forward_body(request, report.slot);
       context.metrics->count_handoff("remote", "ok");
       return report;

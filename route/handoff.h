@@ -27,6 +27,7 @@
 #include "route/decoder_client.h"
 #include "route/handoff_policy.h"
 #include "route/metrics.h"
+#include "route/prefill_hosts.h"
 #include "route/provider_run.h"
 #include "route/serve_config.h"
 #include "route/slot_queue.h"
@@ -58,6 +59,8 @@ struct HandoffReport {
   bool slot_may_be_stale = false;           // the erase failed: forwarded with cache_prompt false
   size_t n_cached = 0;                      // prompt tokens the decoder's slot held and kept
   size_t n_prefilled = 0;                   // tokens the provider prefilled
+  std::string remote_host;                  // the remote route: the prefill host that wrote the cells
+  uint64_t kv_bytes = 0;                    // the remote route: KV bytes it moved into the decoder
   // Forwarded because a handoff was not worth it (handoff_policy.h), not because one failed:
   // `decision` is the rule's sentence for the log line.
   bool decided_forward = false;
@@ -81,7 +84,8 @@ struct HandoffReport {
 //   hybrid: N prompt tokens: prefill X ms, restore Y ms, first byte Z ms
 //   hybrid: N prompt tokens: prefill X ms, share Y ms, first byte Z ms
 //   hybrid: N prompt tokens: prefill X ms, share 0.000 ms, restore Y ms, first byte Z ms
-//   hybrid: N prompt tokens: prefill X ms, share Y ms remote, first byte Z ms
+//   hybrid: N prompt tokens: prefill X ms, share Y ms remote from URL (B bytes), first byte Z ms
+// (a remote handoff into a slot that held the whole prompt asked no host: "share Y ms remote")
 std::string hybrid_line(const HandoffReport& report, double first_byte_ms);
 // A request forwarded by decision:
 //   hybrid: N prompt tokens, P cached: forwarded (WHY), first byte Z ms
@@ -138,6 +142,8 @@ struct HandoffContext {
   std::chrono::milliseconds handshake_timeout{10000};
   // The resident kvshare-remote-receiver, when serve has --prefill-remote (else null).
   RemoteReceiverProcess* remote_receiver = nullptr;
+  // The prefill hosts (--prefill-remote, once per host), when serve has any (else null).
+  std::unique_ptr<PrefillHosts> prefill_hosts;
   // The resident provider, when serve has --provider-resident or --prefill-provider-socket
   // (else null: a provider process per request).
   ResidentProvider* resident_provider = nullptr;

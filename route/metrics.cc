@@ -59,6 +59,12 @@ void Metrics::count_receiver_restart() {
   ++receiver_restarts_;
 }
 
+void Metrics::count_remote_prefill(const std::string& host, const std::string& result, unsigned long long bytes) {
+  std::lock_guard lock(mutex_);
+  ++remote_prefills_[{host, result}];
+  remote_bytes_[host] += bytes;
+}
+
 void Metrics::count_provider_restart() {
   std::lock_guard lock(mutex_);
   ++provider_restarts_;
@@ -136,6 +142,17 @@ std::string Metrics::render() const {
       "# HELP kvshare_remote_receiver_restarts_total Times serve started the remote receiver again after it "
       "exited (a crash, a kill, a hang it was killed for).\n# TYPE kvshare_remote_receiver_restarts_total counter\n";
   out += fmt::format("kvshare_remote_receiver_restarts_total {}\n", receiver_restarts_);
+  out +=
+      "# HELP kvshare_remote_prefills_total Remote prefills asked of each prefill host (--prefill-remote), by "
+      "result (ok; busy: it answered 503; failed: no answer or another refusal).\n"
+      "# TYPE kvshare_remote_prefills_total counter\n";
+  for (const auto& [key, count] : remote_prefills_)
+    out += fmt::format("kvshare_remote_prefills_total{{host=\"{}\",result=\"{}\"}} {}\n", key.first, key.second, count);
+  out +=
+      "# HELP kvshare_remote_kv_bytes_total KV bytes each prefill host moved into the decoder's cells.\n"
+      "# TYPE kvshare_remote_kv_bytes_total counter\n";
+  for (const auto& [host, bytes] : remote_bytes_)
+    out += fmt::format("kvshare_remote_kv_bytes_total{{host=\"{}\"}} {}\n", host, bytes);
   out +=
       "# HELP kvshare_provider_restarts_total Times serve started (or reached) a resident provider again after it "
       "lost one (an exit, a kill, a hang it was killed for).\n# TYPE kvshare_provider_restarts_total counter\n";

@@ -47,6 +47,10 @@ class Metrics {
   void count_load_handoff();
   // serve started kvshare-remote-receiver again after it had exited.
   void count_receiver_restart();
+  // One remote prefill asked of prefill host `host` (its --prefill-remote URL); result:
+  // "ok" | "busy" (it answered 503) | "failed" (no answer, or another refusal). `bytes`:
+  // the KV bytes it moved into the decoder (ok only).
+  void count_remote_prefill(const std::string& host, const std::string& result, unsigned long long bytes = 0);
   // serve started (or reached) a resident provider again after it had lost one.
   void count_provider_restart();
   // A relayed reply that ended before its last byte; by: "client" (it left) | "decoder"
@@ -69,6 +73,8 @@ class Metrics {
   unsigned long long receiver_restarts_ = 0;
   unsigned long long provider_restarts_ = 0;
   std::map<std::string, unsigned long long> replies_cut_;
+  std::map<std::pair<std::string, std::string>, unsigned long long> remote_prefills_;
+  std::map<std::string, unsigned long long> remote_bytes_;
   std::map<std::string, Histogram> prefill_ms_, handoff_ms_, first_byte_ms_;
 };
 

@@ -284,6 +284,9 @@ int Server::run() {
     else
       log_line(fmt::format("kvshare-serve: {}", up.error().what()));
     context_.remote_receiver = remote_receiver_.get();
+    // validate() parsed every URL already.
+    context_.prefill_hosts =
+        std::make_unique<PrefillHosts>(std::move(*PrefillHosts::from_urls(config_.prefill_remote)));
   }
   if (hybrid_active() && provider_is_resident(config_)) {
     // Started now, as the receiver is: the model load is not the first request's. A start
@@ -412,7 +415,7 @@ int Server::run() {
       fmt::format("kvshare-serve: listening on http://{}:{} (device {}, decoder {} on 127.0.0.1:{}, "
                   "provider {}, route {})",
                   config_.host, port, device_name(config_.device), backend_kind_name(backend_.kind), decoder_->port(),
-                  !config_.prefill_remote.empty() ? config_.prefill_remote
+                  !config_.prefill_remote.empty() ? fmt::format("{}", fmt::join(config_.prefill_remote, ", "))
                   : has_local_provider(config_)   ? provider_name(config_)
                                                   : std::string("none"),
                   !hybrid_active()                  ? "relay"

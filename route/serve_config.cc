@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "kvshare/env.h"
+#include "route/prefill_hosts.h"
 
 namespace kvshare::route {
 namespace {
@@ -86,11 +87,6 @@ Result<void> validate(const ServeConfig& config) {
                 "backend flag \"{}\" refused: serve hands prompts into the decoder's slots and must know how many; "
                 "give -np N to kvshare-serve itself (before --)",
                 *parallel);
-  if (config.parallel > 1 && !config.prefill_remote.empty())
-    return fail(EINVAL,
-                "--parallel {} with --prefill-remote refused: a remote grant covers one stream of the "
-                "decoder's cache (slot 0); run the remote route with -np 1",
-                config.parallel);
   if (config.ctx_size > 0 && config.parallel >= 1 && config.ctx_size / config.parallel < 2)
     return fail(EINVAL, "-c {} with -np {}: each slot gets {} cells, too few for a prompt; raise -c", config.ctx_size,
                 config.parallel, config.ctx_size / config.parallel);
@@ -113,7 +109,7 @@ Result<void> validate(const ServeConfig& config) {
                   name);
   }
   if (!config.prefill_remote.empty()) {
-    if (auto url = parse_prefill_remote_url(config.prefill_remote); !url) return fail(url.error());
+    if (auto hosts = PrefillHosts::from_urls(config.prefill_remote); !hosts) return fail(hosts.error());
   }
   if (config.provider_resident && config.prefill_provider.empty())
     return fail(EINVAL,

@@ -21,12 +21,13 @@ enum class Device { hybrid, cpu };
 enum class BackendKind { llama_server, kvshare_decoder };
 
 struct ServeConfig {
-  std::filesystem::path model;             // -m
-  Device device = Device::hybrid;          // --device
-  std::string prefill_provider;            // --prefill-provider, else ONEBIT_HYBRID_PREFILL
-  bool provider_resident = false;          // --provider-resident: the provider starts once (--serve-fd 3)
-  std::string prefill_provider_socket;     // --prefill-provider-socket PATH: a resident provider listening there
-  std::string prefill_remote;              // --prefill-remote URL: a kvshare-provider-server (docs/remote.md)
+  std::filesystem::path model;          // -m
+  Device device = Device::hybrid;       // --device
+  std::string prefill_provider;         // --prefill-provider, else ONEBIT_HYBRID_PREFILL
+  bool provider_resident = false;       // --provider-resident: the provider starts once (--serve-fd 3)
+  std::string prefill_provider_socket;  // --prefill-provider-socket PATH: a resident provider listening there
+  std::vector<std::string>
+      prefill_remote;  // --prefill-remote URL, once per prefill host: kvshare-provider-servers (docs/remote.md)
   std::string prefill_remote_key;          // KVSHARE_REMOTE_KEY or --prefill-remote-key-file: the provider server's key
   std::string elfs_dir;                    // ONEBIT_HYBRID_ELFS: adds --elfs DIR to the provider
   std::string host = "127.0.0.1";          // --host (serve's own listening address)

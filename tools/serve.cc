@@ -31,7 +31,8 @@ int main(int argc, char** argv) {
                  "--serve PATH; the directory must be 0700 and this user's)");
   app.add_option("--prefill-remote", config.prefill_remote,
                  "http://HOST:PORT of a kvshare-provider-server: prompts are prefilled there and their KV moved into "
-                 "the decoder over UCX (docs/remote.md)");
+                 "the decoder over UCX (docs/remote.md); give it once per prefill host: serve picks the least busy "
+                 "(the one holding the slot's conversation first) and fails over to the others");
   std::string remote_key_file;
   app.add_option("--prefill-remote-key-file", remote_key_file,
                  "a file whose first key goes to the provider server as \"Authorization: Bearer KEY\" (else "

@@ -39,9 +39,9 @@ struct RemoteOffer {
   uint32_t first_cell = 0;
   uint32_t n_cached = 0;
   uint32_t n_cells = 0;
-  uint64_t bytes = 0;  // layout::granted_bytes for the granted cells
-  uint64_t layout_hash = 0;               // layout::whole_layout_hash
-  uint64_t timeout_ms = 0;                // the grant ends this long after the share answered
+  uint64_t bytes = 0;        // layout::granted_bytes for the granted cells
+  uint64_t layout_hash = 0;  // layout::whole_layout_hash
+  uint64_t timeout_ms = 0;   // the grant ends this long after the share answered
   layout::ShareHeader header;
 };
 

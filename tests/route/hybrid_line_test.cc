@@ -34,6 +34,19 @@ TEST(HybridLine, RemoteRouteSaysShareThenRemote) {
             "hybrid: 307 prompt tokens: prefill 95.123 ms, share 6.500 ms remote, first byte 140.000 ms");
 }
 
+TEST(HybridLine, RemoteRouteNamesTheHostAndTheBytesItMoved) {
+  HandoffReport remote = report(HandoffRoute::remote);
+  remote.remote_host = "http://10.0.0.2:8090";
+  remote.kv_bytes = 33792;
+  remote.n_cached = 97;
+  remote.n_prefilled = 33;
+  remote.n_slots = 4;
+  remote.slot = 2;
+  EXPECT_EQ(hybrid_line(remote, 140.0),
+            "hybrid: 307 prompt tokens, 97 cached, slot 2: prefill 95.123 ms of 33 tokens, share 6.500 ms remote from "
+            "http://10.0.0.2:8090 (33792 bytes), first byte 140.000 ms");
+}
+
 TEST(ForwardBody, SetsSlotZeroCachePromptAndLeaveOneTokenKeepingTheRest) {
   const auto body = nlohmann::json::parse(forward_body(
       {{"messages", nlohmann::json::array()}, {"id_slot", 3}, {"cache_prompt", false}, {"max_tokens", 8}}));

@@ -29,6 +29,19 @@ TEST(Metrics, CountsRepliesCutByWhoCutThem) {
   EXPECT_NE(text.find("kvshare_replies_cut_total{by=\"decoder\"} 1\n"), std::string::npos) << text;
 }
 
+TEST(Metrics, CountsRemotePrefillsAndTheirBytesPerHost) {
+  Metrics metrics;
+  metrics.count_remote_prefill("http://a:1", "ok", 1000);
+  metrics.count_remote_prefill("http://a:1", "ok", 24);
+  metrics.count_remote_prefill("http://b:2", "busy");
+  const std::string text = metrics.render();
+  EXPECT_NE(text.find("kvshare_remote_prefills_total{host=\"http://a:1\",result=\"ok\"} 2\n"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("kvshare_remote_prefills_total{host=\"http://b:2\",result=\"busy\"} 1\n"), std::string::npos);
+  EXPECT_NE(text.find("kvshare_remote_kv_bytes_total{host=\"http://a:1\"} 1024\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("kvshare_remote_kv_bytes_total{host=\"http://b:2\"} 0\n"), std::string::npos) << text;
+}
+
 TEST(Metrics, CountsHandoffsChosenForLoad) {
   Metrics metrics;
   EXPECT_NE(metrics.render().find("kvshare_load_handoffs_total 0\n"), std::string::npos);

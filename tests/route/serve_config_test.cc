@@ -75,10 +75,10 @@ TEST(ServeConfigValidate, RefusesSlotsTooSmallForAPromptAndSeveralSlotsOnTheRemo
   ASSERT_FALSE(valid);
   EXPECT_NE(valid.error().message().find("each slot gets 1 cells"), std::string::npos) << valid.error().message();
   config.ctx_size = 4096;
-  config.prefill_remote = "http://127.0.0.1:9000";
+  // The remote route grants each slot's own cells: several slots take it.
+  config.prefill_remote = {"http://127.0.0.1:9000", "http://127.0.0.2:9000"};
   valid = validate(config);
-  ASSERT_FALSE(valid);
-  EXPECT_NE(valid.error().message().find("--prefill-remote refused"), std::string::npos) << valid.error().message();
+  EXPECT_TRUE(valid) << valid.error().message();
 }
 
 TEST(ServeConfigValidate, SeveralSlotsNeedLlamaServerNotKvshareDecoder) {
@@ -310,10 +310,14 @@ TEST(PrefillRemoteUrl, RefusesAnotherSchemeAPathOrABadPortByName) {
 TEST(Validate, RefusesAMalformedPrefillRemoteUrl) {
   ServeConfig config;
   config.model = KVSHARE_TEST_DATA_DIR "/gguf-tiny.gguf";
-  config.prefill_remote = "ftp://x:1";
+  config.prefill_remote = {"http://h:1", "ftp://x:1"};
   auto valid = validate(config);
   ASSERT_FALSE(valid);
   EXPECT_NE(valid.error().message().find("--prefill-remote ftp://x:1"), std::string::npos);
+  config.prefill_remote = {"http://h:1", "http://h:1"};
+  valid = validate(config);
+  ASSERT_FALSE(valid);
+  EXPECT_NE(valid.error().message().find("given twice"), std::string::npos) << valid.error().message();
 }
 
 TEST(Validate, RefusesAResidentProviderWithoutAProgramOrWithASocketToo) {
