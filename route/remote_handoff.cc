@@ -159,7 +159,7 @@ Attempt RemoteAttempt::run(const std::string& socket_name) {
     return not_the_hosts({Step::take_file_route, "handshake_failed", n_cached.error().what()});
   }
   report_.n_cached = *n_cached;
-  report_.n_prefilled = handoff_ids_.size() - *n_cached;
+  report_.n_prefilled = 0;
   report_.remote_host = url;
   report_.kv_bytes = 0;
   if (*n_cached == handoff_ids_.size()) {
@@ -219,7 +219,13 @@ Attempt RemoteAttempt::run(const std::string& socket_name) {
     report_.prefill_ms = answer["prefill_ms"].get<double>();
   if (answer.is_object() && answer.contains("bytes_sent") && answer["bytes_sent"].is_number_unsigned())
     report_.kv_bytes = answer["bytes_sent"].get<uint64_t>();
-  context_.rates.observe_provider(*n_cached, handoff_ids_.size() - *n_cached, report_.prefill_ms, prefill_wall_ms);
+  // The host attends over the whole prompt: it computed every position but those its
+  // session cache held ("reused"), whatever it then sent.
+  size_t reused = 0;
+  if (answer.is_object() && answer.contains("reused") && answer["reused"].is_number_unsigned())
+    reused = std::min<size_t>(answer["reused"].get<uint64_t>(), handoff_ids_.size());
+  report_.n_prefilled = handoff_ids_.size() - reused;
+  context_.rates.observe_provider(reused, handoff_ids_.size() - reused, report_.prefill_ms, prefill_wall_ms);
 
   layout::ReceiverRequest complete;
   complete.op = layout::ReceiverOp::complete;
