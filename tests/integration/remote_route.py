@@ -494,7 +494,7 @@ class FakeProvider:
     """A provider server on 127.0.0.1 that does not prefill: `behave(offer)` decides what it
     does with the offer, then it answers 200 as if all went well."""
 
-    def __init__(self, behave):
+    def __init__(self, behave, status=200):
         import http.server
         import threading
         fake = self
@@ -505,8 +505,10 @@ class FakeProvider:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 fake.seen_keys.append(self.headers.get("Authorization", ""))
                 behave(body["share"])
-                data = json.dumps({"n_tokens": len(body["tokens"]), "prefill_ms": 1.0}).encode()
-                self.send_response(200)
+                data = json.dumps({"n_tokens": len(body["tokens"]), "prefill_ms": 1.0} if status == 200 else
+                                  {"error": {"code": status, "message": "the provider server is busy: 1 prefilling, "
+                                             "0 waiting (--queue 0)", "type": "unavailable_error"}}).encode()
+                self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -557,6 +559,29 @@ def test_a_provider_that_claims_success_without_writing_is_refused_at_the_comple
         expect_fallback(fake.url, "remote_transfer_refused", "no completion message from the provider: partial transfer")
     finally:
         fake.stop()
+
+
+def test_a_busy_prefill_host_is_passed_over_for_the_next():
+    busy = FakeProvider(lambda offer: None, status=503)
+    provider = Provider()
+    serve = start_serve("hybrid", [busy.url, provider.url])
+    try:
+        for prompt in PROMPTS[:2]:
+            text, prompt_n = reply(serve, prompt)
+            check(text == cpu_reply(prompt), "reply %r differs from --device cpu %r" % (text, cpu_reply(prompt)))
+            check(prompt_n == 1, "prompt_n %s, expected 1" % prompt_n)
+        line = serve.wait_line(r"hybrid: prefill host %s failed \(remote_provider_busy\): .*answered 503: the provider "
+                               r"server is busy.*; trying %s" % (re.escape(busy.url), re.escape(provider.url)), 30)
+        check(line, "no line for the busy host")
+        lines = serve.wait_count(REMOTE_LINE, 2)
+        check([REMOTE_LINE.search(l).group(3) for l in lines] == [provider.url] * 2, "\n".join(serve.lines[-20:]))
+        status, _, data = serve.request("GET", "/metrics")
+        check(re.search(r'kvshare_remote_prefills_total\{host="%s",result="busy"\} [12]\n' % re.escape(busy.url),
+                        data.decode()), "the busy host is asked, then backs off: %s" % data.decode())
+    finally:
+        stop_checked(serve)
+        provider.stop()
+        busy.stop()
 
 
 def take_the_route_again(serve):
@@ -741,7 +766,13 @@ def test_two_prefill_hosts_one_killed_mid_run_loses_no_reply():
                 check(text == want, "reply %r to %r differs from --device cpu %r" % (text, prompt, want))
         finally:
             stop_checked(cpu)
-        lines = serve.wait_count(REMOTE_LINE, 6)
+        failover = serve.wait_line(r"hybrid: prefill host %s failed \(remote_provider_failed\): .*; trying %s" %
+                                   (re.escape(first.url), re.escape(second.url)), 30)
+        check(failover, "no failover line")
+        check(not any("hybrid: fallback" in l for l in serve.lines),
+              "a request fell back although a host was up:\n%s" % "\n".join(serve.lines[-30:]))
+        lines = serve.wait_count(REMOTE_LINE, len(prompts))
+        check(len(lines) == len(prompts), "not every request was handed off:\n%s" % "\n".join(serve.lines[-30:]))
         hosts = {REMOTE_LINE.search(l).group(3) for l in lines}
         check(second.url in hosts, "the second host never prefilled: %s" % hosts)
         after = [REMOTE_LINE.search(l).group(3) for l in lines if first.url not in l]
