@@ -44,7 +44,7 @@ class ResidentProvider;
 enum class Endpoint { chat_completions, completions };
 std::string_view endpoint_path(Endpoint endpoint);
 
-enum class HandoffRoute { none, file, shared, shared_then_file, remote };
+enum class HandoffRoute { none, file, shared, shared_then_file, remote, remote_state };
 
 struct HandoffReport {
   HandoffRoute route = HandoffRoute::none;  // none: forwarded as it came
@@ -82,6 +82,7 @@ struct HandoffReport {
 //   hybrid: N prompt tokens: prefill X ms, share Y ms, first byte Z ms
 //   hybrid: N prompt tokens: prefill X ms, share 0.000 ms, restore Y ms, first byte Z ms
 //   hybrid: N prompt tokens: prefill X ms, share Y ms remote, first byte Z ms
+//   hybrid: N prompt tokens: prefill X ms, restore Y ms remote-state, first byte Z ms
 std::string hybrid_line(const HandoffReport& report, double first_byte_ms);
 // A request forwarded by decision:
 //   hybrid: N prompt tokens, P cached: forwarded (WHY), first byte Z ms
@@ -138,6 +139,9 @@ struct HandoffContext {
   std::chrono::milliseconds handshake_timeout{10000};
   // The resident kvshare-remote-receiver, when serve has --prefill-remote (else null).
   RemoteReceiverProcess* remote_receiver = nullptr;
+  // --prefill-remote takes the state variant (a bound state file, restored): the decoder does
+  // not speak the share action, or --prefill-remote-route state (route/remote_state.h).
+  bool remote_state = false;
   // The resident provider, when serve has --provider-resident or --prefill-provider-socket
   // (else null: a provider process per request).
   ResidentProvider* resident_provider = nullptr;
