@@ -1,10 +1,12 @@
 #include "layout/share_header.h"
 
 #include <algorithm>
-
+#include <bit>
 #include <cerrno>
 #include <limits>
 #include <optional>
+#include <type_traits>
+#include <variant>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -653,6 +655,64 @@ ModelFingerprint model_fingerprint(const GgufMetadata& metadata, const std::vect
   }
   fp.tensors_hash = hash;
   return fp;
+}
+
+uint64_t model_fingerprint_hash(const ModelFingerprint& model) {
+  uint64_t hash = kFnvBasis;
+  for (const std::string* text : {&model.arch, &model.name}) {
+    hash = fnv_le(hash, text->size(), 8);
+    hash = fnv_bytes(hash, text->data(), text->size());
+  }
+  hash = fnv_le(hash, model.n_layer, 4);
+  hash = fnv_le(hash, model.n_embd, 4);
+  hash = fnv_le(hash, model.n_vocab, 4);
+  return fnv_le(hash, model.tensors_hash, 8);
+}
+
+namespace {
+
+// One GGUF value into the hash: its type, then its bytes (scalars little-endian, floats as
+// their bit pattern, strings and arrays length-prefixed).
+uint64_t fnv_gguf_value(uint64_t hash, const GgufValue& value) {
+  hash = fnv_le(hash, static_cast<uint32_t>(value.type()), 4);
+  return std::visit(
+      [hash](const auto& v) -> uint64_t {
+        using T = std::decay_t<decltype(v)>;
+        if constexpr (std::is_same_v<T, std::string>) {
+          return fnv_bytes(fnv_le(hash, v.size(), 8), v.data(), v.size());
+        } else if constexpr (std::is_same_v<T, GgufArray>) {
+          uint64_t h = fnv_le(hash, static_cast<uint32_t>(v.element_type), 4);
+          h = fnv_le(h, v.elements.size(), 8);
+          for (const GgufValue& element : v.elements) h = fnv_gguf_value(h, element);
+          return h;
+        } else if constexpr (std::is_same_v<T, float>) {
+          return fnv_le(hash, std::bit_cast<uint32_t>(v), 4);
+        } else if constexpr (std::is_same_v<T, double>) {
+          return fnv_le(hash, std::bit_cast<uint64_t>(v), 8);
+        } else if constexpr (std::is_same_v<T, bool>) {
+          return fnv_le(hash, v ? 1 : 0, 1);
+        } else {
+          return fnv_le(hash, static_cast<uint64_t>(v), sizeof(T));
+        }
+      },
+      value.value);
+}
+
+}  // namespace
+
+uint64_t tokenizer_fingerprint(const GgufMetadata& metadata) {
+  constexpr std::string_view kPrefix = "tokenizer.ggml.";
+  std::vector<const std::pair<std::string, GgufValue>*> keys;
+  for (const auto& entry : metadata.entries())
+    if (entry.first.starts_with(kPrefix)) keys.push_back(&entry);
+  std::sort(keys.begin(), keys.end(), [](const auto* a, const auto* b) { return a->first < b->first; });
+  uint64_t hash = kFnvBasis;
+  for (const auto* entry : keys) {
+    hash = fnv_le(hash, entry->first.size(), 8);
+    hash = fnv_bytes(hash, entry->first.data(), entry->first.size());
+    hash = fnv_gguf_value(hash, entry->second);
+  }
+  return hash;
 }
 
 Result<ShareHeader> make_share_header(const ModelFingerprint& model, const ModelShape& shape, const KvParams& params) {

@@ -31,6 +31,15 @@ struct ModelFingerprint {
 };
 
 ModelFingerprint model_fingerprint(const GgufMetadata& metadata, const std::vector<GgufTensorInfo>& tensors);
+// The fingerprint as one number: FNV-1a 64 over its fields (arch, name, n_layer, n_embd,
+// n_vocab, tensors_hash), for a binding that names a model in one field (remote_state_payload.h).
+uint64_t model_fingerprint_hash(const ModelFingerprint& model);
+
+// What decides a prompt's token ids: FNV-1a 64 over every "tokenizer.ggml.*" key (the model,
+// pre-tokenizer, tokens, types, scores, merges, special ids, add_bos/add_eos), key by key in
+// sorted order, each as its name, GGUF type and value. Two files that tokenize alike but
+// differ in a chat template (tokenizer.chat_template) hash alike.
+uint64_t tokenizer_fingerprint(const GgufMetadata& metadata);
 
 struct ShareHeader {
   static constexpr uint32_t kFormatVersion = 1;

@@ -106,8 +106,10 @@ Result<std::unique_ptr<DecoderProcess>> DecoderProcess::start(const ServeConfig&
     if (!port) return fail(port.error());
     decoder->port_ = *port;
     decoder->command_ = backend_command(config, backend, decoder->slot_dir_.string(), decoder->port_);
-    // The remote route takes the decoder's region by the share handshake: it must export.
-    if (!config.prefill_remote.empty()) decoder->env_ = {"ONEBIT_KV_SHARE=1"};
+    // The remote route takes the decoder's region by the share handshake: it must export
+    // (a stock llama-server ignores the variable; the state variant needs no export).
+    if (!config.prefill_remote.empty() && config.prefill_remote_route != RemoteRouteKind::state)
+      decoder->env_ = {"ONEBIT_KV_SHARE=1"};
     auto ready = decoder->start_on_port(deadline, ready_timeout);
     if (!ready) return fail(ready.error());
     if (*ready == Readiness::ready) break;

@@ -11,8 +11,10 @@
 
 #include "kvshare/env.h"
 #include "kvshare/share/broker.h"
+#include "layout/state_format.h"
 #include "route/handoff_steps.h"
 #include "route/remote_handoff.h"
+#include "route/remote_state.h"
 #include "route/resident_provider.h"
 #include "route/state_version_probe.h"
 
@@ -160,6 +162,52 @@ StepResult restore_refused(const HandoffContext& context, const std::filesystem:
   return forward_because("restore_failed", refusal);
 }
 
+// The restore both state-file routes end with (file_route, remote_state_route): the file
+// `state_name` at `state_path` in the slot directory holds `handoff_ids`; checks its version
+// word against the decoder's (when known), waits for the slot to be idle, POSTs restore and
+// checks that the slot holds exactly the ids. The caller removes the file.
+StepResult restore_state_file(const HandoffContext& context, std::span<const int32_t> handoff_ids,
+                              const std::string& state_name, const std::filesystem::path& state_path,
+                              HandoffReport& report) {
+  const ServeConfig& config = *context.config;
+  // A decoder refuses a state file of another version with a message that names neither;
+  // reading the 8-byte header here says which two versions met.
+  if (const uint32_t decoder_version = context.decoder_state_version.load(); decoder_version != 0) {
+    auto version = read_state_file_version(state_path);
+    if (!version) return forward_because("bad_state_file", version.error().what());
+    if (*version != decoder_version)
+      return forward_because("state_version_mismatch", version_mismatch_reason(config, *version, decoder_version));
+  }
+  // The restore must not land while an earlier request still decodes (llama-server defers
+  // it by itself; waiting here keeps any decoder honest).
+  if (!context.slot->wait_idle(report.slot, provider_timeout(config)))
+    return forward_because("decoder_busy", fmt::format("the decoder was still generating an earlier reply {} ms "
+                                                       "after the state file was ready; no restore under it",
+                                                       provider_timeout(config).count()));
+  const Json body = {{"filename", state_name}, {"leave_one_token", true}};
+  const auto restore_start = std::chrono::steady_clock::now();
+  auto restored = context.decoder->slot_action("restore", body, report.slot);
+  const double restore_wall_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - restore_start).count();
+  if (!restored) return forward_because("restore_failed", restored.error().what());
+  if (!restored->ok())
+    return restore_refused(context, state_path,
+                           fmt::format("POST /slots/{}?action=restore answered {}: {}", report.slot, restored->status,
+                                       restored->error_message));
+  const Json& n_restored = restored->body["n_restored"];
+  if (!n_restored.is_number_integer() || n_restored.get<int64_t>() != static_cast<int64_t>(handoff_ids.size())) {
+    const bool erased = erase_slot(context, report.slot);
+    return forward_because("restore_short",
+                           fmt::format("the slot holds {} tokens after the restore, expected {} (the prompt less its "
+                                       "last token)",
+                                       n_restored.dump(), handoff_ids.size()),
+                           !erased);
+  }
+  report.handoff_ms = restored->timings_ms().value_or(restore_wall_ms);
+  report.phases.handoff_ms = restore_wall_ms;
+  return {Step::handed_off, "", ""};
+}
+
 StepResult file_route(const HandoffContext& context, std::span<const int32_t> handoff_ids,
                       const std::filesystem::path& ids_path, uint64_t sequence, HandoffReport& report) {
   const std::string state_name = fmt::format("kvshare-request-{}.state", sequence);
@@ -185,42 +233,69 @@ StepResult file_route(const HandoffContext& context, std::span<const int32_t> ha
   if (!std::filesystem::is_regular_file(state.path, ec) || std::filesystem::file_size(state.path, ec) == 0)
     return forward_because("no_state_file",
                            fmt::format("the provider exited 0 but wrote no state file {}", state.path.string()));
-  // A decoder refuses a state file of another version with a message that names neither;
-  // reading the 8-byte header here says which two versions met.
-  if (decoder_version != 0) {
-    auto version = read_state_file_version(state.path);
-    if (!version) return forward_because("bad_state_file", version.error().what());
-    if (*version != decoder_version)
-      return forward_because("state_version_mismatch", version_mismatch_reason(config, *version, decoder_version));
+  return restore_state_file(context, handoff_ids, state_name, state.path, report);
+}
+
+// The remote route's state variant (docs/remote.md, "A stock llama-server across hosts"):
+// the provider server at `url` prefills the ids and answers a state file bound to the model,
+// the tokenizer, the state version, the ids and the KV types; serve checks the binding
+// against its own, writes the file to the slot directory and restores it as file_route does.
+// Nothing touches the decoder before the restore, so every failure before it is a plain
+// forward; a refused binding is remote_state_refused, naming the field.
+StepResult remote_state_route(const HandoffContext& context, std::span<const int32_t> handoff_ids,
+                              const std::string& url, uint64_t sequence, HandoffReport& report) {
+  const ServeConfig& config = *context.config;
+  auto identity = model_identity(config.model);
+  if (!identity) return forward_because("remote_state_refused", identity.error().what());
+  const uint32_t known_version = context.decoder_state_version.load();
+  auto expected = expected_state_binding(
+      *identity, config, known_version != 0 ? known_version : layout::kStateSeqVersionLatest, handoff_ids);
+  if (!expected) return forward_because("remote_state_refused", expected.error().what());
+  const std::string state_name = fmt::format("kvshare-remote-{}.state", sequence);
+  ScopedFile state{context.slot_dir / state_name};
+  auto fetched =
+      fetch_remote_state(url, config.prefill_remote_key, provider_timeout(config), handoff_ids, *expected, state.path);
+  if (!fetched)
+    return forward_because(fetched.error().errno_value() == EINVAL ? "remote_state_refused" : "remote_provider_failed",
+                           fetched.error().what());
+  report.prefill_ms = fetched->prefill_ms;
+  report.phases.provider_ms += fetched->fetch_ms;
+  context.rates.observe_provider(0, handoff_ids.size(), fetched->prefill_ms, fetched->fetch_ms);
+  report.n_prefilled = handoff_ids.size();
+  return restore_state_file(context, handoff_ids, state_name, state.path, report);
+}
+
+// The state variant over the prefill hosts in PrefillHosts' order: a host that did not
+// answer, failed or sent a state file of another binding is the host's fault, and nothing
+// touched the decoder yet, so the next host is asked; a fault of the restore ends it.
+StepResult remote_state_handoff(const HandoffContext& context, std::span<const int32_t> handoff_ids,
+                                uint64_t sequence, HandoffReport& report) {
+  PrefillHosts& hosts = *context.prefill_hosts;
+  const std::vector<size_t> order = hosts.order(report.slot);
+  StepResult last{Step::forward, "remote_no_host", "no prefill host is configured"};
+  for (size_t i = 0; i < order.size(); ++i) {
+    const size_t host = order[i];
+    StepResult tried;
+    {
+      PrefillHosts::Lease lease(hosts, host);
+      tried = remote_state_route(context, handoff_ids, hosts.url(host), sequence, report);
+    }
+    if (tried.step == Step::handed_off) {
+      hosts.note_success(host, report.slot);
+      context.metrics->count_remote_prefill(hosts.url(host), "ok");
+      return tried;
+    }
+    if (tried.reason != "remote_state_refused" && tried.reason != "remote_provider_failed") return tried;
+    hosts.note_failure(host);
+    context.metrics->count_remote_prefill(hosts.url(host), "failed");
+    if (i + 1 < order.size()) {
+      context.metrics->count_fallback(tried.reason);
+      context.log(fmt::format("hybrid: prefill host {} failed ({}): {}; trying {}", hosts.url(host), tried.reason,
+                              tried.why, hosts.url(order[i + 1])));
+    }
+    last = std::move(tried);
   }
-  // The restore must not land while an earlier request still decodes (llama-server defers
-  // it by itself; waiting here keeps any decoder honest).
-  if (!context.slot->wait_idle(report.slot, provider_timeout(config)))
-    return forward_because("decoder_busy", fmt::format("the decoder was still generating an earlier reply {} ms "
-                                                       "after the provider finished; no restore under it",
-                                                       provider_timeout(config).count()));
-  const Json body = {{"filename", state_name}, {"leave_one_token", true}};
-  const auto restore_start = std::chrono::steady_clock::now();
-  auto restored = context.decoder->slot_action("restore", body, report.slot);
-  const double restore_wall_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - restore_start).count();
-  if (!restored) return forward_because("restore_failed", restored.error().what());
-  if (!restored->ok())
-    return restore_refused(context, state.path,
-                           fmt::format("POST /slots/{}?action=restore answered {}: {}", report.slot, restored->status,
-                                       restored->error_message));
-  const Json& n_restored = restored->body["n_restored"];
-  if (!n_restored.is_number_integer() || n_restored.get<int64_t>() != static_cast<int64_t>(handoff_ids.size())) {
-    const bool erased = erase_slot(context, report.slot);
-    return forward_because("restore_short",
-                           fmt::format("the slot holds {} tokens after the restore, expected {} (the prompt less its "
-                                       "last token)",
-                                       n_restored.dump(), handoff_ids.size()),
-                           !erased);
-  }
-  report.handoff_ms = restored->timings_ms().value_or(restore_wall_ms);
-  report.phases.handoff_ms = restore_wall_ms;
-  return {Step::handed_off, "", ""};
+  return last;
 }
 
 }  // namespace
@@ -391,6 +466,9 @@ std::string hybrid_line(const HandoffReport& report, double first_byte_ms) {
                              ? std::string()
                              : fmt::format(" from {} ({} bytes)", report.remote_host, report.kv_bytes),
                          first_byte_ms);
+    case HandoffRoute::remote_state:
+      return fmt::format("hybrid: {}: {}, restore {:.3f} ms remote-state, first byte {:.3f} ms", prompt_words(report),
+                         prefill, report.handoff_ms, first_byte_ms);
     case HandoffRoute::shared_then_file:
       return fmt::format("hybrid: {}: {}, share 0.000 ms, restore {:.3f} ms, first byte {:.3f} ms",
                          prompt_words(report), prefill, report.handoff_ms, first_byte_ms);
@@ -557,6 +635,14 @@ HandoffReport run_handoff(const HandoffContext& context, Endpoint endpoint, cons
   if (auto written = write_ids_file(ids_file.path, handoff_ids); !written)
     return fall_back("ids_file_failed", written.error().what());
 
+  if (!context.config->prefill_remote.empty() && context.remote_state) {
+    StepResult state = remote_state_handoff(context, handoff_ids, sequence, report);
+    context.metrics->count_handoff("remote_state", state.step == Step::handed_off ? "ok" : "forwarded");
+    if (state.step != Step::handed_off) return fall_back(state.reason, state.why, state.slot_may_be_stale);
+    report.route = HandoffRoute::remote_state;
+    report.body = forward_body(request, report.slot);
+    return report;
+  }
   if (!context.config->prefill_remote.empty()) {
     StepResult remote = remote_handoff(context, handoff_ids, sequence, report);
     if (remote.step == Step::handed_off) {

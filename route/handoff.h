@@ -45,7 +45,7 @@ class ResidentProvider;
 enum class Endpoint { chat_completions, completions };
 std::string_view endpoint_path(Endpoint endpoint);
 
-enum class HandoffRoute { none, file, shared, shared_then_file, remote };
+enum class HandoffRoute { none, file, shared, shared_then_file, remote, remote_state };
 
 struct HandoffReport {
   HandoffRoute route = HandoffRoute::none;  // none: forwarded as it came
@@ -86,6 +86,7 @@ struct HandoffReport {
 //   hybrid: N prompt tokens: prefill X ms, share 0.000 ms, restore Y ms, first byte Z ms
 //   hybrid: N prompt tokens: prefill X ms, share Y ms remote from URL (B bytes), first byte Z ms
 // (a remote handoff into a slot that held the whole prompt asked no host: "share Y ms remote")
+//   hybrid: N prompt tokens: prefill X ms, restore Y ms remote-state, first byte Z ms
 std::string hybrid_line(const HandoffReport& report, double first_byte_ms);
 // A request forwarded by decision:
 //   hybrid: N prompt tokens, P cached: forwarded (WHY), first byte Z ms
@@ -144,6 +145,9 @@ struct HandoffContext {
   RemoteReceiverProcess* remote_receiver = nullptr;
   // The prefill hosts (--prefill-remote, once per host), when serve has any (else null).
   std::unique_ptr<PrefillHosts> prefill_hosts;
+  // --prefill-remote takes the state variant (a bound state file, restored): the decoder does
+  // not speak the share action, or --prefill-remote-route state (route/remote_state.h).
+  bool remote_state = false;
   // The resident provider, when serve has --provider-resident or --prefill-provider-socket
   // (else null: a provider process per request).
   ResidentProvider* resident_provider = nullptr;

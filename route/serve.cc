@@ -21,6 +21,7 @@
 #include "route/listen_socket.h"
 #include "route/metrics.h"
 #include "route/remote_receiver_process.h"
+#include "route/remote_state.h"
 #include "route/reply_timings_scanner.h"
 #include "route/resident_provider.h"
 #include "route/slot_queue.h"
@@ -78,9 +79,10 @@ void on_first_relayed(RelayState& state) {
   if (state.report.handed_off()) {
     log_line(hybrid_line(state.report, first_byte_ms));
     log_line(phases_line(state.report, first_byte_ms));
-    const std::string route = state.report.route == HandoffRoute::shared   ? "shared"
-                              : state.report.route == HandoffRoute::remote ? "remote"
-                                                                           : "file";
+    const std::string route = state.report.route == HandoffRoute::shared         ? "shared"
+                              : state.report.route == HandoffRoute::remote       ? "remote"
+                              : state.report.route == HandoffRoute::remote_state ? "remote_state"
+                                                                                 : "file";
     state.metrics->observe(route, state.report.prefill_ms, state.report.handoff_ms, first_byte_ms);
   } else if (state.report.decided_forward) {
     log_line(forwarded_line(state.report, first_byte_ms));
@@ -271,6 +273,31 @@ int Server::run() {
   context_.log = log_line;
   context_.handshake_timeout = runtime_.handshake_timeout;
   if (hybrid_active() && !config_.prefill_remote.empty()) {
+    // A decoder that does not speak the share action (a stock llama-server) takes the state
+    // variant: the provider server answers a bound state file, restored here.
+    bool shares = backend_.kind == BackendKind::kvshare_decoder;
+    if (!shares && config_.prefill_remote_route == RemoteRouteKind::automatic) {
+      auto speaks = decoder_speaks_share(*client_);
+      if (!speaks)
+        log_line(
+            fmt::format("kvshare-serve: could not ask the decoder whether it shares ({}); the remote route "
+                        "takes the state variant",
+                        speaks.error().what()));
+      shares = speaks.value_or(false);
+    }
+    context_.remote_state = resolve_remote_route(config_.prefill_remote_route, shares) == RemoteRouteKind::state;
+    if (context_.remote_state)
+      log_line(fmt::format(
+          "kvshare-serve: remote route by state file ({}): {} answers POST /prefill-state with a state file bound "
+          "to the model, the tokenizer and the state version, and the decoder restores it",
+          config_.prefill_remote_route == RemoteRouteKind::state ? "--prefill-remote-route state"
+                                                                 : "the decoder does not speak ?action=share",
+          fmt::join(config_.prefill_remote, ", ")));
+    // validate() parsed every URL already.
+    context_.prefill_hosts =
+        std::make_unique<PrefillHosts>(std::move(*PrefillHosts::from_urls(config_.prefill_remote)));
+  }
+  if (hybrid_active() && !config_.prefill_remote.empty() && !context_.remote_state) {
     // Started now, so the first request does not pay for it; a start that fails is the
     // first request's fallback (and the next one's retry), never serve's exit.
     RemoteReceiverProcess::Options receiver_options;
@@ -284,9 +311,6 @@ int Server::run() {
     else
       log_line(fmt::format("kvshare-serve: {}", up.error().what()));
     context_.remote_receiver = remote_receiver_.get();
-    // validate() parsed every URL already.
-    context_.prefill_hosts =
-        std::make_unique<PrefillHosts>(std::move(*PrefillHosts::from_urls(config_.prefill_remote)));
   }
   if (hybrid_active() && provider_is_resident(config_)) {
     // Started now, as the receiver is: the model load is not the first request's. A start
@@ -419,6 +443,7 @@ int Server::run() {
                   : has_local_provider(config_)   ? provider_name(config_)
                                                   : std::string("none"),
                   !hybrid_active()                  ? "relay"
+                  : context_.remote_state           ? "remote-state"
                   : !config_.prefill_remote.empty() ? "remote"
                   : config_.kv_share                ? "shared"
                                                     : "file"));

@@ -111,6 +111,9 @@ Result<void> validate(const ServeConfig& config) {
   if (!config.prefill_remote.empty()) {
     if (auto hosts = PrefillHosts::from_urls(config.prefill_remote); !hosts) return fail(hosts.error());
   }
+  if (config.prefill_remote.empty() && config.prefill_remote_route != RemoteRouteKind::automatic)
+    return fail(EINVAL, "--prefill-remote-route {} without --prefill-remote: there is no remote route to choose",
+                remote_route_kind_name(config.prefill_remote_route));
   if (config.provider_resident && config.prefill_provider.empty())
     return fail(EINVAL,
                 "--provider-resident needs the provider program: give --prefill-provider PROG (or "
@@ -271,6 +274,24 @@ std::string join_command(const std::vector<std::string>& argv) {
 
 std::chrono::milliseconds provider_timeout(const ServeConfig& config) {
   return std::chrono::milliseconds(static_cast<long long>(config.provider_timeout_s * 1000.0));
+}
+
+Result<RemoteRouteKind> parse_remote_route_kind(std::string_view value) {
+  if (value == "auto") return RemoteRouteKind::automatic;
+  if (value == "ucx") return RemoteRouteKind::ucx;
+  if (value == "state") return RemoteRouteKind::state;
+  return fail(EINVAL, "--prefill-remote-route {}: expected auto, ucx or state", value);
+}
+
+std::string_view remote_route_kind_name(RemoteRouteKind kind) {
+  switch (kind) {
+    case RemoteRouteKind::ucx:
+      return "ucx";
+    case RemoteRouteKind::state:
+      return "state";
+    default:
+      return "auto";
+  }
 }
 
 std::string_view device_name(Device device) { return device == Device::hybrid ? "hybrid" : "cpu"; }

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "layout/error.h"
@@ -19,6 +20,14 @@ enum class Device { hybrid, cpu };
 
 // Which program decodes. Both speak llama-server's flags and HTTP API.
 enum class BackendKind { llama_server, kvshare_decoder };
+
+// How --prefill-remote reaches the decoder (docs/remote.md): ucx, the provider server
+// writes into the decoder's cells (the patched llama-server or kvshare-decoder); state, it
+// answers a bound state file the decoder restores (any llama-server); automatic, ucx when
+// the decoder answers the share action, else state (learnt at start).
+enum class RemoteRouteKind { automatic, ucx, state };
+Result<RemoteRouteKind> parse_remote_route_kind(std::string_view value);
+std::string_view remote_route_kind_name(RemoteRouteKind kind);
 
 struct ServeConfig {
   std::filesystem::path model;          // -m
@@ -56,6 +65,8 @@ struct ServeConfig {
   int parallel = 1;
   // Flags that exist only to be refused (--mtp, ...): the refusal names them.
   std::vector<std::string> refused_flags;  // each refused flag as it was given
+  // --prefill-remote-route auto|ucx|state: how --prefill-remote reaches the decoder.
+  RemoteRouteKind prefill_remote_route = RemoteRouteKind::automatic;
 };
 
 // The environment serve reads, captured once (tests pass their own).
@@ -83,7 +94,8 @@ inline constexpr int kMaxSlots = 256;
 // after `--` with another value; --mtp, --dflash, --mmproj, --moe-slots, --embedding(s), --reranking,
 // --pm (also inside backend_extra); a missing model; a -fa, -ctk or -ctv value llama-server
 // refuses (layout::apply_kv_flags); a non-positive
-// -c or --provider-timeout; a negative or non-finite --stream-weight. EINVAL.
+// -c or --provider-timeout; a negative or non-finite --stream-weight; --prefill-remote-route
+// ucx or state without --prefill-remote. EINVAL.
 Result<void> validate(const ServeConfig& config);
 
 struct Backend {

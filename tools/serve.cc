@@ -33,6 +33,13 @@ int main(int argc, char** argv) {
                  "http://HOST:PORT of a kvshare-provider-server: prompts are prefilled there and their KV moved into "
                  "the decoder over UCX (docs/remote.md); give it once per prefill host: serve picks the least busy "
                  "(the one holding the slot's conversation first) and fails over to the others");
+  std::string remote_route = "auto";
+  app.add_option("--prefill-remote-route", remote_route,
+                 "how --prefill-remote reaches the decoder: ucx (the provider server writes into the decoder's "
+                 "cells: the patched llama-server or kvshare-decoder), state (it answers a state file bound to the "
+                 "model, the tokenizer and the state version, which the decoder restores: any llama-server), or auto "
+                 "(ucx when the decoder answers the share action, else state); docs/remote.md")
+      ->capture_default_str();
   std::string remote_key_file;
   app.add_option("--prefill-remote-key-file", remote_key_file,
                  "a file whose first key goes to the provider server as \"Authorization: Bearer KEY\" (else "
@@ -98,6 +105,12 @@ int main(int argc, char** argv) {
     config.handoff.stream_weight = stream_weight;
   } else {
     std::fprintf(stderr, "kvshare-serve: %s\n", policy.error().what().c_str());
+    return 2;
+  }
+  if (auto route = parse_remote_route_kind(remote_route); route) {
+    config.prefill_remote_route = *route;
+  } else {
+    std::fprintf(stderr, "kvshare-serve: %s\n", route.error().what().c_str());
     return 2;
   }
   config.api_keys = parse_api_key_list(api_key);

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "apps/provider/remote_prefill.h"
+#include "apps/provider/state_prefill.h"
 #include "layout/json_depth.h"
 #include "route/api_key.h"
 
@@ -145,6 +146,16 @@ int run_provider_server(const ProviderServerOptions& options) {
                {"forward_ms", report->forward_ms},
                {"transfer_ms", report->transfer_ms},
                {"bytes_sent", report->bytes_sent}});
+  });
+  StatePrefiller state_prefiller((*prefiller)->model(), options.model_path, options.n_threads);
+  http.Post("/prefill-state", [&](const httplib::Request& req, httplib::Response& res) {
+    const StatePrefillAnswer answer =
+        state_prefiller.answer(req.body, one_at_a_time, options.provider_command,
+                               std::chrono::milliseconds(static_cast<int64_t>(options.provider_timeout_s * 1000)));
+    res.status = answer.status;
+    if (answer.status == 200)
+      res.set_header(layout::kRemoteStatePrefillMsHeader, fmt::format("{:.3f}", answer.prefill_ms));
+    res.set_content(answer.body, answer.content_type);
   });
   int port = options.port;
   if (port == 0) {

@@ -5,6 +5,8 @@
 //        -> 400 {"error": {"message"}} for a body, offer or token list it refuses (before
 //           any byte moves), 502 when the transfer failed (the decoder refused a write,
 //           left, or the deadline passed)
+//   POST /prefill-state  {"tokens": [ids...], "binding": {...}} -> the bound state payload
+//        for a stock llama-server decoder (apps/provider/state_prefill.h)
 // One prefill runs at a time (the CPU is the resource). Every request but GET /health
 // needs the deployment's key ("Authorization: Bearer KEY" or "X-Api-Key: KEY", as
 // llama-server, route/api_key.h) and is otherwise answered 401: the service

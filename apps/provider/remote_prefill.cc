@@ -53,6 +53,7 @@ Result<std::unique_ptr<RemotePrefiller>> RemotePrefiller::load(const std::string
 }
 
 int32_t RemotePrefiller::n_vocab() const { return impl_->model->tokenizer().n_vocab(); }
+std::shared_ptr<const Model> RemotePrefiller::model() const { return impl_->model; }
 
 namespace {
 

@@ -16,6 +16,8 @@
 
 namespace kvshare::refmodel {
 
+class Model;  // refmodel/engine.h
+
 struct RemotePrefillReport {
   uint32_t n_tokens = 0;
   double prefill_ms = 0;    // forward pass + placing + sending, until the completion is flushed
@@ -31,6 +33,8 @@ class RemotePrefiller {
   ~RemotePrefiller();
 
   int32_t n_vocab() const;
+  // The loaded model, for another route of the same server (POST /prefill-state).
+  std::shared_ptr<const Model> model() const;
 
   // Prefills `tokens` and writes their K/V into cells 0..tokens.size()-1 of the offer's
   // decoder, then sends the completion. EINVAL: the header does not match this model

@@ -229,6 +229,22 @@ TEST_F(ProviderServerKey, LetsTheRightBearerKeyPastToTheBodyCheck) {
   EXPECT_NE(answer->body.find("\\\"tokens\\\" must be a non-empty array"), std::string::npos) << answer->body;
 }
 
+TEST_F(ProviderServerKey, AnswersAPrefillStateWithoutTheKeyWith401AndTheRightKeyGetsToTheBodyCheck) {
+  ProviderServer server(model(), {}, {"KVSHARE_REMOTE_KEY=" + key_});
+  ASSERT_GT(server.port(), 0);
+  auto refused = http(server.port(), "POST", "/prefill-state", {"Authorization: Bearer " + key_ + "x"}, kGarbageBody);
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 401);
+  EXPECT_EQ(refused->body, route::kInvalidApiKeyBody);
+  auto passed = http(server.port(), "POST", "/prefill-state", {"Authorization: Bearer " + key_}, kGarbageBody);
+  ASSERT_TRUE(passed);
+  EXPECT_EQ(passed->status, 400) << passed->body;
+  EXPECT_NE(passed->body.find("prefill-state: \\\"tokens\\\" must be a non-empty array"), std::string::npos)
+      << passed->body;
+  const std::string err = server.stop();
+  EXPECT_NE(err.find("unauthorized: Invalid API Key (POST /prefill-state from 127.0.0.1)"), std::string::npos) << err;
+}
+
 TEST_F(ProviderServerKey, AcceptsTheKeyInXApiKeyToo) {
   ProviderServer server(model(), {}, {"KVSHARE_REMOTE_KEY=" + key_});
   ASSERT_GT(server.port(), 0);
