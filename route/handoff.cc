@@ -444,6 +444,7 @@ StepResult remote_route(const HandoffContext& context, std::span<const int32_t> 
   auto drop_listen = [&] {
     layout::ReceiverRequest revoke;
     revoke.op = layout::ReceiverOp::revoke;
+    revoke.socket_name = listen.socket_name;
     revoke.why = "the decoder did not share";
     (void)receiver.call(revoke, call_timeout);
   };
@@ -460,6 +461,7 @@ StepResult remote_route(const HandoffContext& context, std::span<const int32_t> 
   }
   layout::ReceiverRequest grant;
   grant.op = layout::ReceiverOp::grant;
+  grant.socket_name = listen.socket_name;
   grant.n_cells = static_cast<uint32_t>(handoff_ids.size());
   grant.timeout_ms = static_cast<uint64_t>(provider_timeout(config).count());
   auto granted = ask(grant, call_timeout);
@@ -482,6 +484,7 @@ StepResult remote_route(const HandoffContext& context, std::span<const int32_t> 
   auto after_grant = [&](std::string reason, std::string why) {
     layout::ReceiverRequest revoke;
     revoke.op = layout::ReceiverOp::revoke;
+    revoke.grant_id = grant_id;
     revoke.why = "the handoff failed";
     if (auto revoked = receiver.call(revoke, call_timeout); !revoked) {
       reason = receiver_failed(revoked.error());
