@@ -1,8 +1,8 @@
 // The offer: what the decoder answers `POST /slots/0?action=share {"transport":"ucx"}`
 // with, and what a remote provider needs to write the share — the decoder's UCX worker
 // address, the layout header, the share_id and the share's secret (every message must
-// carry both), how many cells are granted, the byte count and layout hash the completion
-// must repeat, and how long the grant lives. JSON, so it rides inside the HTTP bodies
+// carry both), which cells of which stream are granted, the byte count and layout hash the
+// completion must repeat, and how long the grant lives. JSON, so it rides inside the HTTP bodies
 // unchanged (docs/remote.md, "The offer"). The secret is a capability: whoever holds the
 // offer can write the granted cells, so it goes only to the provider asked to prefill.
 #pragma once
