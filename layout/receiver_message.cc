@@ -23,6 +23,17 @@ constexpr size_t kMaxSocketNameBytes = 100;  // sun_path is 108 with the directo
 
 using Reader = JsonReader<nlohmann::json>;
 
+// A share socket's name: a file name in the receiver's private directory.
+Result<std::string> socket_name_field(const Reader& read, std::string_view source) {
+  auto name = read.text("socket");
+  if (!name) return fail(name.error());
+  if (name->empty() || name->size() > kMaxSocketNameBytes || name->find('/') != std::string::npos ||
+      name->find('\0') != std::string::npos || *name == "." || *name == "..")
+    return fail(EINVAL, "{}: \"socket\" must be a file name of 1..{} bytes with no '/' or NUL, not \"{}\"", source,
+                kMaxSocketNameBytes, *name);
+  return std::move(*name);
+}
+
 // The envelope every message shares: an object of this version with a known "op".
 Result<std::pair<nlohmann::json, ReceiverOp>> parse_envelope(std::string_view text, std::string_view source) {
   if (text.size() > kMaxReceiverMessageBytes)
@@ -62,7 +73,9 @@ std::string encode_receiver_request(const ReceiverRequest& request) {
       json["socket"] = request.socket_name;
       break;
     case ReceiverOp::grant:
+      json["socket"] = request.socket_name;
       json["n_cells"] = request.n_cells;
+      json["n_cached"] = request.n_cached;
       json["timeout_ms"] = request.timeout_ms;
       break;
     case ReceiverOp::complete:
@@ -70,6 +83,8 @@ std::string encode_receiver_request(const ReceiverRequest& request) {
       json["n_tokens"] = request.n_tokens;
       break;
     case ReceiverOp::revoke:
+      if (!request.socket_name.empty()) json["socket"] = request.socket_name;
+      if (request.grant_id != 0) json["grant_id"] = request.grant_id;
       json["why"] = request.why;
       break;
     case ReceiverOp::hello:
@@ -117,23 +132,30 @@ Result<ReceiverRequest> parse_receiver_request(std::string_view text, std::strin
     case ReceiverOp::hello:
       return fail(EINVAL, "{}: \"hello\" is the receiver's word, not a request", source);
     case ReceiverOp::listen: {
-      auto name = read.text("socket");
+      auto name = socket_name_field(read, source);
       if (!name) return fail(name.error());
-      if (name->empty() || name->size() > kMaxSocketNameBytes || name->find('/') != std::string::npos ||
-          name->find('\0') != std::string::npos || *name == "." || *name == "..")
-        return fail(EINVAL, "{}: \"socket\" must be a file name of 1..{} bytes with no '/' or NUL, not \"{}\"", source,
-                    kMaxSocketNameBytes, *name);
       request.socket_name = std::move(*name);
       break;
     }
     case ReceiverOp::grant: {
+      auto name = socket_name_field(read, source);
+      if (!name) return fail(name.error());
       auto n_cells = read.u32("n_cells");
       if (!n_cells) return fail(n_cells.error());
       if (*n_cells == 0) return fail(EINVAL, "{}: \"n_cells\" is 0: a grant has at least one cell", source);
+      auto n_cached = read.u32("n_cached");
+      if (!n_cached) return fail(n_cached.error());
+      if (*n_cached >= *n_cells)
+        return fail(EINVAL,
+                    "{}: \"n_cached\" is {} of \"n_cells\" {}: the decoder would hold every position, nothing to "
+                    "grant",
+                    source, *n_cached, *n_cells);
       auto timeout = read.u64("timeout_ms");
       if (!timeout) return fail(timeout.error());
       if (*timeout == 0) return fail(EINVAL, "{}: \"timeout_ms\" is 0", source);
+      request.socket_name = std::move(*name);
       request.n_cells = *n_cells;
+      request.n_cached = *n_cached;
       request.timeout_ms = *timeout;
       break;
     }
@@ -147,6 +169,19 @@ Result<ReceiverRequest> parse_receiver_request(std::string_view text, std::strin
       break;
     }
     case ReceiverOp::revoke: {
+      if (read.find("socket") != nullptr) {
+        auto name = socket_name_field(read, source);
+        if (!name) return fail(name.error());
+        request.socket_name = std::move(*name);
+      }
+      if (read.find("grant_id") != nullptr) {
+        auto grant = read.u64("grant_id");
+        if (!grant) return fail(grant.error());
+        if (*grant == 0)
+          return fail(EINVAL, "{}: \"grant_id\" is 0: name a grant (an offer's share_id) or leave the field out",
+                      source);
+        request.grant_id = *grant;
+      }
       auto why = read.text("why");
       if (!why) return fail(why.error());
       request.why = std::move(*why);

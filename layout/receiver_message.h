@@ -17,7 +17,10 @@
 
 namespace kvshare::layout {
 
-inline constexpr uint32_t kReceiverProtocolVersion = 1;
+// 2: several listens and grants at once (one per slot): grant names its listen "socket" and
+// the positions the decoder keeps ("n_cached"); revoke names a "grant_id" and/or a
+// "socket" (neither: everything). The offer a grant returns is version 3.
+inline constexpr uint32_t kReceiverProtocolVersion = 2;
 // A reply carries the offer and with it the decoder's layout header (tens of KiB for a
 // large model); 4 MiB leaves room for any header the share handshake itself accepts.
 inline constexpr uint32_t kMaxReceiverMessageBytes = 4u << 20;
@@ -29,7 +32,7 @@ enum class ReceiverOp {
   listen,    // open a share socket in the receiver's private directory for the decoder to connect to
   grant,     // take the decoder's share from that socket, map it (once per region), grant n_cells
   complete,  // the adopt check: the provider's completion matches what was granted and received
-  revoke,    // no write lands from now on (waits for receives in flight); drops a pending listen
+  revoke,    // no write of the named grant lands from now on (waits for its receives); drops the named listen
 };
 std::string_view receiver_op_name(ReceiverOp op);
 
@@ -37,7 +40,8 @@ struct ReceiverRequest {
   ReceiverOp op = ReceiverOp::listen;
   // listen: a file name (no '/'), at most 100 bytes. grant: the listen socket whose share
   // it takes (several listens and grants may be open at once, one per slot). revoke: the
-  // pending listen to drop, if any.
+  // pending listen to drop, if any (empty: none; with grant_id 0 too: every listen and
+  // every grant).
   std::string socket_name;
   // grant: the share's positions 0..n_cells-1 (the prompt less its last token), at least 1;
   // position p sits in cell first_cell + p of the share's stream (the decoder's share

@@ -37,10 +37,15 @@ RemoteReceiverProcess::~RemoteReceiverProcess() = default;
 pid_t RemoteReceiverProcess::pid() const { return process_.pid(); }
 unsigned long long RemoteReceiverProcess::restarts() const { return process_.restarts(); }
 void RemoteReceiverProcess::note_success() { process_.note_success(); }
-Result<void> RemoteReceiverProcess::ensure_running() { return process_.ensure_running(); }
+Result<void> RemoteReceiverProcess::ensure_running() {
+  // Not while a call waits for its reply: a start belongs between calls.
+  std::lock_guard one_call(calls_);
+  return process_.ensure_running();
+}
 
 Result<layout::ReceiverReply> RemoteReceiverProcess::call(const layout::ReceiverRequest& request,
                                                           std::chrono::milliseconds timeout) {
+  std::lock_guard one_call(calls_);
   const uint64_t incarnation = process_.incarnation();
   const std::string op(layout::receiver_op_name(request.op));
   auto body = process_.call(layout::encode_receiver_request(request), {}, timeout, op);

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <filesystem>
 #include <functional>
+#include <mutex>
 #include <string>
 
 #include "layout/error.h"
@@ -45,10 +46,12 @@ class RemoteReceiverProcess {
   // it). A start that fails (exec, no hello within hello_timeout) counts as a death (ESRCH).
   Result<void> ensure_running();
 
-  // One request and its reply (a reply with ok false is a reply, not an error). Blocks at most
-  // `timeout`. ESRCH when the receiver is gone, died during the call, broke the protocol or did
-  // not answer in time: it has then been killed and reaped, and the message names its pid and
-  // how it ended ("the remote receiver (pid 4121) died: signal 6 (Aborted)").
+  // One request and its reply (a reply with ok false is a reply, not an error). Safe to call
+  // from several threads at once (serve runs one handoff per slot): one request and its
+  // reply are on the channel at a time, the others wait their turn. Blocks at most
+  // `timeout` once it is this call's turn. ESRCH when the receiver is gone, died during the call, broke the protocol or
+  // did not answer in time: it has then been killed and reaped, and the message names its pid and how it ended ("the
+  // remote receiver (pid 4121) died: signal 6 (Aborted)").
   Result<layout::ReceiverReply> call(const layout::ReceiverRequest& request, std::chrono::milliseconds timeout);
 
   // A handoff went through: the back-off starts from scratch.
@@ -60,6 +63,10 @@ class RemoteReceiverProcess {
 
  private:
   ResidentProcess process_;  // the supervision: start, hello, calls, losses, back-off
+  // One call at a time from reading the incarnation to judging the reply: a reply that
+  // breaks the protocol then loses the very receiver that sent it, never a successor
+  // another thread started meanwhile.
+  std::mutex calls_;
 };
 
 }  // namespace kvshare::route

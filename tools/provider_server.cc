@@ -27,6 +27,14 @@ int main(int argc, char** argv) {
                  "the reference model; its state file's rows are sent");
   app.add_option("--provider-timeout", o.provider_timeout_s, "seconds before the provider command is killed")
       ->capture_default_str();
+  app.add_option("--parallel", o.parallel,
+                 "prefills run at once, each with its own working memory over the one mapped model")
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  app.add_option("--queue", o.queue,
+                 "requests that wait for a prefill when --parallel run; one past it is answered 503 at once")
+      ->check(CLI::Range(0, 4096))
+      ->capture_default_str();
   app.add_option("--api-key", keys.api_key,
                  "API key(s), comma-separated, as llama-server. Warning: a key on the command line is visible to "
                  "every local user in /proc/PID/cmdline; prefer --api-key-file or KVSHARE_REMOTE_KEY");

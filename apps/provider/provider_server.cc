@@ -6,7 +6,6 @@
 
 #include <atomic>
 #include <cstdio>
-#include <mutex>
 #include <thread>
 
 #include "apps/provider/remote_prefill.h"
@@ -58,6 +57,45 @@ Result<PrefillBody> parse_prefill_body(std::string_view body) {
   return out;
 }
 
+bool PrefillSlots::acquire() {
+  std::unique_lock lock(mutex_);
+  if (prefilling_ < parallel_ && waiting_ == 0) {
+    ++prefilling_;
+    return true;
+  }
+  if (waiting_ >= queue_) return false;
+  const uint64_t ticket = next_ticket_++;
+  ++waiting_;
+  turn_.wait(lock, [&] { return ticket == serving_ && prefilling_ < parallel_; });
+  --waiting_;
+  ++serving_;
+  ++prefilling_;
+  turn_.notify_all();  // the next in line may fit too
+  return true;
+}
+
+void PrefillSlots::release() {
+  std::lock_guard lock(mutex_);
+  --prefilling_;
+  turn_.notify_all();
+}
+
+int PrefillSlots::prefilling() const {
+  std::lock_guard lock(mutex_);
+  return prefilling_;
+}
+
+int PrefillSlots::waiting() const {
+  std::lock_guard lock(mutex_);
+  return waiting_;
+}
+
+std::string PrefillSlots::busy_message() const {
+  std::lock_guard lock(mutex_);
+  return fmt::format("the provider server is busy: {} prefilling, {} waiting (--queue {})", prefilling_, waiting_,
+                     queue_);
+}
+
 Result<std::vector<std::string>> resolve_provider_keys(const ProviderKeySources& sources) {
   std::vector<std::string> keys = route::parse_api_key_list(sources.api_key);
   if (!sources.api_key_file.empty()) {
@@ -99,8 +137,12 @@ int run_provider_server(const ProviderServerOptions& options) {
     std::fprintf(stderr, "kvshare-provider-server: %s\n", prefiller.error().what().c_str());
     return 1;
   }
-  std::mutex one_at_a_time;
+  PrefillSlots slots(options.parallel, options.queue);
   httplib::Server http;
+  // A thread for every request that may prefill or wait, and a few more so /health and the
+  // 503 answers never wait behind them (httplib's default pool is max(8, cores - 1)).
+  const size_t n_http_threads = static_cast<size_t>(options.parallel) + static_cast<size_t>(options.queue) + 8;
+  http.new_task_queue = [n_http_threads] { return new httplib::ThreadPool(n_http_threads); };
   http.set_default_headers({{"Server", "kvshare-provider-server"}});
   // Before routing, so a refused request's body is never read or parsed.
   http.set_pre_routing_handler([&options](const httplib::Request& req, httplib::Response& res) {
@@ -114,14 +156,28 @@ int run_provider_server(const ProviderServerOptions& options) {
                  req.path.c_str(), req.remote_addr.c_str());
     return httplib::Server::HandlerResponse::Handled;
   });
-  http.Get("/health", [](const httplib::Request&, httplib::Response& res) { reply(res, 200, Json{{"status", "ok"}}); });
+  http.Get("/health", [&slots](const httplib::Request&, httplib::Response& res) {
+    const nlohmann::ordered_json body{
+        {"status", "ok"}, {"prefilling", slots.prefilling()}, {"waiting", slots.waiting()}};
+    res.status = 200;
+    res.set_content(body.dump(), kJsonType);
+  });
   http.Post("/prefill", [&](const httplib::Request& req, httplib::Response& res) {
     auto body = parse_prefill_body(req.body);
     if (!body) {
       std::fprintf(stderr, "kvshare-provider-server: refused: %s\n", body.error().what().c_str());
       return reply_error(res, 400, body.error().what());
     }
-    std::lock_guard lock(one_at_a_time);
+    if (!slots.acquire()) {
+      const std::string busy = slots.busy_message();
+      std::fprintf(stderr, "kvshare-provider-server: share %llu: 503: %s\n",
+                   static_cast<unsigned long long>(body->offer.share_id), busy.c_str());
+      return reply(res, 503, Json{{"error", Json{{"code", 503}, {"message", busy}, {"type", "unavailable_error"}}}});
+    }
+    struct Release {
+      PrefillSlots& slots;
+      ~Release() { slots.release(); }
+    } release{slots};
     auto report =
         options.provider_command.empty()
             ? (*prefiller)->run(body->tokens, body->offer)
@@ -136,12 +192,15 @@ int run_provider_server(const ProviderServerOptions& options) {
       return reply_error(res, status, report.error().what());
     }
     std::fprintf(stderr,
-                 "kvshare-provider-server: share %llu: %u tokens, prefill %.3f ms (forward %.3f, transfer "
-                 "%.3f), %llu bytes sent\n",
-                 static_cast<unsigned long long>(body->offer.share_id), report->n_tokens, report->prefill_ms,
-                 report->forward_ms, report->transfer_ms, static_cast<unsigned long long>(report->bytes_sent));
+                 "kvshare-provider-server: share %llu: %u tokens, %u sent (stream %u, cells %u..%u), prefill %.3f "
+                 "ms (forward %.3f, transfer %.3f), %llu bytes sent\n",
+                 static_cast<unsigned long long>(body->offer.share_id), report->n_tokens, report->n_sent,
+                 body->offer.stream, body->offer.first_cell + body->offer.n_cached,
+                 body->offer.first_cell + report->n_tokens - 1, report->prefill_ms, report->forward_ms,
+                 report->transfer_ms, static_cast<unsigned long long>(report->bytes_sent));
     reply(res, 200,
           Json{{"n_tokens", report->n_tokens},
+               {"n_sent", report->n_sent},
                {"prefill_ms", report->prefill_ms},
                {"forward_ms", report->forward_ms},
                {"transfer_ms", report->transfer_ms},
@@ -169,9 +228,12 @@ int run_provider_server(const ProviderServerOptions& options) {
                  options.host.c_str(), port);
     return 1;
   }
-  std::fprintf(stderr, "kvshare-provider-server: listening on http://%s:%d (model %s, prefill by %s)\n",
+  std::fprintf(stderr,
+               "kvshare-provider-server: listening on http://%s:%d (model %s, prefill by %s, %d at once, %d "
+               "waiting at most)\n",
                options.host.c_str(), port, options.model_path.c_str(),
-               options.provider_command.empty() ? "the reference model" : options.provider_command.c_str());
+               options.provider_command.empty() ? "the reference model" : options.provider_command.c_str(),
+               options.parallel, options.queue);
   if (options.api_keys.empty())
     std::fprintf(stderr,
                  "kvshare-provider-server: warning: --no-api-key: anyone who reaches this port can make it "

@@ -1,21 +1,24 @@
 // kvshare-provider-server's main, as a library function: the prefill host's HTTP service.
-//   GET  /health   {"status": "ok"} once the model is loaded
+//   GET  /health   {"status": "ok", "prefilling": N, "waiting": W} once the model is loaded
 //   POST /prefill  {"tokens": [ids...], "share": <the decoder's offer>}
-//        -> 200 {"n_tokens", "prefill_ms", "forward_ms", "transfer_ms", "bytes_sent"}
+//        -> 200 {"n_tokens", "n_sent", "prefill_ms", "forward_ms", "transfer_ms", "bytes_sent"}
 //        -> 400 {"error": {"message"}} for a body, offer or token list it refuses (before
 //           any byte moves), 502 when the transfer failed (the decoder refused a write,
-//           left, or the deadline passed)
+//           left, or the deadline passed), 503 at once when --parallel prefills run and
+//           --queue requests wait already
 //   POST /prefill-state  {"tokens": [ids...], "binding": {...}} -> the bound state payload
 //        for a stock llama-server decoder (apps/provider/state_prefill.h)
-// One prefill runs at a time (the CPU is the resource). Every request but GET /health
+// Up to --parallel prefills run at once (each its own Context and cache over the one
+// mapped model), up to --queue more wait their turn in arrival order. Every request but GET /health
 // needs the deployment's key ("Authorization: Bearer KEY" or "X-Api-Key: KEY", as
 // llama-server, route/api_key.h) and is otherwise answered 401: the service
 // prefills and pushes KV rows into whichever decoder an offer names. docs/remote.md.
 #pragma once
 
-#include <string>
-
+#include <condition_variable>
 #include <cstdint>
+#include <mutex>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -33,6 +36,8 @@ struct ProviderServerOptions {
   // kvshare-prefill), on the file route's contract; its state file's rows are sent.
   std::string provider_command;
   double provider_timeout_s = 120;  // --provider-timeout
+  int parallel = 1;                 // --parallel: prefills at once
+  int queue = 16;                   // --queue: requests waiting for a prefill slot; past it, 503
   // The keys a request must carry (resolve_provider_keys); empty only with --no-api-key,
   // then every request passes and the start says so.
   std::vector<std::string> api_keys;
@@ -63,6 +68,30 @@ struct PrefillBody {
   remote::RemoteOffer offer;
 };
 Result<PrefillBody> parse_prefill_body(std::string_view body);
+
+// Admission for /prefill: at most `parallel` run, at most `queue` wait (first come, first
+// served); a request past both is refused at once. Exposed for its unit test.
+class PrefillSlots {
+ public:
+  PrefillSlots(int parallel, int queue) : parallel_(parallel), queue_(queue) {}
+  // Takes a slot, waiting in line if all are busy; false (at once) when the line is full.
+  bool acquire();
+  void release();
+  int prefilling() const;
+  int waiting() const;
+  // The 503 sentence: "the provider server is busy: N prefilling, Q waiting (--queue Q)".
+  std::string busy_message() const;
+
+ private:
+  const int parallel_;
+  const int queue_;
+  mutable std::mutex mutex_;
+  std::condition_variable turn_;
+  int prefilling_ = 0;
+  int waiting_ = 0;
+  uint64_t next_ticket_ = 0;  // arrival order of the waiting requests
+  uint64_t serving_ = 0;      // the ticket whose turn is next
+};
 
 // Loads the model, listens, serves until SIGINT/SIGTERM. Returns 0 after a clean stop,
 // 1 when the model or the socket failed (said on stderr). A refused request is 401 with

@@ -69,6 +69,10 @@ Result<void> check_offer(const Model& model, const std::string& model_path, std:
   if (tokens.empty()) return fail(EINVAL, "no tokens to prefill");
   if (tokens.size() > offer.n_cells)
     return fail(EINVAL, "{} tokens, the decoder granted {} cells", tokens.size(), offer.n_cells);
+  if (tokens.size() <= offer.n_cached)
+    return fail(EINVAL, "{} tokens, the decoder holds the first {} (n_cached): nothing to send", tokens.size(),
+                offer.n_cached);
+  if (auto grant = remote::offer_grant(offer); !grant) return fail(grant.error());
   const int32_t vocab = model.tokenizer().n_vocab();
   for (size_t i = 0; i < tokens.size(); ++i)
     if (tokens[i] < 0 || tokens[i] >= vocab)
@@ -91,11 +95,25 @@ struct Staging {
   }
 };
 
+// The cells of prompt positions [pos_begin, pos_end) that the offer grants: position p in
+// cell first_cell + p, positions below n_cached not at all. Empty (begin == end) when none.
+struct CellSpan {
+  uint32_t begin = 0;
+  uint32_t end = 0;
+};
+CellSpan granted_cells_of(const remote::RemoteOffer& offer, uint32_t pos_begin, uint32_t pos_end) {
+  const uint32_t from = std::max(pos_begin, offer.n_cached);
+  if (from >= pos_end) return {};
+  return {offer.first_cell + from, offer.first_cell + pos_end};
+}
+
 // One write per K/V tensor (per element row of a transposed V) of cells [begin, end) of
-// layer `il`: a layer's rows go as a few large messages, never a descriptor per token.
+// the offer's stream of layer `il`: a layer's rows go as a few large messages, never a
+// descriptor per token.
 Result<void> send_cells(remote::RemoteSender& sender, const remote::RemoteOffer& offer, const Staging& staging,
-                        uint32_t il, uint32_t begin, uint32_t end) {
-  for (const layout::ChunkRange& r : layout::cell_ranges(offer.header.layout, offer.header.memory, il, begin, end))
+                        uint32_t il, CellSpan cells) {
+  for (const layout::ChunkRange& r :
+       layout::cell_ranges(offer.header.layout, offer.header.memory, il, offer.stream, cells.begin, cells.end))
     if (auto sent = sender.write({offer.share_id, offer.secret, r.chunk, r.offset, r.size_bytes},
                                  staging.chunks[r.chunk].subspan(r.offset, r.size_bytes));
         !sent)
@@ -135,10 +153,19 @@ Result<RemotePrefillReport> RemotePrefiller::run(std::span<const int32_t> tokens
   double transfer_ms = 0;
   auto ok = (*ctx)->prefill(tokens, [&](const LayerRows& rows) -> Result<void> {
     const auto w0 = Clock::now();
-    const kvshare::ScatterBatch batch = scatter_batch_of(rows, rotation_disabled, impl_->n_threads);
+    const auto pos_begin = static_cast<uint32_t>(rows.pos0);
+    const CellSpan cells = granted_cells_of(offer, pos_begin, pos_begin + rows.n_tokens);
+    if (cells.begin == cells.end) return {};  // the decoder holds these positions
+    // Only the granted positions are placed: the rows from the first of them on, in
+    // cells first_cell + p of the offer's stream.
+    kvshare::ScatterBatch batch = scatter_batch_of(rows, rotation_disabled, impl_->n_threads);
+    const uint32_t skipped = cells.begin - offer.first_cell - pos_begin;
+    batch.layers.front().data = static_cast<const std::byte*>(batch.layers.front().data) + skipped * batch.row_stride;
+    batch.pos0 = cells.begin;
+    batch.n_tokens = cells.end - cells.begin;
+    batch.stream = offer.stream;
     if (auto scattered = kvshare::scatter(target, batch); !scattered) return scattered;
-    if (auto sent = send_cells(**sender, offer, staging, rows.il, batch.pos0, batch.pos0 + batch.n_tokens); !sent)
-      return sent;
+    if (auto sent = send_cells(**sender, offer, staging, rows.il, cells); !sent) return sent;
     transfer_ms += ms_since(w0);
     if (Clock::now() > deadline) return fail(ETIMEDOUT, "the offer's deadline passed during the prefill");
     return {};
@@ -154,6 +181,7 @@ Result<RemotePrefillReport> RemotePrefiller::run(std::span<const int32_t> tokens
   report.transfer_ms = transfer_ms;
   report.forward_ms = report.prefill_ms - transfer_ms;
   report.bytes_sent = *bytes;
+  report.n_sent = n - offer.n_cached;
   return report;
 }
 
@@ -207,6 +235,10 @@ Result<RemotePrefillReport> RemotePrefiller::run_command(std::span<const int32_t
                 file->tokens().size(), tokens.size());
   const auto n = static_cast<uint32_t>(tokens.size());
   const layout::KvCacheShape& cache = memory.kv_caches.front();
+  // The file holds positions 0..n-1 in cell order; positions n_cached..n-1 are placed in
+  // cells first_cell + p of the offer's stream, as kvshare::scatter would place them.
+  const CellSpan cells = granted_cells_of(offer, 0, n);
+  const uint32_t first_sent = offer.n_cached;
   Staging staging(offer.header.layout);
   for (const layout::StateSection* section : file->sections()) {
     const layout::SharedTensor* t = offer.header.layout.find(0, section->il, section->kind);
@@ -214,26 +246,29 @@ Result<RemotePrefillReport> RemotePrefiller::run_command(std::span<const int32_t
       return fail(EIO, "the provider command's state file: section {} of layer {} has {} rows, expected {}",
                   layout::tensor_kind_name(section->kind), section->il, section->n_rows, n);
     const std::vector<std::byte> rows = file->rows(*section);  // cell order
-    std::byte* base = staging.chunks[t->chunk].data() + t->offset;
+    std::byte* stream_base = staging.chunks[t->chunk].data() + t->offset +
+                             static_cast<uint64_t>(offer.stream) * cache.kv_size * t->tensor.row_bytes;
     if (section->kind == layout::TensorKind::v && cache.v_trans) {
       // Element j of cell c at (j * kv_size + c) * element, as kvshare::scatter places it.
       const uint64_t elem = layout::ggml_row_size(cache.type_v, 1);
-      for (uint32_t c = 0; c < n; ++c)
+      for (uint32_t p = first_sent; p < n; ++p)
         for (uint32_t j = 0; j < section->n_embd; ++j)
-          std::memcpy(base + (static_cast<uint64_t>(j) * cache.kv_size + c) * elem,
-                      rows.data() + (static_cast<uint64_t>(c) * section->n_embd + j) * elem, elem);
+          std::memcpy(stream_base + (static_cast<uint64_t>(j) * cache.kv_size + offer.first_cell + p) * elem,
+                      rows.data() + (static_cast<uint64_t>(p) * section->n_embd + j) * elem, elem);
     } else {
       if (rows.size() != static_cast<uint64_t>(n) * t->tensor.row_bytes)
         return fail(EIO, "the provider command's state file: layer {} {} rows are {} bytes, the layout says {}",
                     section->il, layout::tensor_kind_name(section->kind), rows.size(),
                     static_cast<uint64_t>(n) * t->tensor.row_bytes);
-      std::memcpy(base, rows.data(), rows.size());
+      std::memcpy(stream_base + static_cast<uint64_t>(cells.begin) * t->tensor.row_bytes,
+                  rows.data() + static_cast<uint64_t>(first_sent) * t->tensor.row_bytes,
+                  static_cast<uint64_t>(n - first_sent) * t->tensor.row_bytes);
     }
   }
   auto sender = remote::RemoteSender::connect(offer.worker_address);
   if (!sender) return fail(sender.error());
   for (const layout::KvCacheLayer& layer : cache.layers)
-    if (auto sent = send_cells(**sender, offer, staging, layer.il, 0, n); !sent)
+    if (auto sent = send_cells(**sender, offer, staging, layer.il, cells); !sent)
       return fail(sent.error().with_context("remote route"));
   auto bytes = finish(**sender, offer, n, deadline);
   if (!bytes) return fail(bytes.error());
@@ -243,6 +278,7 @@ Result<RemotePrefillReport> RemotePrefiller::run_command(std::span<const int32_t
   report.transfer_ms = ms_since(w0);
   report.prefill_ms = ms_since(t0);
   report.bytes_sent = *bytes;
+  report.n_sent = n - offer.n_cached;
   return report;
 }
 

@@ -1,6 +1,8 @@
 // The reference provider on the remote route: prefill a prompt with the CPU transformer
-// and push each layer's K and V rows for cells 0..n-1 to a decoder on another host, as
-// the decoder's offer says (kvshare/remote, docs/remote.md). The model is loaded once;
+// and push each layer's K and V rows of the granted positions to a decoder on another
+// host, as the decoder's offer says (kvshare/remote, docs/remote.md): the whole prompt is
+// computed (its later positions attend over the earlier ones) but only positions
+// n_cached..n-1 are sent, position p into cell first_cell + p of the offer's stream. The model is loaded once;
 // every prefill checks the offer's layout header against it before connecting, so an
 // incompatible decoder is refused before any byte moves.
 #pragma once
@@ -24,6 +26,7 @@ struct RemotePrefillReport {
   double forward_ms = 0;    // the transformer alone
   double transfer_ms = 0;   // placing rows and waiting on UCX
   uint64_t bytes_sent = 0;  // payload bytes the decoder accepted
+  uint32_t n_sent = 0;      // positions sent: n_tokens - the offer's n_cached
 };
 
 class RemotePrefiller {
@@ -36,18 +39,22 @@ class RemotePrefiller {
   // The loaded model, for another route of the same server (POST /prefill-state).
   std::shared_ptr<const Model> model() const;
 
-  // Prefills `tokens` and writes their K/V into cells 0..tokens.size()-1 of the offer's
-  // decoder, then sends the completion. EINVAL: the header does not match this model
-  // (names the field), ids outside the vocabulary, more tokens than granted cells.
-  // ECONNREFUSED: the decoder refused a write; ETIMEDOUT: past the offer's deadline;
-  // other UCX errors name the step. Blocking; callers serialize.
+  // Prefills `tokens` (the whole prompt, positions 0..n-1) and writes the K/V of positions
+  // n_cached..n-1 into cells first_cell + p of the offer's stream, then sends the
+  // completion. EINVAL: the header does not match this model (names the field), ids
+  // outside the vocabulary, more tokens than the offer's n_cells or no more than its
+  // n_cached. ECONNREFUSED: the decoder refused a write; ETIMEDOUT: past the offer's
+  // deadline; other UCX errors name the step. Blocking. Several runs may go at once on
+  // one prefiller: each has its own Context, cache and UCX worker over the shared,
+  // read-only model.
   Result<RemotePrefillReport> run(std::span<const int32_t> tokens, const remote::RemoteOffer& offer);
 
   // The same with another provider doing the prefill (the NPU engine's command, or
   // kvshare-prefill): `command` runs on the file route's contract (`--tokens IDS --out
   // STATE --model M --ctx-size --flash-attn --cache-type-k --cache-type-v`, the decoder's
   // KV params), at most `timeout`; its state file is checked against the offer's layout
-  // and its rows placed and sent as run() sends them. Fails naming the command's exit
+  // and the granted positions' rows placed and sent as run() sends them (the command
+  // computes the whole prompt). Fails naming the command's exit
   // or the state file's fault (EIO), before any write.
   Result<RemotePrefillReport> run_command(std::span<const int32_t> tokens, const remote::RemoteOffer& offer,
                                           const std::string& command, std::chrono::milliseconds timeout);

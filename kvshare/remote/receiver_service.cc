@@ -9,8 +9,10 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -56,6 +58,7 @@ struct Region {
   // thread and registrations), and only then the mappings it wrote through.
   std::unique_ptr<RemoteReceiver> receiver;
   std::vector<DmaBufCpuAccess> cpu_access;  // held while a grant is open (dma-buf chunks only)
+  bool cpu_access_held = false;
 };
 
 class Service {
@@ -96,26 +99,42 @@ class Service {
   }
 
  private:
+  // One pending listen a slot's handoff opened; its grant (or a revoke) takes it away.
+  static constexpr size_t kMaxPendingListens = 64;
+
   Result<void> listen(const ReceiverRequest& request, ReceiverReply& reply) {
-    pending_.reset();  // a listen that never came to a grant: its socket goes
+    pending_.erase(request.socket_name);  // a listen of the same name that never came to a grant
+    if (pending_.size() >= kMaxPendingListens)
+      return fail(EBUSY, "listen {}: {} listens are pending already (each ends at its grant or revoke)",
+                  request.socket_name, pending_.size());
     auto broker = ShareBroker::listen_in(options_.private_dir, request.socket_name);
     if (!broker) return fail(broker.error());
-    pending_.emplace(std::move(*broker));
-    reply.socket_path = pending_->socket_path();
+    auto [it, added] = pending_.emplace(request.socket_name, std::move(*broker));
+    reply.socket_path = it->second.socket_path();
     return {};
   }
 
   Result<void> grant(const ReceiverRequest& request, ReceiverReply& reply) {
-    if (!pending_) return fail(EINVAL, "grant of {} cells without a listen before it", request.n_cells);
+    auto listening = pending_.find(request.socket_name);
+    if (listening == pending_.end())
+      return fail(EINVAL, "grant of {} cells from socket {}: no listen of that name is pending", request.n_cells,
+                  request.socket_name);
     const auto start = std::chrono::steady_clock::now();
-    auto share = pending_->receive(kShareMessageTimeoutMs);
-    pending_.reset();
+    auto share = listening->second.receive(kShareMessageTimeoutMs);
+    pending_.erase(listening);
     if (!share) return fail(share.error().with_context("taking the decoder's share"));
+    // The decoder's message names the slot's cells: position p in cell first_cell + p of
+    // `stream`, p < n_cells (0: the whole stream). The prompt must fit them.
+    if (share->n_cells != 0 && request.n_cells > share->n_cells)
+      return fail(ERANGE,
+                  "grant of {} cells (\"n_cells\"), the decoder's share names {} cells (from cell {} of stream {}): "
+                  "the prompt does not fit the slot's cells",
+                  request.n_cells, share->n_cells, share->first_cell, share->stream);
     auto key = region_key(*share);
     if (!key) return fail(key.error());
     if (!region_ || region_->key != *key) {
-      // A new region: the old one (if any) is dropped before the new one is mapped, so two
-      // caches' worth of registrations never coexist.
+      // A new region: the old one (if any, and every grant of it) is dropped before the new
+      // one is mapped, so two caches' worth of registrations never coexist.
       region_.reset();
       std::vector<uint64_t> offsets;
       for (const auto& entry : share->entries) offsets.push_back(entry.offset);
@@ -136,12 +155,19 @@ class Service {
       say(fmt::format("the decoder's region: {} chunk(s), {} bytes, mapped and registered with UCX once ({:.3f} ms)",
                       chunks.size(), total_bytes(chunks), ms_since(start)));
     }
-    region_->cpu_access.clear();
-    auto access = region_->imported.begin_cpu_access(DmaBufCpuAccess::Mode::write);
-    if (!access) return fail(access.error());
-    auto offer = region_->receiver->grant(request.n_cells, std::chrono::milliseconds(request.timeout_ms));
-    if (!offer) return fail(offer.error());
-    region_->cpu_access = std::move(*access);
+    // CPU access is begun with the first open grant and held while any grant is open.
+    if (!region_->cpu_access_held) {
+      auto access = region_->imported.begin_cpu_access(DmaBufCpuAccess::Mode::write);
+      if (!access) return fail(access.error());
+      region_->cpu_access = std::move(*access);
+      region_->cpu_access_held = true;
+    }
+    const PromptCells cells{share->stream, share->first_cell, request.n_cached, request.n_cells};
+    auto offer = region_->receiver->grant(cells, std::chrono::milliseconds(request.timeout_ms));
+    if (!offer) {
+      end_cpu_access_when_idle();
+      return fail(offer.error());
+    }
     reply.share_id = share->share_id;
     reply.offer = nlohmann::json::parse(to_json(*offer).dump());
     reply.region_ms = ms_since(start);
@@ -153,19 +179,32 @@ class Service {
       return fail(ESTALE, "remote share {}: no region is mapped (no grant since this receiver started)",
                   request.grant_id);
     auto completed = region_->receiver->complete(request.grant_id, request.n_tokens);
-    region_->cpu_access.clear();
+    end_cpu_access_when_idle();
     if (!completed) return fail(completed.error());
-    reply.bytes_received = layout::granted_bytes(region_->header.layout, region_->header.memory, request.n_tokens);
+    reply.bytes_received = *completed;
     return {};
   }
 
+  // The named listen and/or grant; neither named: every listen and every grant.
   Result<void> revoke(const ReceiverRequest& request) {
-    pending_.reset();
+    const bool names_one = !request.socket_name.empty() || request.grant_id != 0;
+    if (!request.socket_name.empty()) pending_.erase(request.socket_name);
+    if (!names_one) pending_.clear();
     if (region_) {
-      region_->receiver->revoke(request.why);
-      region_->cpu_access.clear();
+      if (request.grant_id != 0)
+        region_->receiver->revoke(request.grant_id, request.why);
+      else if (!names_one)
+        region_->receiver->revoke_all(request.why);
+      end_cpu_access_when_idle();
     }
     return {};
+  }
+
+  void end_cpu_access_when_idle() {
+    if (region_ && region_->cpu_access_held && region_->receiver->open_grants() == 0) {
+      region_->cpu_access.clear();
+      region_->cpu_access_held = false;
+    }
   }
 
   static uint64_t total_bytes(std::span<const std::span<std::byte>> chunks) {
@@ -175,7 +214,7 @@ class Service {
   }
 
   const ReceiverServiceOptions& options_;
-  std::optional<ShareBroker> pending_;
+  std::map<std::string, ShareBroker> pending_;  // by socket name
   std::unique_ptr<Region> region_;
 };
 

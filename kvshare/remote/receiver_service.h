@@ -3,14 +3,16 @@
 // the process that hosts a worker when a peer dies during wire-up) can reach the decoder or
 // serve. serve starts it with one end of a socket pair and supervises it
 // (route/remote_receiver_process.h); it answers serve's requests
-// (layout/receiver_message.h) one at a time:
+// (layout/receiver_message.h) one at a time, several slots' listens and grants open at once:
 //
-//   listen  -> a ShareBroker socket in `private_dir`; serve asks the decoder to share to it
-//   grant   -> the decoder's fds arrive with every check of the local share route; a region
-//              not seen before (another fd identity or layout) is mapped and registered with
-//              UCX once (RemoteReceiver::start); the grant's offer goes back to serve
-//   complete-> RemoteReceiver::complete: the adopt check
-//   revoke  -> RemoteReceiver::revoke: nothing lands from then on
+//   listen  -> a ShareBroker socket of that name in `private_dir` (up to 64 pending); serve
+//              asks the decoder to share to it
+//   grant   -> the decoder's fds arrive on the named socket with every check of the local
+//              share route, naming the slot's stream and cells; a region not seen before
+//              (another fd identity or layout) is mapped and registered with UCX once
+//              (RemoteReceiver::start); the grant's offer (version 3) goes back to serve
+//   complete-> RemoteReceiver::complete of that grant: the adopt check
+//   revoke  -> the named listen dropped and/or the named grant revoked (neither: all)
 //
 // Lifetime: the receiver maps the decoder's cache and may write only the cells of an open
 // grant. It exits when serve closes the channel (or dies: PR_SET_PDEATHSIG), and whatever

@@ -91,12 +91,20 @@ nlohmann::ordered_json to_json(const RemoteOffer& offer) {
   json["share_id"] = offer.share_id;
   json["secret"] = to_hex(std::vector<std::byte>(offer.secret.begin(), offer.secret.end()));
   json["worker_address"] = to_hex(offer.worker_address);
+  json["stream"] = offer.stream;
+  json["first_cell"] = offer.first_cell;
+  json["n_cached"] = offer.n_cached;
   json["n_cells"] = offer.n_cells;
   json["bytes"] = offer.bytes;
   json["layout_hash"] = offer.layout_hash;
   json["timeout_ms"] = offer.timeout_ms;
   json["header"] = nlohmann::ordered_json::parse(layout::to_json(offer.header, false));
   return json;
+}
+
+Result<layout::CellGrant> offer_grant(const RemoteOffer& offer) {
+  return layout::grant_cells(offer.header.layout, offer.header.memory, offer.stream, offer.first_cell, offer.n_cached,
+                             offer.n_cells);
 }
 
 Result<RemoteOffer> parse_offer(const nlohmann::json& json, std::string_view source) {
@@ -109,19 +117,29 @@ Result<RemoteOffer> parse_offer(const nlohmann::json& json, std::string_view sou
   if (!version) return fail(version.error());
   if (*version == 1)
     return fail(EINVAL,
-                "offer from {}: version 1, this side speaks version {} (version 2 carries the share's "
-                "\"secret\"; update the decoder)",
+                "offer from {}: version 1, this side speaks version {} (version 2 added the share's "
+                "\"secret\", version 3 the grant's stream and cells; update the decoder)",
+                source, kOfferVersion);
+  if (*version == 2)
+    return fail(EINVAL,
+                "offer from {}: version 2, this side speaks version {} (version 2 grants cells 0..n-1 of one "
+                "stream; version 3 names \"stream\", \"first_cell\" and \"n_cached\": update the decoder "
+                "and the provider together)",
                 source, kOfferVersion);
   if (*version != kOfferVersion)
     return fail(EINVAL, "offer from {}: version {}, this side speaks version {}", source, *version, kOfferVersion);
   auto share_id = unsigned_field<uint64_t>(json, "share_id", source);
+  auto stream = unsigned_field<uint32_t>(json, "stream", source);
+  auto first_cell = unsigned_field<uint32_t>(json, "first_cell", source);
+  auto n_cached = unsigned_field<uint32_t>(json, "n_cached", source);
   auto n_cells = unsigned_field<uint32_t>(json, "n_cells", source);
   auto bytes = unsigned_field<uint64_t>(json, "bytes", source);
   auto hash = unsigned_field<uint64_t>(json, "layout_hash", source);
   auto timeout = unsigned_field<uint64_t>(json, "timeout_ms", source);
   for (const auto* f : {&share_id, &bytes, &hash, &timeout})
     if (!*f) return fail(f->error());
-  if (!n_cells) return fail(n_cells.error());
+  for (const auto* f : {&stream, &first_cell, &n_cached, &n_cells})
+    if (!*f) return fail(f->error());
   if (*share_id == 0) return fail(EINVAL, "offer from {}: field \"share_id\" is 0", source);
   auto secret = secret_field(json, source);
   if (!secret) return fail(secret.error());
@@ -140,18 +158,20 @@ Result<RemoteOffer> parse_offer(const nlohmann::json& json, std::string_view sou
   offer.share_id = *share_id;
   offer.secret = *secret;
   offer.worker_address = std::move(*address_bytes);
+  offer.stream = *stream;
+  offer.first_cell = *first_cell;
+  offer.n_cached = *n_cached;
   offer.n_cells = *n_cells;
   offer.bytes = *bytes;
   offer.layout_hash = *hash;
   offer.timeout_ms = *timeout;
   offer.header = std::move(*header);
-  const layout::CellGrant grant{&offer.header.layout, &offer.header.memory, offer.n_cells};
-  if (auto ok = layout::check_grant(grant); !ok)
-    return fail(ok.error().with_context(fmt::format("offer from {}", source)));
-  const uint64_t expected_bytes = layout::granted_bytes(offer.header.layout, offer.header.memory, offer.n_cells);
+  auto grant = offer_grant(offer);
+  if (!grant) return fail(grant.error().with_context(fmt::format("offer from {}", source)));
+  const uint64_t expected_bytes = layout::granted_bytes(*grant);
   if (offer.bytes != expected_bytes)
-    return fail(EINVAL, "offer from {}: \"bytes\" is {}, the header gives {} for {} cells", source, offer.bytes,
-                expected_bytes, offer.n_cells);
+    return fail(EINVAL, "offer from {}: \"bytes\" is {}, the header gives {} for cells {}..{} of stream {}", source,
+                offer.bytes, expected_bytes, grant->cell_begin, grant->cell_end - 1, grant->stream);
   const uint64_t expected_hash = layout::whole_layout_hash(offer.header.layout);
   if (offer.layout_hash != expected_hash)
     return fail(EINVAL, "offer from {}: \"layout_hash\" is {:#x}, the header hashes to {:#x}", source,

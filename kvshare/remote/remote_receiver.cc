@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -54,6 +55,31 @@ layout::RemoteSecret random_secret() {
   return secret;
 }
 
+// One grant: its cells, its secret, and what arrived for it.
+struct Grant {
+  uint64_t id = 0;
+  layout::RemoteSecret secret{};  // every message for this grant must carry it
+  PromptCells prompt;
+  layout::CellGrant cells;
+  ShareState state = ShareState::open;
+  Clock::time_point deadline{};
+  uint64_t bytes_received = 0;
+  uint32_t in_flight = 0;
+  bool drain_given_up = false;  // wait_drained timed out for this grant
+  std::string fault;            // first refused write or failed receive of the grant
+  std::optional<layout::RemoteDone> done;
+  uint64_t closed_order = 0;  // when it closed, for pruning the oldest closed grants
+};
+
+// Closed grants are kept (complete and issued still answer for them) up to this many; the
+// oldest go first. Open ones are never dropped.
+constexpr size_t kMaxClosedGrants = 256;
+
+bool prompt_overlaps(const Grant& open, const layout::CellGrant& prompt) {
+  return open.cells.stream == prompt.stream && open.cells.cell_begin < prompt.cell_end &&
+         prompt.cell_begin < open.cells.cell_end;
+}
+
 }  // namespace
 
 struct RemoteReceiver::Impl {
@@ -69,18 +95,11 @@ struct RemoteReceiver::Impl {
   uint64_t whole_hash = 0;
 
   mutable std::mutex mutex;         // guards everything below
-  std::condition_variable drained;  // in_flight reached 0
-  ShareState state = ShareState::none;
-  std::atomic<bool> is_open{false};  // state == open, for revoke's fast path
-  uint64_t share_id = 0;
-  layout::RemoteSecret secret{};  // the open share's; every message must carry it
-  uint32_t n_cells = 0;
-  Clock::time_point deadline{};
-  uint64_t bytes_received = 0;
-  uint32_t in_flight = 0;
-  bool drain_given_up = false;  // wait_drained timed out for this share
-  std::string fault;            // first refused write or failed receive of the open share
-  std::optional<layout::RemoteDone> done;
+  std::condition_variable drained;  // a grant's in_flight reached 0, or a completion arrived
+  std::map<uint64_t, Grant> grants;
+  std::atomic<size_t> n_open{0};         // grants in state open, for revoke_all's fast path
+  std::atomic<uint32_t> n_in_flight{0};  // receives in flight over every grant
+  uint64_t n_closed = 0;
   ReceiverCounters counters;
 
   void say(const std::string& line) {
@@ -90,29 +109,71 @@ struct RemoteReceiver::Impl {
       std::fprintf(stderr, "%s\n", line.c_str());
   }
 
-  // Called with `mutex` held. Spoils the open share when the refusal names it.
-  void refuse_locked(const std::string& why, bool spoils_open_share) {
+  Grant* find_locked(uint64_t id) {
+    auto it = grants.find(id);
+    return it == grants.end() ? nullptr : &it->second;
+  }
+
+  // Called with `mutex` held. Spoils `spoiled` (the grant whose secret the refused message
+  // carried) when it is open; null spoils nothing.
+  void refuse_locked(const std::string& why, Grant* spoiled) {
     counters.writes_refused++;
     counters.last_refusal = why;
-    if (spoils_open_share && state == ShareState::open && fault.empty()) fault = why;
+    if (spoiled != nullptr && spoiled->state == ShareState::open && spoiled->fault.empty()) spoiled->fault = why;
   }
 
-  void close_locked(ShareState to) {
-    state = to;
-    is_open = false;
+  void close_locked(Grant& grant, ShareState to) {
+    if (grant.state == ShareState::open) n_open--;
+    grant.state = to;
+    grant.closed_order = ++n_closed;
   }
 
-  // Waits (at most 5 s, once per share: eval revokes before every token and must not
-  // wait again on receives UCX never ends) until no receive is in flight.
-  void wait_drained(std::unique_lock<std::mutex>& lock) {
-    if (in_flight == 0 || drain_given_up) return;
-    if (!drained.wait_for(lock, std::chrono::seconds(5), [&] { return in_flight == 0; })) {
-      drain_given_up = true;
+  // Drops the oldest closed grants past kMaxClosedGrants (never one with a receive in
+  // flight: its callback still looks it up).
+  void prune_locked() {
+    size_t closed = 0;
+    for (const auto& [id, g] : grants) closed += g.state != ShareState::open;
+    while (closed > kMaxClosedGrants) {
+      auto oldest = grants.end();
+      for (auto it = grants.begin(); it != grants.end(); ++it)
+        if (it->second.state != ShareState::open && it->second.in_flight == 0 &&
+            (oldest == grants.end() || it->second.closed_order < oldest->second.closed_order))
+          oldest = it;
+      if (oldest == grants.end()) return;
+      grants.erase(oldest);
+      closed--;
+    }
+  }
+
+  // Waits (at most 5 s, once per grant: the decoder revokes before every evaluation and
+  // must not wait again on receives UCX never ends) until none of `id`'s receives is in
+  // flight. The grant may be looked up again afterwards: the map only grows or loses
+  // closed grants without receives, so `id` stays.
+  void wait_drained(std::unique_lock<std::mutex>& lock, uint64_t id) {
+    Grant* g = find_locked(id);
+    if (g == nullptr || g->in_flight == 0 || g->drain_given_up) return;
+    if (!drained.wait_for(lock, std::chrono::seconds(5), [&] {
+          Grant* now = find_locked(id);
+          return now == nullptr || now->in_flight == 0;
+        })) {
+      g = find_locked(id);
+      g->drain_given_up = true;
       say(
           fmt::format("kvshare remote: share {}: {} receive(s) still in flight 5 s after the revoke (a peer that "
                       "stalled mid-write); not waiting for them again",
-                      share_id, in_flight));
+                      id, g->in_flight));
     }
+  }
+
+  // Closes `id` if open (saying why) and waits for its receives.
+  void revoke_locked(std::unique_lock<std::mutex>& lock, uint64_t id, std::string_view why) {
+    Grant* g = find_locked(id);
+    if (g == nullptr) return;
+    if (g->state == ShareState::open) {
+      close_locked(*g, ShareState::revoked);
+      say(fmt::format("kvshare remote: share {} revoked ({}): no more writes accepted", id, why));
+    }
+    wait_drained(lock, id);
   }
 
   static ucs_status_t on_write(void* arg, const void* header, size_t header_length, void* data, size_t length,
@@ -126,31 +187,34 @@ struct RemoteReceiver::Impl {
 
   struct PendingReceive {
     Impl* impl;
-    uint64_t share_id;
+    uint64_t grant_id;
   };
 
   static void on_received(void* request, ucs_status_t status, size_t length, void* user_data) {
     auto* pending = static_cast<PendingReceive*>(user_data);
-    pending->impl->finish_receive(pending->share_id, status, length);
+    pending->impl->finish_receive(pending->grant_id, status, length);
     delete pending;
     ucp_request_free(request);
   }
 
   void finish_receive(uint64_t id, ucs_status_t status, size_t length) {
     std::lock_guard lock(mutex);
-    in_flight--;
-    if (status == UCS_OK && id == share_id) {
-      bytes_received += length;
+    n_in_flight--;
+    Grant* g = find_locked(id);  // kept while a receive is in flight (prune_locked)
+    if (g == nullptr) return;
+    g->in_flight--;
+    if (status == UCS_OK) {
+      g->bytes_received += length;
       counters.writes_accepted++;
       counters.bytes_accepted += length;
-    } else if (status != UCS_OK) {
+    } else {
       refuse_locked(fmt::format("share {}: a receive of {} bytes failed mid-write ({}): the peer left or the transfer "
                                 "broke",
                                 id, length, ucs_status_string(status)),
-                    id == share_id);
+                    g);
       say(counters.last_refusal);
     }
-    if (in_flight == 0) drained.notify_all();
+    if (g->in_flight == 0) drained.notify_all();
   }
 
   ucs_status_t receive_write(const void* header, size_t header_length, void* data, size_t length,
@@ -162,27 +226,32 @@ struct RemoteReceiver::Impl {
     auto write = layout::decode_remote_write({static_cast<const std::byte*>(header), header_length});
     std::unique_lock lock(mutex);
     if (!write) {
-      refuse_locked(fmt::format("remote write refused: {}", write.error().message()), false);
+      refuse_locked(fmt::format("remote write refused: {}", write.error().message()), nullptr);
       say(counters.last_refusal);
       return refused;
     }
-    // The secret first, compared in constant time, and a mismatch never spoils the open
-    // share: a peer that saw or guessed a share_id but lacks the secret must not be able
-    // to make the real provider's transfer fail (the forger is refused, the share lives on).
-    if (!layout::same_secret(write->secret, secret)) {
+    // The grant the header names, then its secret, compared in constant time. A mismatch
+    // never spoils a grant: a peer that saw or guessed a share_id but lacks its secret
+    // (another grant's provider included) must not be able to make the real provider's
+    // transfer fail (the forger is refused, the grant lives on).
+    Grant* g = find_locked(write->share_id);
+    if (g == nullptr) {
+      refuse_locked(fmt::format("remote write refused: share_id {} is not the open share", write->share_id), nullptr);
+      say(counters.last_refusal);
+      return refused;
+    }
+    if (!layout::same_secret(write->secret, g->secret)) {
       refuse_locked(fmt::format("remote write refused: share_id {}: the secret is not the open share's (refused, the "
                                 "open share is not spoiled)",
                                 write->share_id),
-                    false);
+                    nullptr);
       say(counters.last_refusal);
       return refused;
     }
     std::string why;
-    if (write->share_id != share_id || share_id == 0) {
-      why = fmt::format("remote write refused: share_id {} is not the open share", write->share_id);
-    } else if (state != ShareState::open) {
-      why = fmt::format("remote write refused: share {} is {}", write->share_id, state_name(state));
-    } else if (Clock::now() > deadline) {
+    if (g->state != ShareState::open) {
+      why = fmt::format("remote write refused: share {} is {}", write->share_id, state_name(g->state));
+    } else if (Clock::now() > g->deadline) {
       why = fmt::format("remote write refused: share {} passed its deadline", write->share_id);
     } else if (write->size_bytes != length) {
       why = fmt::format("remote write refused: share {}: header says {} bytes, the payload has {}", write->share_id,
@@ -190,19 +259,18 @@ struct RemoteReceiver::Impl {
     } else if (write->chunk >= chunks.size()) {
       why = fmt::format("remote write refused: share {}: chunk {}, the layout has {}", write->share_id, write->chunk,
                         chunks.size());
-    } else if (auto ok = layout::check_write({&this->header.layout, &this->header.memory, n_cells}, write->chunk,
-                                             write->offset, write->size_bytes);
-               !ok) {
+    } else if (auto ok = layout::check_write(g->cells, write->chunk, write->offset, write->size_bytes); !ok) {
       why = fmt::format("remote write refused: share {}: {}", write->share_id, ok.error().message());
     }
     if (!why.empty()) {
-      refuse_locked(why, write->share_id == share_id);
+      refuse_locked(why, g);
       say(why);
       return refused;
     }
     std::byte* dest = chunks[write->chunk].data() + write->offset;
     const uint64_t id = write->share_id;
-    in_flight++;
+    g->in_flight++;
+    n_in_flight++;
     lock.unlock();
     if (!is_rndv) {
       std::memcpy(dest, data, length);
@@ -229,21 +297,24 @@ struct RemoteReceiver::Impl {
     auto message = layout::decode_remote_done({static_cast<const std::byte*>(header), header_length});
     std::lock_guard lock(mutex);
     std::string why;
+    Grant* g = message ? find_locked(message->share_id) : nullptr;
     if (!message)
       why = fmt::format("remote completion refused: {}", message.error().message());
-    else if (!layout::same_secret(message->secret, secret))
+    else if (g == nullptr)
+      why = fmt::format("remote completion refused: share_id {} is not the open share", message->share_id);
+    else if (!layout::same_secret(message->secret, g->secret))
       why =
           fmt::format("remote completion refused: share_id {}: the secret is not the open share's", message->share_id);
     else if (length != 0)
       why = fmt::format("remote completion refused: it carries {} payload bytes, expected none", length);
-    else if (message->share_id != share_id || state != ShareState::open)
+    else if (g->state != ShareState::open)
       why = fmt::format("remote completion refused: share_id {} is not the open share", message->share_id);
     if (!why.empty()) {
-      refuse_locked(why, false);
+      refuse_locked(why, nullptr);
       say(why);
       return UCS_OK;
     }
-    done = *message;
+    g->done = *message;
     drained.notify_all();
     return UCS_OK;
   }
@@ -252,12 +323,14 @@ struct RemoteReceiver::Impl {
     while (!stopping.load()) {
       while (ucp_worker_progress(ucx->worker()) != 0) {
       }
-      {
+      if (n_open.load() != 0) {
         std::lock_guard lock(mutex);
-        if (state == ShareState::open && Clock::now() > deadline) {
-          close_locked(ShareState::revoked);
-          if (fault.empty()) fault = fmt::format("share {} passed its deadline", share_id);
-          say(fmt::format("kvshare remote: share {} passed its deadline: revoked, no more writes accepted", share_id));
+        const auto now = Clock::now();
+        for (auto& [id, g] : grants) {
+          if (g.state != ShareState::open || now <= g.deadline) continue;
+          close_locked(g, ShareState::revoked);
+          if (g.fault.empty()) g.fault = fmt::format("share {} passed its deadline", id);
+          say(fmt::format("kvshare remote: share {} passed its deadline: revoked, no more writes accepted", id));
         }
       }
       const ucs_status_t armed = ucp_worker_arm(ucx->worker());
@@ -347,96 +420,129 @@ RemoteReceiver::~RemoteReceiver() {
   }
 }
 
-Result<RemoteOffer> RemoteReceiver::grant(uint32_t n_cells, std::chrono::milliseconds timeout) {
+Result<RemoteOffer> RemoteReceiver::grant(const PromptCells& cells, std::chrono::milliseconds timeout) {
   Impl& in = *impl_;
-  const layout::CellGrant cells{&in.header.layout, &in.header.memory, n_cells};
-  if (auto ok = layout::check_grant(cells); !ok) return fail(ok.error());
-  revoke("a new share replaces it");
-  std::lock_guard lock(in.mutex);
-  in.share_id = random_share_id();
-  in.secret = random_secret();
-  in.n_cells = n_cells;
-  in.deadline = Clock::now() + timeout;
-  in.bytes_received = 0;
-  in.drain_given_up = false;
-  in.fault.clear();
-  in.done.reset();
-  in.state = ShareState::open;
-  in.is_open = true;
+  auto granted = layout::grant_cells(in.header.layout, in.header.memory, cells.stream, cells.first_cell, cells.n_cached,
+                                     cells.n_cells);
+  if (!granted) return fail(granted.error());
+  // The prompt's whole run of cells, cached positions included: the decoder reads those.
+  layout::CellGrant prompt = *granted;
+  prompt.cell_begin = cells.first_cell;
+  std::unique_lock lock(in.mutex);
+  std::vector<uint64_t> overlapping;
+  for (const auto& [id, g] : in.grants)
+    if (g.state == ShareState::open && prompt_overlaps(g, prompt)) overlapping.push_back(id);
+  for (uint64_t id : overlapping)
+    in.revoke_locked(lock, id,
+                     fmt::format("a new share of cells {}..{} of stream {} replaces it", prompt.cell_begin,
+                                 prompt.cell_end - 1, prompt.stream));
+  uint64_t id = random_share_id();
+  while (in.grants.contains(id)) id = random_share_id();
+  Grant& g = in.grants[id];
+  g.id = id;
+  g.secret = random_secret();
+  g.prompt = cells;
+  g.cells = *granted;
+  g.deadline = Clock::now() + timeout;
+  g.state = ShareState::open;
+  in.n_open++;
+  in.prune_locked();
   RemoteOffer offer;
-  offer.share_id = in.share_id;
-  offer.secret = in.secret;
+  offer.share_id = id;
+  offer.secret = g.secret;
   offer.worker_address = in.worker_address;
-  offer.n_cells = n_cells;
-  offer.bytes = layout::granted_bytes(in.header.layout, in.header.memory, n_cells);
+  offer.stream = cells.stream;
+  offer.first_cell = cells.first_cell;
+  offer.n_cached = cells.n_cached;
+  offer.n_cells = cells.n_cells;
+  offer.bytes = layout::granted_bytes(g.cells);
   offer.layout_hash = in.whole_hash;
   offer.timeout_ms = static_cast<uint64_t>(timeout.count());
   offer.header = in.header;
   return offer;
 }
 
-void RemoteReceiver::revoke(std::string_view why) {
+void RemoteReceiver::revoke(uint64_t grant_id, std::string_view why) {
   Impl& in = *impl_;
-  if (!in.is_open.load()) {
-    // Still wait for receives of a share closed by its deadline or a refusal.
-    std::unique_lock lock(in.mutex);
-    in.wait_drained(lock);
-    return;
-  }
   std::unique_lock lock(in.mutex);
-  if (in.state == ShareState::open) {
-    in.close_locked(ShareState::revoked);
-    in.say(fmt::format("kvshare remote: share {} revoked ({}): no more writes accepted", in.share_id, why));
-  }
-  in.wait_drained(lock);
+  in.revoke_locked(lock, grant_id, why);
 }
 
-Result<void> RemoteReceiver::complete(uint64_t share_id, uint32_t n_tokens) {
+void RemoteReceiver::revoke_all(std::string_view why) {
+  Impl& in = *impl_;
+  if (in.n_open.load() == 0 && in.n_in_flight.load() == 0) return;
+  std::unique_lock lock(in.mutex);
+  std::vector<uint64_t> ids;
+  for (const auto& [id, g] : in.grants)
+    if (g.state == ShareState::open || g.in_flight != 0) ids.push_back(id);
+  // Every grant is closed before any wait, so no grant keeps accepting writes while
+  // another drains.
+  for (uint64_t id : ids) {
+    Grant& g = in.grants.at(id);
+    if (g.state == ShareState::open) {
+      in.close_locked(g, ShareState::revoked);
+      in.say(fmt::format("kvshare remote: share {} revoked ({}): no more writes accepted", id, why));
+    }
+  }
+  for (uint64_t id : ids) in.wait_drained(lock, id);
+}
+
+Result<uint64_t> RemoteReceiver::complete(uint64_t grant_id, uint32_t n_tokens) {
   Impl& in = *impl_;
   std::unique_lock lock(in.mutex);
-  auto refuse = [&](int e, std::string why) -> Result<void> {
-    if (in.state == ShareState::open) in.close_locked(ShareState::revoked);
-    in.wait_drained(lock);
-    return fail(e, "remote share {}: {}", share_id, why);
+  Grant* g = in.find_locked(grant_id);
+  if (g == nullptr || grant_id == 0)
+    return fail(ESTALE, "remote share {}: not a share this receiver holds (never granted, or replaced)", grant_id);
+  auto refuse = [&](int e, std::string why) -> Result<uint64_t> {
+    if (Grant* now = in.find_locked(grant_id); now != nullptr && now->state == ShareState::open)
+      in.close_locked(*now, ShareState::revoked);
+    in.wait_drained(lock, grant_id);
+    return fail(e, "remote share {}: {}", grant_id, why);
   };
-  if (share_id != in.share_id || in.share_id == 0)
-    return fail(ESTALE, "remote share {}: not the latest remote share", share_id);
-  if (!in.fault.empty()) return refuse(EIO, in.fault);
-  if (in.state != ShareState::open)
-    return fail(ESTALE, "remote share {}: {}, not open", share_id, state_name(in.state));
-  if (Clock::now() > in.deadline) return refuse(ETIMEDOUT, "passed its deadline before the adopt");
+  if (!g->fault.empty()) return refuse(EIO, g->fault);
+  if (g->state != ShareState::open)
+    return fail(ESTALE, "remote share {}: {}, not open", grant_id, state_name(g->state));
+  if (Clock::now() > g->deadline) return refuse(ETIMEDOUT, "passed its deadline before the adopt");
   // The completion may still sit in the worker's queue when the provider's HTTP answer
   // (which follows its endpoint flush) reaches the router first: give it a moment.
-  if (!in.done && in.fault.empty())
-    in.drained.wait_for(lock, std::chrono::seconds(2), [&] { return in.done.has_value() || !in.fault.empty(); });
-  if (!in.fault.empty()) return refuse(EIO, in.fault);
-  if (!in.done)
-    return refuse(
-        EIO, fmt::format("no completion message from the provider: partial transfer ({} of {} bytes "
-                         "received)",
-                         in.bytes_received, layout::granted_bytes(in.header.layout, in.header.memory, in.n_cells)));
-  const layout::RemoteDone d = *in.done;
-  const uint64_t expected =
-      n_tokens <= in.n_cells ? layout::granted_bytes(in.header.layout, in.header.memory, n_tokens) : 0;
-  if (n_tokens > in.n_cells)
-    return refuse(ERANGE, fmt::format("adopt of {} tokens, the share granted {} cells", n_tokens, in.n_cells));
+  if (!g->done && g->fault.empty())
+    in.drained.wait_for(lock, std::chrono::seconds(2), [&] {
+      const Grant* now = in.find_locked(grant_id);
+      return now == nullptr || now->done.has_value() || !now->fault.empty();
+    });
+  g = in.find_locked(grant_id);
+  if (g == nullptr) return fail(ESTALE, "remote share {}: replaced while its adopt waited", grant_id);
+  if (!g->fault.empty()) return refuse(EIO, g->fault);
+  if (!g->done)
+    return refuse(EIO, fmt::format("no completion message from the provider: partial transfer ({} of {} bytes "
+                                   "received)",
+                                   g->bytes_received, layout::granted_bytes(g->cells)));
+  const layout::RemoteDone d = *g->done;
+  if (n_tokens <= g->prompt.n_cached || n_tokens > g->prompt.n_cells)
+    return refuse(ERANGE, fmt::format("adopt of {} tokens, the share granted positions {}..{}", n_tokens,
+                                      g->prompt.n_cached, g->prompt.n_cells - 1));
+  layout::CellGrant adopted = g->cells;
+  adopted.cell_end = g->prompt.first_cell + n_tokens;
+  const uint64_t expected = layout::granted_bytes(adopted);
   if (d.n_tokens != n_tokens)
     return refuse(EIO, fmt::format("the completion says {} tokens, the adopt {}", d.n_tokens, n_tokens));
   if (d.layout_hash != in.whole_hash)
     return refuse(
         EIO, fmt::format("the completion's layout hash {:#x} is not this cache's {:#x}", d.layout_hash, in.whole_hash));
-  if (in.in_flight != 0) return refuse(EIO, fmt::format("{} receive(s) still in flight", in.in_flight));
-  if (d.bytes != in.bytes_received || in.bytes_received != expected)
+  if (g->in_flight != 0) return refuse(EIO, fmt::format("{} receive(s) still in flight", g->in_flight));
+  if (d.bytes != g->bytes_received || g->bytes_received != expected)
     return refuse(EIO, fmt::format("byte count mismatch: the completion says {}, {} were received, {} tokens take {}",
-                                   d.bytes, in.bytes_received, n_tokens, expected));
-  in.close_locked(ShareState::adopted);
-  return {};
+                                   d.bytes, g->bytes_received, n_tokens, expected));
+  in.close_locked(*g, ShareState::adopted);
+  return expected;
 }
 
-bool RemoteReceiver::issued(uint64_t share_id) const {
+bool RemoteReceiver::issued(uint64_t grant_id) const {
   std::lock_guard lock(impl_->mutex);
-  return share_id != 0 && share_id == impl_->share_id;
+  return grant_id != 0 && impl_->grants.contains(grant_id);
 }
+
+size_t RemoteReceiver::open_grants() const { return impl_->n_open.load(); }
 
 ReceiverCounters RemoteReceiver::counters() const {
   std::lock_guard lock(impl_->mutex);

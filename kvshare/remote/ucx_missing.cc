@@ -16,10 +16,14 @@ Result<std::unique_ptr<RemoteReceiver>> RemoteReceiver::start(const layout::Shar
                                                               std::vector<std::span<std::byte>>, ReceiverLog) {
   return fail(ENOTSUP, "{}", kNoUcx);
 }
-Result<RemoteOffer> RemoteReceiver::grant(uint32_t, std::chrono::milliseconds) { return fail(ENOTSUP, "{}", kNoUcx); }
-Result<void> RemoteReceiver::complete(uint64_t, uint32_t) { return fail(ENOTSUP, "{}", kNoUcx); }
-void RemoteReceiver::revoke(std::string_view) {}
+Result<RemoteOffer> RemoteReceiver::grant(const PromptCells&, std::chrono::milliseconds) {
+  return fail(ENOTSUP, "{}", kNoUcx);
+}
+Result<uint64_t> RemoteReceiver::complete(uint64_t, uint32_t) { return fail(ENOTSUP, "{}", kNoUcx); }
+void RemoteReceiver::revoke(uint64_t, std::string_view) {}
+void RemoteReceiver::revoke_all(std::string_view) {}
 bool RemoteReceiver::issued(uint64_t) const { return false; }
+size_t RemoteReceiver::open_grants() const { return 0; }
 ReceiverCounters RemoteReceiver::counters() const { return {}; }
 
 struct RemoteSender::Impl {};

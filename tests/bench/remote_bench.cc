@@ -84,7 +84,7 @@ struct TransferSetup {
   std::vector<layout::ChunkRange> ranges(uint32_t n) const {
     std::vector<layout::ChunkRange> out;
     for (const auto& layer : header.memory.kv_caches[0].layers)
-      for (const auto& r : layout::cell_ranges(header.layout, header.memory, layer.il, 0, n)) out.push_back(r);
+      for (const auto& r : layout::cell_ranges(header.layout, header.memory, layer.il, 0, 0, n)) out.push_back(r);
     return out;
   }
 };
@@ -102,7 +102,7 @@ void bm_ucx(benchmark::State& state) {
   const auto ranges = setup.ranges(n);
   uint64_t bytes = 0;
   for (auto _ : state) {
-    auto offer = setup.receiver->grant(n);
+    auto offer = setup.receiver->grant({.n_cells = n});
     auto sender = remote::RemoteSender::connect(offer->worker_address);
     if (!sender) return state.SkipWithError(sender.error().what().c_str());
     for (const auto& r : ranges)
@@ -253,7 +253,7 @@ void bm_first_token_remote(benchmark::State& state, bool smoke) {
   const auto ids = prompt(n);
   const std::span<const int32_t> head(ids.data(), n - 1);
   for (auto _ : state) {
-    auto offer = setup.receiver->grant(n - 1);
+    auto offer = setup.receiver->grant({.n_cells = n - 1});
     if (!offer) return state.SkipWithError(offer.error().what().c_str());
     auto pushed = setup.prefiller->run(head, *offer);
     if (!pushed) return state.SkipWithError(pushed.error().what().c_str());

@@ -34,10 +34,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string again = kvshare::remote::to_json(*offer).dump();
   auto reparsed = kvshare::remote::parse_offer_text(again, "fuzz re-encode");
   if (!reparsed || kvshare::remote::to_json(*reparsed).dump() != again) std::abort();
-  const kvshare::layout::CellGrant grant{&offer->header.layout, &offer->header.memory, offer->n_cells};
+  auto grant = kvshare::remote::offer_grant(*offer);
+  if (!grant) std::abort();  // parse_offer checked it
   // Writes derived from the input's bytes: whatever they say, the check answers.
   uint64_t words[3] = {0, 0, 0};
   for (size_t i = 0; i < size && i < sizeof words; ++i) reinterpret_cast<uint8_t*>(words)[i] = data[i];
-  (void)kvshare::layout::check_write(grant, static_cast<uint32_t>(words[0]), words[1], words[2]);
+  (void)kvshare::layout::check_write(*grant, static_cast<uint32_t>(words[0]), words[1], words[2]);
   return 0;
 }

@@ -10,9 +10,12 @@
 
 namespace kvshare::layout::testing {
 
-inline ShareHeader remote_example_header(uint32_t n_ctx = 512, bool flash_attn = true) {
+// n_seq_max > 1: as llama-server -np N without --kv-unified, N streams of n_ctx / N cells.
+inline ShareHeader remote_example_header(uint32_t n_ctx = 512, bool flash_attn = true, uint32_t n_seq_max = 1) {
   KvParams params;
   params.n_ctx = n_ctx;
+  params.n_seq_max = n_seq_max;
+  params.kv_unified = n_seq_max == 1;
   params.flash_attn = flash_attn;
   auto model = derive_model_shape(worked_example_model().metadata());
   EXPECT_TRUE(model.has_value());

@@ -33,6 +33,10 @@ int main(int argc, char** argv) {
   }
   const layout::SharedTensor* k0 = offer->header.layout.find(0, 0, layout::TensorKind::k);
   const uint64_t row = k0->tensor.row_bytes;
+  // Cell c of the offer's stream of layer 0's K (stream s starts s * kv_size rows in).
+  const uint64_t kv_size = offer->header.memory.kv_caches.front().kv_size;
+  const auto cell = [&](uint64_t c) { return k0->offset + (offer->stream * kv_size + c) * row; };
+  const uint64_t first_granted = cell(offer->first_cell + offer->n_cached);
   const uint64_t chunk_end = offer->header.layout.chunks[k0->chunk].size_bytes;
   std::vector<std::byte> rows(row, std::byte{0xee});
   std::vector<std::byte> garbage(13, std::byte{0x42});
@@ -45,10 +49,11 @@ int main(int argc, char** argv) {
   layout::RemoteSecret wrong_secret = secret;
   wrong_secret[0] ^= std::byte{0x80};
   const std::vector<Attempt> attempts = {
-      {"the first cell past the grant", {offer->share_id, secret, k0->chunk, k0->offset + offer->n_cells * row, row}},
-      {"the granted cells under another share_id", {offer->share_id ^ 0x5555, secret, k0->chunk, k0->offset, row}},
+      {"the first cell past the grant",
+       {offer->share_id, secret, k0->chunk, cell(offer->first_cell + offer->n_cells), row}},
+      {"the granted cells under another share_id", {offer->share_id ^ 0x5555, secret, k0->chunk, first_granted, row}},
       {"the granted cells with the share_id and a wrong secret",
-       {offer->share_id, wrong_secret, k0->chunk, k0->offset, row}},
+       {offer->share_id, wrong_secret, k0->chunk, first_granted, row}},
       {"a chunk that does not exist", {offer->share_id, secret, 4242, 0, row}},
       {"the end of the chunk", {offer->share_id, secret, k0->chunk, chunk_end - row / 2, row}},
       {"a 13-byte garbage header", {}, true},

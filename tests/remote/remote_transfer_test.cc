@@ -16,6 +16,8 @@
 #include "layout/remote_grant.h"
 #include "remote_fixture.h"
 
+#include <fmt/format.h>
+
 namespace kvshare::remote {
 namespace {
 
@@ -27,7 +29,8 @@ class RemoteTransfer : public ::testing::Test {
   static void SetUpTestSuite() { ::setenv("UCX_TLS", "tcp", 0); }
 
   void SetUp() override {
-    header_ = remote_example_header();
+    // -np 4 without --kv-unified: 4 streams of 512 cells, one per slot.
+    header_ = remote_example_header(2048, true, 4);
     for (const auto& chunk : header_.layout.chunks) decoder_chunks_.emplace_back(chunk.size_bytes, std::byte{0});
     std::vector<std::span<std::byte>> spans(decoder_chunks_.begin(), decoder_chunks_.end());
     auto receiver = RemoteReceiver::start(header_, spans, [this](const std::string& line) {
@@ -46,14 +49,19 @@ class RemoteTransfer : public ::testing::Test {
     return sender ? std::move(*sender) : nullptr;
   }
 
-  // The provider's part: every granted range of cells [0, n) filled with `fill`.
-  Result<void> send_cells(RemoteSender& sender, const RemoteOffer& offer, uint32_t n, std::byte fill) {
-    payload_.assign(layout::granted_bytes(header_.layout, header_.memory, n), fill);
+  // The provider's part: every granted cell of positions [n_cached, n) filled with `fill`.
+  // Its own payload, so two providers can send at once.
+  static Result<void> send_cells(RemoteSender& sender, const RemoteOffer& offer, uint32_t n, std::byte fill) {
+    auto grant = offer_grant(offer);
+    if (!grant) return fail(grant.error());
+    grant->cell_end = offer.first_cell + n;
+    std::vector<std::byte> payload(layout::granted_bytes(*grant), fill);
     size_t at = 0;
-    for (const auto& layer : header_.memory.kv_caches[0].layers) {
-      for (const layout::ChunkRange& r : layout::cell_ranges(header_.layout, header_.memory, layer.il, 0, n)) {
+    for (const auto& layer : offer.header.memory.kv_caches[0].layers) {
+      for (const layout::ChunkRange& r : layout::cell_ranges(offer.header.layout, offer.header.memory, layer.il,
+                                                             grant->stream, grant->cell_begin, grant->cell_end)) {
         if (auto ok = sender.write({offer.share_id, offer.secret, r.chunk, r.offset, r.size_bytes},
-                                   std::span(payload_).subspan(at, r.size_bytes));
+                                   std::span(payload).subspan(at, r.size_bytes));
             !ok)
           return ok;
         at += r.size_bytes;
@@ -68,6 +76,10 @@ class RemoteTransfer : public ::testing::Test {
 
   std::byte at(const layout::SharedTensor& t, uint64_t offset) const {
     return decoder_chunks_[t.chunk][t.offset + offset];
+  }
+  // Byte 0 of cell `cell` of `stream` of layer 0's K.
+  std::byte k0_cell(uint32_t stream, uint32_t cell) const {
+    return at(k0(), (static_cast<uint64_t>(stream) * header_.memory.kv_caches[0].kv_size + cell) * 256);
   }
   const layout::SharedTensor& k0() const { return *header_.layout.find(0, 0, layout::TensorKind::k); }
   std::string log_text() {
@@ -94,7 +106,6 @@ class RemoteTransfer : public ::testing::Test {
 
   layout::ShareHeader header_;
   std::vector<std::vector<std::byte>> decoder_chunks_;
-  std::vector<std::byte> payload_;
   std::unique_ptr<RemoteReceiver> receiver_;
   std::mutex log_mutex_;
   std::condition_variable logged_;
@@ -102,7 +113,7 @@ class RemoteTransfer : public ::testing::Test {
 };
 
 TEST_F(RemoteTransfer, LandsTheGrantedCellsAndAdoptsAfterAMatchingCompletion) {
-  auto offer = receiver_->grant(10);
+  auto offer = receiver_->grant({.n_cells = 10});
   ASSERT_TRUE(offer) << offer.error().what();
   auto sender = connect(*offer);
   ASSERT_TRUE(sender);
@@ -117,7 +128,7 @@ TEST_F(RemoteTransfer, LandsTheGrantedCellsAndAdoptsAfterAMatchingCompletion) {
 }
 
 TEST_F(RemoteTransfer, RefusesAWriteOutsideTheShareAndLeavesThoseBytesAlone) {
-  auto offer = receiver_->grant(10);
+  auto offer = receiver_->grant({.n_cells = 10});
   ASSERT_TRUE(offer);
   auto sender = connect(*offer);
   ASSERT_TRUE(sender);
@@ -129,7 +140,7 @@ TEST_F(RemoteTransfer, RefusesAWriteOutsideTheShareAndLeavesThoseBytesAlone) {
   EXPECT_EQ(flushed.error().errno_value(), ECONNREFUSED) << flushed.error().what();
   EXPECT_EQ(at(k0(), 10 * 256), std::byte{0});
   EXPECT_EQ(receiver_->counters().writes_refused, 1u);
-  EXPECT_NE(receiver_->counters().last_refusal.find("outside cells 0..9 of cache_k_l0"), std::string::npos)
+  EXPECT_NE(receiver_->counters().last_refusal.find("outside cells 0..9 of stream 0 of cache_k_l0"), std::string::npos)
       << receiver_->counters().last_refusal;
   // The share is spoiled: its adopt fails even though nothing of it landed.
   auto adopted = receiver_->complete(offer->share_id, 10);
@@ -138,7 +149,7 @@ TEST_F(RemoteTransfer, RefusesAWriteOutsideTheShareAndLeavesThoseBytesAlone) {
 }
 
 TEST_F(RemoteTransfer, RefusesAWriteIntoAnotherChunkOrPastTheRegion) {
-  auto offer = receiver_->grant(4);
+  auto offer = receiver_->grant({.n_cells = 4});
   ASSERT_TRUE(offer);
   auto sender = connect(*offer);
   ASSERT_TRUE(sender);
@@ -157,7 +168,7 @@ TEST_F(RemoteTransfer, RefusesAWriteIntoAnotherChunkOrPastTheRegion) {
 }
 
 TEST_F(RemoteTransfer, RefusesAWriteThatCarriesAnotherShareId) {
-  auto offer = receiver_->grant(4);
+  auto offer = receiver_->grant({.n_cells = 4});
   ASSERT_TRUE(offer);
   auto sender = connect(*offer);
   std::vector<std::byte> rows(256, std::byte{0x11});
@@ -170,15 +181,15 @@ TEST_F(RemoteTransfer, RefusesAWriteThatCarriesAnotherShareId) {
 }
 
 TEST_F(RemoteTransfer, GrantsEachShareItsOwnSecret) {
-  auto first = receiver_->grant(2);
-  auto second = receiver_->grant(2);
+  auto first = receiver_->grant({.n_cells = 2});
+  auto second = receiver_->grant({.n_cells = 2});
   ASSERT_TRUE(first && second);
   EXPECT_NE(first->secret, layout::RemoteSecret{});
   EXPECT_NE(first->secret, second->secret);
 }
 
 TEST_F(RemoteTransfer, RefusesAWriteWithTheWrongSecretWithoutSpoilingTheShare) {
-  auto offer = receiver_->grant(10);
+  auto offer = receiver_->grant({.n_cells = 10});
   ASSERT_TRUE(offer);
   auto forger = connect(*offer);
   ASSERT_TRUE(forger);
@@ -209,7 +220,7 @@ TEST_F(RemoteTransfer, RefusesAWriteWithTheWrongSecretWithoutSpoilingTheShare) {
 }
 
 TEST_F(RemoteTransfer, RefusesACompletionWithTheWrongSecret) {
-  auto offer = receiver_->grant(3);
+  auto offer = receiver_->grant({.n_cells = 3});
   ASSERT_TRUE(offer);
   auto sender = connect(*offer);
   ASSERT_TRUE(send_cells(*sender, *offer, 3, std::byte{1}));
@@ -226,7 +237,7 @@ TEST_F(RemoteTransfer, RefusesACompletionWithTheWrongSecret) {
 }
 
 TEST_F(RemoteTransfer, RefusesGarbageHeadersByName) {
-  auto offer = receiver_->grant(4);
+  auto offer = receiver_->grant({.n_cells = 4});
   ASSERT_TRUE(offer);
   auto sender = connect(*offer);
   std::vector<std::byte> garbage(7, std::byte{0x42});
@@ -241,12 +252,12 @@ TEST_F(RemoteTransfer, RefusesGarbageHeadersByName) {
 }
 
 TEST_F(RemoteTransfer, RefusesTheAdoptOfAPartialTransfer) {
-  auto offer = receiver_->grant(10);
+  auto offer = receiver_->grant({.n_cells = 10});
   ASSERT_TRUE(offer);
   auto sender = connect(*offer);
   // Layer 0 only, and no completion: the provider "died" halfway.
   std::vector<std::byte> rows(10 * 256, std::byte{0x22});
-  for (const auto& r : layout::cell_ranges(header_.layout, header_.memory, 0, 0, 10))
+  for (const auto& r : layout::cell_ranges(header_.layout, header_.memory, 0, 0, 0, 10))
     ASSERT_TRUE(sender->write({offer->share_id, offer->secret, r.chunk, r.offset, r.size_bytes}, rows));
   ASSERT_TRUE(sender->flush(Clock::now() + std::chrono::seconds(10)));
   auto adopted = receiver_->complete(offer->share_id, 10);
@@ -256,7 +267,7 @@ TEST_F(RemoteTransfer, RefusesTheAdoptOfAPartialTransfer) {
 }
 
 TEST_F(RemoteTransfer, RefusesACompletionWhoseByteCountOrLayoutHashDiffers) {
-  auto offer = receiver_->grant(3);
+  auto offer = receiver_->grant({.n_cells = 3});
   ASSERT_TRUE(offer);
   auto sender = connect(*offer);
   ASSERT_TRUE(send_cells(*sender, *offer, 3, std::byte{1}));
@@ -265,7 +276,7 @@ TEST_F(RemoteTransfer, RefusesACompletionWhoseByteCountOrLayoutHashDiffers) {
   ASSERT_FALSE(adopted);
   EXPECT_NE(adopted.error().message().find("byte count mismatch"), std::string::npos) << adopted.error().message();
 
-  auto second = receiver_->grant(3);
+  auto second = receiver_->grant({.n_cells = 3});
   auto sender2 = connect(*second);
   ASSERT_TRUE(send_cells(*sender2, *second, 3, std::byte{2}));
   ASSERT_TRUE(finish(*sender2, *second, 3, sender2->bytes_sent(), second->layout_hash ^ 1));
@@ -275,7 +286,7 @@ TEST_F(RemoteTransfer, RefusesACompletionWhoseByteCountOrLayoutHashDiffers) {
 }
 
 TEST_F(RemoteTransfer, RefusesWritesAndTheAdoptAfterTheDeadline) {
-  auto offer = receiver_->grant(2, std::chrono::milliseconds(100));
+  auto offer = receiver_->grant({.n_cells = 2}, std::chrono::milliseconds(100));
   ASSERT_TRUE(offer);
   std::this_thread::sleep_for(std::chrono::milliseconds(250));
   auto sender = connect(*offer);
@@ -291,9 +302,9 @@ TEST_F(RemoteTransfer, RefusesWritesAndTheAdoptAfterTheDeadline) {
 }
 
 TEST_F(RemoteTransfer, StopsAcceptingWritesOnceRevoked) {
-  auto offer = receiver_->grant(2);
+  auto offer = receiver_->grant({.n_cells = 2});
   ASSERT_TRUE(offer);
-  receiver_->revoke("the test reuses the cells");
+  receiver_->revoke(offer->share_id, "the test reuses the cells");
   auto sender = connect(*offer);
   std::vector<std::byte> rows(256, std::byte{0x44});
   EXPECT_FALSE(sender->write({offer->share_id, offer->secret, k0().chunk, k0().offset, 256}, rows).and_then([&] {
@@ -304,13 +315,170 @@ TEST_F(RemoteTransfer, StopsAcceptingWritesOnceRevoked) {
 }
 
 TEST_F(RemoteTransfer, MakesTheEarlierShareStaleWhenANewOneIsGranted) {
-  auto first = receiver_->grant(2);
-  auto second = receiver_->grant(2);
+  auto first = receiver_->grant({.n_cells = 2});
+  auto second = receiver_->grant({.n_cells = 2});
   ASSERT_TRUE(first && second);
   EXPECT_NE(first->share_id, second->share_id);
   auto adopted = receiver_->complete(first->share_id, 2);
   ASSERT_FALSE(adopted);
   EXPECT_EQ(adopted.error().errno_value(), ESTALE);
+}
+
+// Two slots' grants: slot 1 the whole prompt from cell 0 of stream 1, slot 2 a prompt
+// placed from cell 100 of stream 2 whose first 10 positions the decoder holds.
+constexpr PromptCells kSlot1{.stream = 1, .first_cell = 0, .n_cached = 0, .n_cells = 20};
+constexpr PromptCells kSlot2{.stream = 2, .first_cell = 100, .n_cached = 10, .n_cells = 30};
+
+TEST_F(RemoteTransfer, LandsTwoGrantsInTwoStreamsWrittenConcurrentlyAndAdoptsBoth) {
+  auto a = receiver_->grant(kSlot1);
+  auto b = receiver_->grant(kSlot2);
+  ASSERT_TRUE(a && b);
+  EXPECT_EQ(receiver_->open_grants(), 2u);
+  EXPECT_NE(a->secret, b->secret);
+  EXPECT_EQ(b->stream, 2u);
+  EXPECT_EQ(b->first_cell, 100u);
+  EXPECT_EQ(b->n_cached, 10u);
+  EXPECT_EQ(b->bytes, 2u * 2 * 20 * 256);
+  // Both providers connect first, then write at once: each waits for the other's start.
+  auto provider_a = connect(*a);
+  auto provider_b = connect(*b);
+  ASSERT_TRUE(provider_a && provider_b);
+  std::mutex m;
+  std::condition_variable cv;
+  int ready = 0;
+  auto run = [&](RemoteSender& sender, const RemoteOffer& offer, uint32_t n, std::byte fill) -> Result<void> {
+    {
+      std::unique_lock lock(m);
+      ++ready;
+      cv.notify_all();
+      cv.wait(lock, [&] { return ready == 2; });
+    }
+    if (auto sent = send_cells(sender, offer, n, fill); !sent) return sent;
+    return finish(sender, offer, n, sender.bytes_sent(), offer.layout_hash);
+  };
+  Result<void> done_a, done_b;
+  std::thread ta([&] { done_a = run(*provider_a, *a, 20, std::byte{0xa1}); });
+  std::thread tb([&] { done_b = run(*provider_b, *b, 30, std::byte{0xb2}); });
+  ta.join();
+  tb.join();
+  ASSERT_TRUE(done_a) << done_a.error().what();
+  ASSERT_TRUE(done_b) << done_b.error().what();
+  auto adopted_b = receiver_->complete(b->share_id, 30);
+  ASSERT_TRUE(adopted_b) << adopted_b.error().what();
+  EXPECT_EQ(*adopted_b, b->bytes);
+  auto adopted_a = receiver_->complete(a->share_id, 20);
+  ASSERT_TRUE(adopted_a) << adopted_a.error().what();
+  EXPECT_EQ(k0_cell(1, 0), std::byte{0xa1});
+  EXPECT_EQ(k0_cell(1, 19), std::byte{0xa1});
+  EXPECT_EQ(k0_cell(1, 20), std::byte{0});
+  EXPECT_EQ(k0_cell(2, 109), std::byte{0}) << "a cached position was written";
+  EXPECT_EQ(k0_cell(2, 110), std::byte{0xb2});
+  EXPECT_EQ(k0_cell(2, 129), std::byte{0xb2});
+  EXPECT_EQ(k0_cell(2, 130), std::byte{0});
+  EXPECT_EQ(k0_cell(0, 0), std::byte{0});
+  EXPECT_EQ(receiver_->open_grants(), 0u);
+}
+
+TEST_F(RemoteTransfer, RefusesAWriteWithGrantASecretIntoGrantBWithoutSpoilingB) {
+  auto a = receiver_->grant(kSlot1);
+  auto b = receiver_->grant(kSlot2);
+  ASSERT_TRUE(a && b);
+  auto forger = connect(*a);
+  ASSERT_TRUE(forger);
+  std::vector<std::byte> evil(256, std::byte{0xee});
+  const uint64_t b_cell = (2u * 512 + 110) * 256;
+  // B's share_id with A's secret: refused by B's secret, spoiling nothing.
+  auto named_b = forger->write({b->share_id, a->secret, k0().chunk, k0().offset + b_cell, 256}, evil).and_then([&] {
+    return forger->flush(Clock::now() + std::chrono::seconds(10));
+  });
+  ASSERT_FALSE(named_b);
+  EXPECT_NE(receiver_->counters().last_refusal.find("the secret is not the open share's"), std::string::npos)
+      << receiver_->counters().last_refusal;
+  // A's own share_id and secret, into B's cells: outside A's grant (another stream).
+  auto again = connect(*a);
+  auto named_a = again->write({a->share_id, a->secret, k0().chunk, k0().offset + b_cell, 256}, evil).and_then([&] {
+    return again->flush(Clock::now() + std::chrono::seconds(10));
+  });
+  ASSERT_FALSE(named_a);
+  EXPECT_EQ(named_a.error().errno_value(), ECONNREFUSED) << named_a.error().what();
+  EXPECT_NE(receiver_->counters().last_refusal.find("into stream 2 of cache_k_l0, the grant is stream 1"),
+            std::string::npos)
+      << receiver_->counters().last_refusal;
+  EXPECT_EQ(k0_cell(2, 110), std::byte{0});
+  // A is spoiled (its own secret carried a bad write); B lands and adopts.
+  auto provider_b = connect(*b);
+  ASSERT_TRUE(send_cells(*provider_b, *b, 30, std::byte{0xb2}));
+  ASSERT_TRUE(finish(*provider_b, *b, 30, provider_b->bytes_sent(), b->layout_hash));
+  auto adopted_b = receiver_->complete(b->share_id, 30);
+  ASSERT_TRUE(adopted_b) << adopted_b.error().what();
+  auto adopted_a = receiver_->complete(a->share_id, 20);
+  ASSERT_FALSE(adopted_a);
+  EXPECT_EQ(adopted_a.error().errno_value(), EIO);
+  EXPECT_NE(adopted_a.error().message().find("into stream 2"), std::string::npos) << adopted_a.error().message();
+}
+
+TEST_F(RemoteTransfer, RevokingOneGrantLeavesTheOtherWritable) {
+  auto a = receiver_->grant(kSlot1);
+  auto b = receiver_->grant(kSlot2);
+  ASSERT_TRUE(a && b);
+  receiver_->revoke(a->share_id, "slot 1's handoff failed");
+  EXPECT_EQ(receiver_->open_grants(), 1u);
+  auto provider_a = connect(*a);
+  EXPECT_FALSE(send_cells(*provider_a, *a, 20, std::byte{0xa1}));
+  EXPECT_EQ(k0_cell(1, 0), std::byte{0});
+  auto provider_b = connect(*b);
+  ASSERT_TRUE(send_cells(*provider_b, *b, 30, std::byte{0xb2}));
+  ASSERT_TRUE(finish(*provider_b, *b, 30, provider_b->bytes_sent(), b->layout_hash));
+  auto adopted_b = receiver_->complete(b->share_id, 30);
+  ASSERT_TRUE(adopted_b) << adopted_b.error().what();
+  EXPECT_EQ(k0_cell(2, 110), std::byte{0xb2});
+  auto adopted_a = receiver_->complete(a->share_id, 20);
+  ASSERT_FALSE(adopted_a);
+  EXPECT_EQ(adopted_a.error().errno_value(), ESTALE);
+}
+
+TEST_F(RemoteTransfer, ANewGrantOverlappingAnOpenOneRevokesThatOneOnly) {
+  auto a = receiver_->grant(kSlot1);
+  auto b = receiver_->grant(kSlot2);
+  ASSERT_TRUE(a && b);
+  // Slot 1's next prompt: cells 10..14 of stream 1 are A's.
+  auto c = receiver_->grant({.stream = 1, .first_cell = 10, .n_cached = 0, .n_cells = 5});
+  ASSERT_TRUE(c) << c.error().what();
+  EXPECT_EQ(receiver_->open_grants(), 2u);
+  EXPECT_NE(log_text().find(
+                fmt::format("share {} revoked (a new share of cells 10..14 of stream 1 replaces it)", a->share_id)),
+            std::string::npos)
+      << log_text();
+  EXPECT_EQ(log_text().find(fmt::format("share {} revoked", b->share_id)), std::string::npos) << log_text();
+  auto adopted_a = receiver_->complete(a->share_id, 20);
+  ASSERT_FALSE(adopted_a);
+  EXPECT_EQ(adopted_a.error().errno_value(), ESTALE);
+  // The cached part of a prompt counts too: the decoder reads those cells.
+  auto d = receiver_->grant({.stream = 2, .first_cell = 120, .n_cached = 20, .n_cells = 25});
+  ASSERT_TRUE(d);
+  EXPECT_FALSE(receiver_->issued(0));
+  auto adopted_b = receiver_->complete(b->share_id, 30);
+  ASSERT_FALSE(adopted_b);
+  EXPECT_EQ(adopted_b.error().errno_value(), ESTALE);
+  // Cells next to an open grant do not overlap it.
+  auto e = receiver_->grant({.stream = 1, .first_cell = 15, .n_cached = 0, .n_cells = 5});
+  ASSERT_TRUE(e);
+  EXPECT_EQ(receiver_->open_grants(), 3u);
+  receiver_->revoke_all("the decoder evaluates");
+  EXPECT_EQ(receiver_->open_grants(), 0u);
+}
+
+TEST_F(RemoteTransfer, RefusesAnAdoptOfCachedPositionsOnlyOrPastTheGrant) {
+  auto b = receiver_->grant(kSlot2);
+  ASSERT_TRUE(b);
+  auto provider = connect(*b);
+  ASSERT_TRUE(send_cells(*provider, *b, 30, std::byte{1}));
+  ASSERT_TRUE(finish(*provider, *b, 30, provider->bytes_sent(), b->layout_hash));
+  auto adopted = receiver_->complete(b->share_id, 31);
+  ASSERT_FALSE(adopted);
+  EXPECT_EQ(adopted.error().errno_value(), ERANGE);
+  EXPECT_NE(adopted.error().message().find("adopt of 31 tokens, the share granted positions 10..29"), std::string::npos)
+      << adopted.error().message();
 }
 
 TEST(RemoteSenderConnect, RefusesAWorkerAddressOfZerosWithoutCrashing) {

@@ -7,6 +7,8 @@
 #include <signal.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <filesystem>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -82,12 +84,61 @@ TEST_F(RemoteReceiverProcessTest, AnswersAGrantWithoutAListenWithARefusalNotADea
   RemoteReceiverProcess receiver(options());
   ASSERT_TRUE(receiver.ensure_running());
   const pid_t pid = receiver.pid();
-  auto reply = receiver.call(ReceiverRequest{.op = ReceiverOp::grant, .n_cells = 4, .timeout_ms = 1000}, kCallTimeout);
+  auto reply = receiver.call(
+      ReceiverRequest{.op = ReceiverOp::grant, .socket_name = "none.sock", .n_cells = 4, .timeout_ms = 1000},
+      kCallTimeout);
   ASSERT_TRUE(reply) << reply.error().what();
   EXPECT_FALSE(reply->ok);
   EXPECT_EQ(reply->error_errno, EINVAL);
-  EXPECT_NE(reply->error.find("without a listen"), std::string::npos) << reply->error;
+  EXPECT_NE(reply->error.find("from socket none.sock: no listen of that name is pending"), std::string::npos)
+      << reply->error;
   EXPECT_EQ(receiver.pid(), pid);
+}
+
+// serve with -np 4 runs handoffs at once: every thread's call gets its own reply (the
+// socket it asked to listen on, then its revoke), none another's.
+TEST_F(RemoteReceiverProcessTest, AnswersEachOfSeveralConcurrentCallersWithItsOwnReply) {
+  RemoteReceiverProcess receiver(options());
+  ASSERT_TRUE(receiver.ensure_running());
+  constexpr int kThreads = 8;
+  constexpr int kRounds = 5;
+  std::mutex m;
+  std::condition_variable all_ready;
+  int ready = 0;
+  std::vector<std::string> failures(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      {
+        std::unique_lock lock(m);
+        ++ready;
+        all_ready.notify_all();
+        all_ready.wait(lock, [&] { return ready == kThreads; });
+      }
+      for (int round = 0; round < kRounds && failures[t].empty(); ++round) {
+        const std::string name = fmt::format("slot-{}-{}.sock", t, round);
+        auto listened = receiver.call({.op = ReceiverOp::listen, .socket_name = name}, kCallTimeout);
+        if (!listened || !listened->ok || listened->op != ReceiverOp::listen ||
+            !listened->socket_path.ends_with("/" + name)) {
+          failures[t] = listened ? fmt::format("listen {}: {} {}", name, listened->socket_path, listened->error)
+                                 : listened.error().what();
+          break;
+        }
+        auto revoked =
+            receiver.call({.op = ReceiverOp::revoke, .socket_name = name, .why = "the test's slot"}, kCallTimeout);
+        if (!revoked || !revoked->ok || revoked->op != ReceiverOp::revoke)
+          failures[t] = revoked ? fmt::format("revoke {}: {}", name, revoked->error) : revoked.error().what();
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(failures[t], "") << "thread " << t;
+  EXPECT_EQ(receiver.restarts(), 0u);
+  // Every listen's socket went with its revoke.
+  size_t sockets = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir_.path()))
+    sockets += entry.path().extension() == ".sock";
+  EXPECT_EQ(sockets, 0u);
 }
 
 TEST_F(RemoteReceiverProcessTest, NamesTheSignalOfAKilledReceiverAndStartsAnotherAfterTheBackoff) {

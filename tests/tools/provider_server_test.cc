@@ -24,6 +24,17 @@
 #include <string>
 #include <vector>
 
+#include <sys/stat.h>
+
+#include <atomic>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "layout/gguf_reader.h"
+#include "layout/model_shape.h"
+#include "layout/remote_grant.h"
+#include "layout/share_header.h"
 #include "route/api_key.h"
 #include "support/test_support.h"
 
@@ -271,7 +282,7 @@ TEST_F(ProviderServerKey, KeepsHealthOpenWithoutAKey) {
   auto answer = http(server.port(), "GET", "/health");
   ASSERT_TRUE(answer);
   EXPECT_EQ(answer->status, 200);
-  EXPECT_EQ(answer->body, R"({"status":"ok"})");
+  EXPECT_EQ(answer->body, R"({"status":"ok","prefilling":0,"waiting":0})");
 }
 
 TEST_F(ProviderServerKey, NeverWritesTheKeyToItsStderr) {
@@ -315,6 +326,181 @@ TEST_F(ProviderServerKey, ServesWithoutAKeyOnlyWhenToldAndWarnsOnce) {
   const size_t first = err.find(warning);
   EXPECT_NE(first, std::string::npos) << err;
   EXPECT_EQ(err.find(warning, first + 1), std::string::npos) << "warned more than once:\n" << err;
+}
+
+// A /prefill body the server accepts up to its prefill: `n` tokens and a version 3 offer of
+// `model`'s cache granting positions 0..n-1 of stream 0. The worker address is never
+// dialled: the provider command these tests use ends before the transfer.
+std::string prefill_body(const std::filesystem::path& model, uint32_t n) {
+  const auto bytes = kvshare::testing::read_file_bytes(model);
+  auto file = layout::parse_gguf(bytes, model.string());
+  EXPECT_TRUE(file) << file.error().what();
+  auto shape = layout::derive_model_shape(file->metadata);
+  EXPECT_TRUE(shape) << shape.error().what();
+  layout::KvParams params;
+  params.n_ctx = 256;
+  auto header = layout::make_share_header(layout::model_fingerprint(file->metadata, file->tensors), *shape, params);
+  EXPECT_TRUE(header) << header.error().what();
+  const layout::CellGrant grant{&header->layout, &header->memory, 0, 0, n};
+  nlohmann::ordered_json offer;
+  offer["transport"] = "ucx";
+  offer["version"] = 3;
+  offer["share_id"] = 4660;
+  offer["secret"] = "00112233445566778899aabbccddeeff";
+  offer["worker_address"] = std::string(120, '0');
+  offer["stream"] = 0;
+  offer["first_cell"] = 0;
+  offer["n_cached"] = 0;
+  offer["n_cells"] = n;
+  offer["bytes"] = layout::granted_bytes(grant);
+  offer["layout_hash"] = layout::whole_layout_hash(header->layout);
+  offer["timeout_ms"] = 120000;
+  offer["header"] = nlohmann::ordered_json::parse(layout::to_json(*header, false));
+  nlohmann::ordered_json body;
+  body["tokens"] = nlohmann::json::array();
+  for (uint32_t i = 0; i < n; ++i) body["tokens"].push_back(10 + i);
+  body["share"] = offer;
+  return body.dump();
+}
+
+// A provider command that holds its prefill until the test lets it go: it blocks reading
+// a line from a fifo. "The test could open the fifo for writing" is "a prefill is
+// running"; the test keeps that end open (the reader waits for a line, not for EOF) and one
+// line written ends that prefill (the command then fails: a 502, no byte moved).
+class HeldPrefills {
+ public:
+  explicit HeldPrefills(const TempDir& dir) : fifo_(dir / "hold"), command_(dir / "held-provider") {
+    EXPECT_EQ(::mkfifo(fifo_.c_str(), 0600), 0) << std::strerror(errno);
+    std::ofstream(command_) << "#!/bin/sh\nread line < '" << fifo_.string() << "'\nexit 3\n";
+    std::filesystem::permissions(command_, std::filesystem::perms::owner_all);
+  }
+  ~HeldPrefills() { release(); }
+  const std::filesystem::path& command() const { return command_; }
+
+  // Waits until a held command has the fifo open (a prefill runs) and keeps the writing
+  // end. False when none came (the bound only keeps a broken build from hanging the suite).
+  bool wait_held() {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while ((writer_ = ::open(fifo_.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC)) < 0) {
+      if (errno != ENXIO || std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));  // polling the condition: a reader is there
+    }
+    return true;
+  }
+  // Lets the held command go: one line, then the writing end closes.
+  bool release() {
+    if (writer_ < 0) return false;
+    const bool written = ::write(writer_, "go\n", 3) == 3;
+    ::close(writer_);
+    writer_ = -1;
+    return written;
+  }
+
+ private:
+  std::filesystem::path fifo_;
+  std::filesystem::path command_;
+  int writer_ = -1;
+};
+
+// Joins a request's thread at the end of a test, failed or not, after letting any held
+// prefill go (else the join would wait on it).
+struct JoinAtEnd {
+  HeldPrefills& held;
+  std::vector<std::thread>& threads;
+  ~JoinAtEnd() {
+    held.release();
+    for (auto& t : threads)
+      if (t.joinable()) t.join();
+  }
+};
+
+std::optional<nlohmann::json> health(int port) {
+  auto answer = http(port, "GET", "/health");
+  if (!answer || answer->status != 200) return std::nullopt;
+  return nlohmann::json::parse(answer->body, nullptr, false);
+}
+
+// Polls /health until `waiting` requests wait (a condition, bounded only against a hang).
+bool wait_for_waiting(int port, int waiting) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < deadline) {
+    auto h = health(port);
+    if (h && h->value("waiting", -1) == waiting) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return false;
+}
+
+TEST_F(ProviderServerKey, AnswersAPrefillPastParallelAndQueueWith503AtOnce) {
+  TempDir dir;
+  HeldPrefills held(dir);
+  ProviderServer server(
+      model(), {"--no-api-key", "--provider-command", held.command().string(), "--parallel", "1", "--queue", "0"});
+  ASSERT_GT(server.port(), 0);
+  const std::string body = prefill_body(model(), 4);
+  std::optional<HttpAnswer> first;
+  std::vector<std::thread> requests;
+  JoinAtEnd join{held, requests};
+  requests.emplace_back([&] { first = http(server.port(), "POST", "/prefill", {}, body); });
+  ASSERT_TRUE(held.wait_held()) << "the first prefill never reached its command";
+  auto h = health(server.port());
+  ASSERT_TRUE(h);
+  EXPECT_EQ((*h)["prefilling"], 1);
+  EXPECT_EQ((*h)["waiting"], 0);
+  auto second = http(server.port(), "POST", "/prefill", {}, body);
+  ASSERT_TRUE(second);
+  EXPECT_EQ(second->status, 503);
+  EXPECT_EQ(second->body,
+            R"j({"error":{"code":503,"message":"the provider server is busy: 1 prefilling, 0 waiting (--queue 0)",)j"
+            R"j("type":"unavailable_error"}})j");
+  ASSERT_TRUE(held.release());
+  requests[0].join();
+  ASSERT_TRUE(first);
+  EXPECT_EQ(first->status, 502) << first->body;  // the held command exits 3: no byte moved
+  EXPECT_NE(first->body.find("exit"), std::string::npos) << first->body;
+  h = health(server.port());
+  ASSERT_TRUE(h);
+  EXPECT_EQ((*h)["prefilling"], 0);
+  const std::string err = server.stop();
+  const std::string line = "share 4660: 503: the provider server is busy: 1 prefilling, 0 waiting (--queue 0)";
+  const size_t at = err.find(line);
+  EXPECT_NE(at, std::string::npos) << err;
+  EXPECT_EQ(err.find(line, at + 1), std::string::npos) << "said more than once:\n" << err;
+}
+
+TEST_F(ProviderServerKey, LetsARequestWaitInTheQueueAndRunsItWhenThePrefillBeforeItEnds) {
+  TempDir dir;
+  HeldPrefills held(dir);
+  ProviderServer server(
+      model(), {"--no-api-key", "--provider-command", held.command().string(), "--parallel", "1", "--queue", "1"});
+  ASSERT_GT(server.port(), 0);
+  const std::string body = prefill_body(model(), 4);
+  std::optional<HttpAnswer> first, second;
+  std::vector<std::thread> requests;
+  JoinAtEnd join{held, requests};
+  requests.emplace_back([&] { first = http(server.port(), "POST", "/prefill", {}, body); });
+  ASSERT_TRUE(held.wait_held());
+  requests.emplace_back([&] { second = http(server.port(), "POST", "/prefill", {}, body); });
+  ASSERT_TRUE(wait_for_waiting(server.port(), 1));
+  auto third = http(server.port(), "POST", "/prefill", {}, body);
+  ASSERT_TRUE(third);
+  EXPECT_EQ(third->status, 503);
+  EXPECT_NE(third->body.find("busy: 1 prefilling, 1 waiting (--queue 1)"), std::string::npos) << third->body;
+  ASSERT_TRUE(held.release());  // the first ends; the second's command starts
+  requests[0].join();
+  ASSERT_TRUE(held.wait_held());
+  ASSERT_TRUE(held.release());  // and ends
+  requests[1].join();
+  ASSERT_TRUE(first && second);
+  EXPECT_EQ(first->status, 502);
+  EXPECT_EQ(second->status, 502) << "the waiting request was not run";
+}
+
+TEST_F(ProviderServerKey, SaysItsParallelAndQueueInHelp) {
+  const auto run = run_command(tool_path("kvshare-provider-server").string() + " --help");
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_NE(run.out.find("--parallel"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("--queue"), std::string::npos) << run.out;
 }
 
 }  // namespace
