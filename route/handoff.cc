@@ -253,8 +253,8 @@ StepResult remote_state_route(const HandoffContext& context, std::span<const int
   if (!expected) return forward_because("remote_state_refused", expected.error().what());
   const std::string state_name = fmt::format("kvshare-remote-{}.state", sequence);
   ScopedFile state{context.slot_dir / state_name};
-  auto fetched =
-      fetch_remote_state(url, config.prefill_remote_key, provider_timeout(config), handoff_ids, *expected, state.path);
+  auto fetched = fetch_remote_state(url, config.prefill_remote_key, provider_timeout(config), handoff_ids, *expected,
+                                    state.path, static_cast<uint32_t>(config.parallel), decoder_kv_unified(config));
   if (!fetched)
     return forward_because(fetched.error().errno_value() == EINVAL ? "remote_state_refused" : "remote_provider_failed",
                            fetched.error().what());
@@ -268,8 +268,8 @@ StepResult remote_state_route(const HandoffContext& context, std::span<const int
 // The state variant over the prefill hosts in PrefillHosts' order: a host that did not
 // answer, failed or sent a state file of another binding is the host's fault, and nothing
 // touched the decoder yet, so the next host is asked; a fault of the restore ends it.
-StepResult remote_state_handoff(const HandoffContext& context, std::span<const int32_t> handoff_ids,
-                                uint64_t sequence, HandoffReport& report) {
+StepResult remote_state_handoff(const HandoffContext& context, std::span<const int32_t> handoff_ids, uint64_t sequence,
+                                HandoffReport& report) {
   PrefillHosts& hosts = *context.prefill_hosts;
   const std::vector<size_t> order = hosts.order(report.slot);
   StepResult last{Step::forward, "remote_no_host", "no prefill host is configured"};

@@ -81,7 +81,7 @@ Result<layout::RemoteStateBinding> expected_state_binding(const ModelIdentity& i
 Result<FetchedState> fetch_remote_state(const std::string& url, const std::string& api_key,
                                         std::chrono::milliseconds timeout, std::span<const int32_t> ids,
                                         const layout::RemoteStateBinding& expected,
-                                        const std::filesystem::path& state_path) {
+                                        const std::filesystem::path& state_path, uint32_t parallel, bool kv_unified) {
   auto where = parse_prefill_remote_url(url);
   if (!where) return fail(where.error());
   httplib::Client client(where->host, where->port);
@@ -93,7 +93,9 @@ Result<FetchedState> fetch_remote_state(const std::string& url, const std::strin
   httplib::Headers headers;
   if (!api_key.empty()) headers.emplace("Authorization", "Bearer " + api_key);
   const Json body = {{"tokens", std::vector<int32_t>(ids.begin(), ids.end())},
-                     {"binding", layout::remote_state_binding_json(expected)}};
+                     {"binding", layout::remote_state_binding_json(expected)},
+                     {"parallel", parallel},
+                     {"kv_unified", kv_unified}};
   const auto t0 = Clock::now();
   auto result = client.Post("/prefill-state", headers, body.dump(), "application/json");
   if (!result)

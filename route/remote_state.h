@@ -43,7 +43,9 @@ struct FetchedState {
 // POSTs {"tokens": ids, "binding": expected} to `url`'s /prefill-state with `api_key`
 // ("Authorization: Bearer KEY"; empty: none), each connect, read and write bounded by
 // `timeout`, checks the reply's binding against `expected` and writes the state bytes to
-// `state_path` (created 0600, never over an existing file). Blocks for the provider's
+// `state_path` (created 0600, never over an existing file). `parallel` and `kv_unified`
+// describe the decoder's slots (-np, --kv-unified): the file is written for its cache.
+// Blocks for the provider's
 // prefill. Fails with:
 //   EINVAL  a refusal: the provider server answered 400 (its message, naming the field:
 //           another model or tokenizer), or its payload's binding differs (check_binding)
@@ -53,7 +55,8 @@ struct FetchedState {
 Result<FetchedState> fetch_remote_state(const std::string& url, const std::string& api_key,
                                         std::chrono::milliseconds timeout, std::span<const int32_t> ids,
                                         const layout::RemoteStateBinding& expected,
-                                        const std::filesystem::path& state_path);
+                                        const std::filesystem::path& state_path, uint32_t parallel = 1,
+                                        bool kv_unified = false);
 
 // Whether the decoder answers POST /slots/0?action=share at all (the patched llama-server and
 // kvshare-decoder do; a stock llama-server answers "Invalid action"). Sends a body the action

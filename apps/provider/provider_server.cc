@@ -208,8 +208,18 @@ int run_provider_server(const ProviderServerOptions& options) {
   });
   StatePrefiller state_prefiller((*prefiller)->model(), options.model_path, options.n_threads);
   http.Post("/prefill-state", [&](const httplib::Request& req, httplib::Response& res) {
+    // The same slots as /prefill: the CPU (or the NPU) is one resource.
+    if (!slots.acquire()) {
+      const std::string busy = slots.busy_message();
+      std::fprintf(stderr, "kvshare-provider-server: prefill-state: 503: %s\n", busy.c_str());
+      return reply(res, 503, Json{{"error", Json{{"code", 503}, {"message", busy}, {"type", "unavailable_error"}}}});
+    }
+    struct Release {
+      PrefillSlots& slots;
+      ~Release() { slots.release(); }
+    } release{slots};
     const StatePrefillAnswer answer =
-        state_prefiller.answer(req.body, one_at_a_time, options.provider_command,
+        state_prefiller.answer(req.body, options.provider_command,
                                std::chrono::milliseconds(static_cast<int64_t>(options.provider_timeout_s * 1000)));
     res.status = answer.status;
     if (answer.status == 200)

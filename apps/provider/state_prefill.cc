@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <nlohmann/json.hpp>
 
 #include "apps/provider/prefill_routes.h"
@@ -78,6 +79,16 @@ Result<StatePrefillBody> parse_state_prefill_body(std::string_view body) {
   auto parsed = layout::parse_remote_state_binding(*binding, "prefill-state: field \"binding\"");
   if (!parsed) return fail(parsed.error());
   out.binding = std::move(*parsed);
+  if (auto parallel = json.find("parallel"); parallel != json.end()) {
+    if (!parallel->is_number_unsigned() || parallel->get<uint64_t>() < 1 || parallel->get<uint64_t>() > 256)
+      return fail(EINVAL, "prefill-state: \"parallel\" is {}, expected the decoder's slots, 1..256", parallel->dump());
+    out.parallel = static_cast<uint32_t>(parallel->get<uint64_t>());
+  }
+  if (auto unified = json.find("kv_unified"); unified != json.end()) {
+    if (!unified->is_boolean())
+      return fail(EINVAL, "prefill-state: \"kv_unified\" is {}, expected true or false", unified->dump());
+    out.kv_unified = unified->get<bool>();
+  }
   if (out.binding.n_tokens != out.tokens.size())
     return fail(EINVAL, "prefill-state: field \"binding.n_tokens\" is {}, the body has {} tokens", out.binding.n_tokens,
                 out.tokens.size());
@@ -93,7 +104,8 @@ struct StatePrefiller::Impl {
   int n_threads = 0;
   std::string model_hash;
   std::string tokenizer_hash;
-  PrivateContext own;  // the private cache, kept across requests (guarded by the caller's lock)
+  std::mutex own_mutex;  // --parallel > 1 runs several answers at once
+  PrivateContext own;    // the private cache, kept across requests (under own_mutex)
 };
 
 StatePrefiller::StatePrefiller(std::shared_ptr<const Model> model, std::string model_path, int n_threads)
@@ -123,21 +135,25 @@ Result<void> run_command_into(const ProviderModel& model, const std::string& com
     for (int32_t id : ids) out << id << '\n';
     if (!out) return fail(EIO, "writing the ids file {}", ids_path.string());
   }
-  const std::vector<std::string> argv = {command,
-                                         "--tokens",
-                                         ids_path.string(),
-                                         "--out",
-                                         state_path.string(),
-                                         "--model",
-                                         model.path,
-                                         "--ctx-size",
-                                         std::to_string(params.n_ctx),
-                                         "--flash-attn",
-                                         params.flash_attn ? "on" : "off",
-                                         "--cache-type-k",
-                                         std::string(layout::ggml_type_name(params.type_k)),
-                                         "--cache-type-v",
-                                         std::string(layout::ggml_type_name(params.type_v))};
+  std::vector<std::string> argv = {command,
+                                   "--tokens",
+                                   ids_path.string(),
+                                   "--out",
+                                   state_path.string(),
+                                   "--model",
+                                   model.path,
+                                   "--ctx-size",
+                                   std::to_string(params.n_ctx),
+                                   "--flash-attn",
+                                   params.flash_attn ? "on" : "off",
+                                   "--cache-type-k",
+                                   std::string(layout::ggml_type_name(params.type_k)),
+                                   "--cache-type-v",
+                                   std::string(layout::ggml_type_name(params.type_v))};
+  if (params.n_seq_max > 1) {
+    argv.insert(argv.end(), {"--parallel", std::to_string(params.n_seq_max)});
+    if (params.kv_unified) argv.push_back("--kv-unified");
+  }
   const route::ProviderRun run =
       route::run_provider(argv, {}, timeout, {fmt::format("{}={}", kStateVersionEnv, version)});
   if (!run.err.empty()) std::fprintf(stderr, "%s", run.err.c_str());
@@ -159,8 +175,8 @@ Result<void> run_command_into(const ProviderModel& model, const std::string& com
 
 }  // namespace
 
-StatePrefillAnswer StatePrefiller::answer(std::string_view body_text, std::mutex& one_at_a_time,
-                                          const std::string& provider_command, std::chrono::milliseconds timeout) {
+StatePrefillAnswer StatePrefiller::answer(std::string_view body_text, const std::string& provider_command,
+                                          std::chrono::milliseconds timeout) {
   auto body = parse_state_prefill_body(body_text);
   if (!body) return error_answer(400, body.error().what());
   const layout::RemoteStateBinding& asked = body->binding;
@@ -175,9 +191,11 @@ StatePrefillAnswer StatePrefiller::answer(std::string_view body_text, std::mutex
   if (auto known = check_ids_in_vocabulary(impl_->model, body->tokens, kBodySource); !known)
     return error_answer(400, fmt::format("prefill-state: {}", known.error().what()));
   layout::KvParams params;
-  params.n_ctx = cells_for(body->tokens.size());
-  params.n_seq_max = 1;
-  params.kv_unified = true;
+  // llama-server's rule: one sequence is always unified; several are not unless -kvu, and
+  // then each slot's stream must hold the prompt.
+  params.n_seq_max = body->parallel;
+  params.kv_unified = body->parallel == 1 || body->kv_unified;
+  params.n_ctx = cells_for(body->tokens.size()) * (params.kv_unified ? 1 : body->parallel);
   params.flash_attn = !asked.v_trans;
   // The binding's parse made these canonical ggml type names.
   params.type_k = *layout::parse_cache_type(asked.cache_type_k);
@@ -185,7 +203,6 @@ StatePrefillAnswer StatePrefiller::answer(std::string_view body_text, std::mutex
   if (auto valid = layout::validate(params); !valid)
     return error_answer(400, fmt::format("prefill-state: field \"binding\": {}", valid.error().what()));
 
-  std::lock_guard lock(one_at_a_time);
   const auto t0 = Clock::now();
   auto dir = route::make_private_dir("kvshare-provider-server");
   if (!dir) return error_answer(500, dir.error().what());
@@ -193,6 +210,7 @@ StatePrefillAnswer StatePrefiller::answer(std::string_view body_text, std::mutex
   const std::filesystem::path state_path = *dir / "prompt.state";
   if (provider_command.empty()) {
     StateFileTarget target{state_path.string(), params, asked.state_version};
+    std::lock_guard own_lock(impl_->own_mutex);
     auto report = prefill_state_file(impl_->model, target, body->tokens, impl_->n_threads, kBodySource, impl_->own);
     if (!report) {
       const int status = report.error().errno_value() == EINVAL || report.error().errno_value() == ERANGE ? 400 : 502;

@@ -14,7 +14,6 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -32,6 +31,11 @@ class Model;  // refmodel/engine.h
 struct StatePrefillBody {
   std::vector<int32_t> tokens;
   layout::RemoteStateBinding binding;
+  // The decoder's slots, as llama-server's -np and --kv-unified: a state file carries one KV
+  // stream per slot unless unified, so it must be written for the decoder's cache. Optional
+  // fields "parallel" (1..256, default 1) and "kv_unified" (default false).
+  uint32_t parallel = 1;
+  bool kv_unified = false;
 };
 Result<StatePrefillBody> parse_state_prefill_body(std::string_view body);
 
@@ -57,10 +61,10 @@ class StatePrefiller {
   const std::string& tokenizer_hash() const;
 
   // Answers one request: checks the body and its binding against this model (400 naming
-  // the field), then, holding `one_at_a_time`, prefills (or runs `provider_command`, at
+  // the field), then prefills (the caller holds one of its prefill slots; or runs `provider_command`, at
   // most `timeout`), and answers the payload. Writes one stderr line per request (tokens,
   // prefill ms, bytes), or the refusal. Never throws.
-  StatePrefillAnswer answer(std::string_view body, std::mutex& one_at_a_time, const std::string& provider_command,
+  StatePrefillAnswer answer(std::string_view body, const std::string& provider_command,
                             std::chrono::milliseconds timeout);
 
  private:

@@ -51,7 +51,7 @@ SERVE_TMP = os.path.join(WORK, "serve-tmp")
 os.makedirs(SERVE_TMP)
 KV_FLAGS = ["-c", "1024", "-fa", "on", "-ctk", "f16", "-ctv", "f16"]
 # Anywhere in a stderr line: the decoder writes to the same pipe.
-STATE_LINE = re.compile(r"hybrid: (\d+) prompt tokens(?:, \d+ cached)?: prefill \d+\.\d{3} ms(?: of \d+ tokens)?, "
+STATE_LINE = re.compile(r"hybrid: (\d+) prompt tokens(?:, \d+ cached)?(?:, slot \d+)?: prefill \d+\.\d{3} ms(?: of \d+ tokens)?, "
                         r"restore (\d+\.\d{3}) ms remote-state, first byte (\d+\.\d{3}) ms")
 PROVIDER_LINE = re.compile(r"prefill-state: (\d+) tokens, prefill (\d+\.\d{3}) ms, (\d+) bytes")
 PROMPTS = ["Tell me about the sea.", "Write one line of code.",
@@ -109,12 +109,14 @@ class Provider:
         return self.rest
 
 
-def start_serve(device, url=None, kv_flags=KV_FLAGS, key=REMOTE_KEY):
-    args = ["-m", MODEL, "--device", device, "--port", "0", "--backend", LLAMA_SERVER] + kv_flags
+def start_serve(device, url=None, kv_flags=KV_FLAGS, key=REMOTE_KEY, extra=()):
+    args = ["-m", MODEL, "--device", device, "--port", "0", "--backend", LLAMA_SERVER] + kv_flags + list(extra)
     env = dict(TMPDIR=SERVE_TMP, ONEBIT_HYBRID_PREFILL="", ONEBIT_KV_SHARE=None, KVSHARE_REMOTE_KEY=key)
     if url:
+        for one in (url if isinstance(url, (list, tuple)) else [url]):
+            args += ["--prefill-remote", one]
         # Every prompt here is short: the test is of the handoff, which auto would skip.
-        args += ["--prefill-remote", url, "--handoff", "always"]
+        args += ["--handoff", "always"]
     return Serve(TOOLS["kvshare-serve"], args, env, timeout=180)
 
 
@@ -239,6 +241,39 @@ def test_a_wrong_key_is_refused_with_401_and_the_reply_is_right():
         rest = provider.stop()
     check("unauthorized" in rest, "the provider server did not say 401:\n%s" % rest)
     check(not PROVIDER_LINE.search(rest), "the provider server prefilled without the key:\n%s" % rest)
+
+
+def test_a_host_of_another_model_is_passed_over_and_four_slots_take_the_state_files():
+    import concurrent.futures
+    slots = ["-np", "4"]
+    cpu = start_serve("cpu", extra=slots)
+    try:
+        expected = {p: reply(cpu, p)[0] for p in PROMPTS}
+    finally:
+        stop_checked(cpu)
+    other, provider = Provider(OTHER_MODEL), Provider()
+    serve = start_serve("hybrid", [other.url, provider.url], extra=slots)
+    try:
+        with BusyLoops():
+            prompts = [p for p in PROMPTS for _ in range(3)]
+            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+                results = list(pool.map(lambda p: (p, reply(serve, p)), prompts))
+        for prompt, (text, prompt_n) in results:
+            check(text == expected[prompt], "reply %r to %r differs from --device cpu %r" % (text, prompt,
+                                                                                         expected[prompt]))
+        line = serve.wait_line(r"hybrid: prefill host %s failed \(remote_state_refused\): .*; trying %s" %
+                               (re.escape(other.url), re.escape(provider.url)), 30)
+        check(line, "no line passing over the host of another model")
+        fallbacks = [l for l in serve.lines if "hybrid: fallback" in l]
+        check(not fallbacks, "a request fell back:\n%s" % "\n".join(fallbacks))
+        check(len(serve.wait_count(STATE_LINE, 1)) >= 1, "no request went by state file")
+        text = metrics(serve)
+        check(re.search(r'kvshare_remote_prefills_total\{host="%s",result="ok"\} [1-9]' % re.escape(provider.url),
+                        text), "metrics:\n%s" % text)
+    finally:
+        stop_checked(serve)
+        other.stop()
+        provider.stop()
 
 
 run_tests(globals(), WORK)

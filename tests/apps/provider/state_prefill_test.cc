@@ -55,14 +55,13 @@ class StatePrefill : public ::testing::Test {
 
   StatePrefillAnswer ask(const layout::RemoteStateBinding& b, const std::vector<int32_t>& ids = kIds) {
     const Json body = {{"tokens", ids}, {"binding", Json::parse(layout::remote_state_binding_json(b).dump())}};
-    return prefiller_->answer(body.dump(), mutex_, "", std::chrono::milliseconds(60000));
+    return prefiller_->answer(body.dump(), "", std::chrono::milliseconds(60000));
   }
 
   TempDir dir_;
   std::filesystem::path path_;
   ProviderModel model_;
   std::unique_ptr<StatePrefiller> prefiller_;
-  std::mutex mutex_;
 };
 
 TEST_F(StatePrefill, AnswersAPayloadWhoseStateIsTheIdsStateFile) {
