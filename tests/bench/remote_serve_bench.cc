@@ -142,11 +142,10 @@ std::unique_ptr<ServeUnderTest> start_one(const std::string& name, int n_slots, 
   launch.name = fmt::format("{}-np{}", name, n_slots);
   launch.args = {"-m",        s.model.string(),
                  "--backend", settings().backend.string(),
-                 "-c",        std::to_string(8192),
+                 "-c",        "8192",
                  "-fa",       "on",
                  "-ctk",      "f16",
                  "-ctv",      "f16",
-                 "-t",        "1",
                  "-np",       std::to_string(n_slots)};
   if (name == "cpu") {
     launch.args.insert(launch.args.end(), {"--device", "cpu"});
@@ -155,6 +154,8 @@ std::unique_ptr<ServeUnderTest> start_one(const std::string& name, int n_slots, 
                        {"--device", "hybrid", "--prefill-remote", s.host->url, "--handoff", "always"});
     launch.env = {"UCX_TLS=tcp"};
   }
+  // The decoder's own flags: one thread, as the prefill host has.
+  launch.args.insert(launch.args.end(), {"--", "-t", "1"});
   return start_pinned_serve(launch, s.dir, why);
 }
 
