@@ -150,8 +150,8 @@ std::unique_ptr<ServeUnderTest> start_one(const std::string& name, int n_slots, 
   if (name == "cpu") {
     launch.args.insert(launch.args.end(), {"--device", "cpu"});
   } else {
-    launch.args.insert(launch.args.end(),
-                       {"--device", "hybrid", "--prefill-remote", s.host->url, "--handoff", "always"});
+    launch.args.insert(launch.args.end(), {"--device", "hybrid", "--prefill-remote", s.host->url, "--handoff",
+                                           name == "auto" ? "auto" : "always"});
     launch.env = {"UCX_TLS=tcp"};
   }
   // The decoder's own flags: one thread, as the prefill host has.
@@ -187,6 +187,8 @@ Result<RemoteLine> next_remote_line(const fs::path& log_path, size_t before) {
 struct ChatSamples {
   std::map<std::string, std::vector<double>> first_byte_ms[2];  // per turn, per serve
   std::vector<double> ratio[2];                                 // remote / cpu, per round
+  std::vector<double> auto_ratio[2];                            // auto / cpu, per round
+  int auto_handed_off[2] = {};                                  // rounds in which auto handed the turn off
   std::vector<double> bytes[2];                                 // KV bytes the remote route moved
   std::vector<double> cached[2];
 };
@@ -197,24 +199,30 @@ void bm_chat(benchmark::State& state) {
   if (!s.why.empty()) return state.SkipWithError(s.why.c_str());
   std::string why;
   std::map<std::string, std::unique_ptr<ServeUnderTest>> serves;
-  for (const char* name : {"cpu", "remote"})
+  const char* const names[] = {"cpu", "remote", "auto"};
+  for (const char* name : names)
     if (!(serves[name] = start_one(name, 1, why))) return state.SkipWithError(why.c_str());
   const route::DecoderClient decoder("127.0.0.1", serves["cpu"]->decoder_port, std::chrono::seconds(120));
   int round = 0;
   for (auto _ : state) {
     const std::string first = prompt_of(decoder, settings().tokens, 1000 + round);
     const std::string turns[2] = {first, first + " And now, in one short line: what follows from that?"};
-    double first_byte[2][2] = {};
+    std::map<std::string, double> first_byte[2];
     double round_ms = 0;
-    for (int k = 0; k < 2; ++k) {
-      const std::string name = (round + k) % 2 == 0 ? "cpu" : "remote";
+    for (int k = 0; k < 3; ++k) {
+      const std::string name = names[(round + k) % 3];
       for (int turn = 0; turn < 2; ++turn) {
         const size_t before = remote_lines(serves[name]->stderr_path).size();
         auto reply = stream_completion(serves[name]->port, turns[turn], 8);
         if (!reply)
           return state.SkipWithError(fmt::format("{} turn {}: {}", name, turn + 1, reply.error().what()).c_str());
-        first_byte[name == "remote"][turn] = reply->first_byte_ms;
+        first_byte[turn][name] = reply->first_byte_ms;
         g_chat.first_byte_ms[turn][name].push_back(reply->first_byte_ms);
+        if (name == "auto") {
+          // The hybrid line is written before the first byte goes out.
+          if (remote_lines(serves[name]->stderr_path).size() > before) ++g_chat.auto_handed_off[turn];
+          continue;
+        }
         if (name == "cpu") continue;
         round_ms += reply->first_byte_ms;
         auto line = next_remote_line(serves[name]->stderr_path, before);
@@ -223,7 +231,10 @@ void bm_chat(benchmark::State& state) {
         g_chat.cached[turn].push_back(static_cast<double>(line->n_cached));
       }
     }
-    for (int turn = 0; turn < 2; ++turn) g_chat.ratio[turn].push_back(first_byte[1][turn] / first_byte[0][turn]);
+    for (int turn = 0; turn < 2; ++turn) {
+      g_chat.ratio[turn].push_back(first_byte[turn]["remote"] / first_byte[turn]["cpu"]);
+      g_chat.auto_ratio[turn].push_back(first_byte[turn]["auto"] / first_byte[turn]["cpu"]);
+    }
     state.SetIterationTime(round_ms / 1e3);
     ++round;
   }
@@ -322,20 +333,25 @@ int report(const std::vector<RunResult>& runs, const BenchArgs& args) {
       for (int turn = 0; turn < 2; ++turn)
         fmt::print(
             "{{\"bench\":\"remote-serve\",\"case\":\"chat\",\"turn\":{},\"tokens\":{},\"cpu_first_byte_ms\":{:.3f},"
-            "\"remote_first_byte_ms\":{:.3f},\"ratio\":{:.3f},\"kv_bytes\":{:.0f},\"cached\":{:.0f},\"pinned\":{}}}\n",
+            "\"remote_first_byte_ms\":{:.3f},\"ratio\":{:.3f},\"auto_first_byte_ms\":{:.3f},\"auto_ratio\":{:.3f},"
+            "\"auto_handed_off_rounds\":{},\"kv_bytes\":{:.0f},\"cached\":{:.0f},\"pinned\":{}}}\n",
             turn + 1, s.tokens, median(g_chat.first_byte_ms[turn]["cpu"]), median(g_chat.first_byte_ms[turn]["remote"]),
-            median(g_chat.ratio[turn]), median(g_chat.bytes[turn]), median(g_chat.cached[turn]), s.pin);
+            median(g_chat.ratio[turn]), median(g_chat.first_byte_ms[turn]["auto"]), median(g_chat.auto_ratio[turn]),
+            g_chat.auto_handed_off[turn], median(g_chat.bytes[turn]), median(g_chat.cached[turn]), s.pin);
     } else {
       fmt::print(
           "\nremote-serve chat (decoder {}, a generated model of {} layers, turn 1 {} tokens, {} rounds; {})\n"
-          "{:>4} {:>26} {:>26} {:>14} {:>12} {:>8}\n",
+          "{:>4} {:>24} {:>24} {:>8} {:>24} {:>8} {:>12} {:>10} {:>8}\n",
           s.backend.filename().string(), s.layers, s.tokens, g_chat.ratio[0].size(),
           s.pin ? "serves on core 0, the prefill host on core 1" : "not pinned", "turn", "cpu first byte ms",
-          "remote first byte ms", "remote / cpu", "KV bytes", "cached");
+          "always first byte ms", "x cpu", "auto first byte ms", "x cpu", "auto handoffs", "KV bytes", "cached");
       for (int turn = 0; turn < 2; ++turn)
-        fmt::print("{:>4} {:>26} {:>26} {:>14.2f} {:>12.0f} {:>8.0f}\n", turn + 1,
+        fmt::print("{:>4} {:>24} {:>24} {:>8.2f} {:>24} {:>8.2f} {:>12} {:>10.0f} {:>8.0f}\n", turn + 1,
                    spread_cell(g_chat.first_byte_ms[turn]["cpu"]), spread_cell(g_chat.first_byte_ms[turn]["remote"]),
-                   median(g_chat.ratio[turn]), median(g_chat.bytes[turn]), median(g_chat.cached[turn]));
+                   median(g_chat.ratio[turn]), spread_cell(g_chat.first_byte_ms[turn]["auto"]),
+                   median(g_chat.auto_ratio[turn]),
+                   fmt::format("{}/{}", g_chat.auto_handed_off[turn], g_chat.ratio[turn].size()),
+                   median(g_chat.bytes[turn]), median(g_chat.cached[turn]));
       fmt::print("turn 2 moved {:.1f}% of turn 1's KV bytes\n",
                  100.0 * median(g_chat.bytes[1]) / median(g_chat.bytes[0]));
     }
