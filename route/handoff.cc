@@ -259,6 +259,7 @@ StepResult remote_state_route(const HandoffContext& context, std::span<const int
     return forward_because(fetched.error().errno_value() == EINVAL ? "remote_state_refused" : "remote_provider_failed",
                            fetched.error().what());
   report.prefill_ms = fetched->prefill_ms;
+  report.kv_bytes = fetched->state_bytes;
   report.phases.provider_ms += fetched->fetch_ms;
   context.rates.observe_provider(0, handoff_ids.size(), fetched->prefill_ms, fetched->fetch_ms);
   report.n_prefilled = handoff_ids.size();
@@ -270,32 +271,15 @@ StepResult remote_state_route(const HandoffContext& context, std::span<const int
 // touched the decoder yet, so the next host is asked; a fault of the restore ends it.
 StepResult remote_state_handoff(const HandoffContext& context, std::span<const int32_t> handoff_ids, uint64_t sequence,
                                 HandoffReport& report) {
-  PrefillHosts& hosts = *context.prefill_hosts;
-  const std::vector<size_t> order = hosts.order(report.slot);
-  StepResult last{Step::forward, "remote_no_host", "no prefill host is configured"};
-  for (size_t i = 0; i < order.size(); ++i) {
-    const size_t host = order[i];
-    StepResult tried;
-    {
-      PrefillHosts::Lease lease(hosts, host);
-      tried = remote_state_route(context, handoff_ids, hosts.url(host), sequence, report);
-    }
-    if (tried.step == Step::handed_off) {
-      hosts.note_success(host, report.slot);
-      context.metrics->count_remote_prefill(hosts.url(host), "ok");
-      return tried;
-    }
-    if (tried.reason != "remote_state_refused" && tried.reason != "remote_provider_failed") return tried;
-    hosts.note_failure(host);
-    context.metrics->count_remote_prefill(hosts.url(host), "failed");
-    if (i + 1 < order.size()) {
-      context.metrics->count_fallback(tried.reason);
-      context.log(fmt::format("hybrid: prefill host {} failed ({}): {}; trying {}", hosts.url(host), tried.reason,
-                              tried.why, hosts.url(order[i + 1])));
-    }
-    last = std::move(tried);
-  }
-  return last;
+  return walk_prefill_hosts(
+      context, report,
+      [&](size_t host, size_t) {
+        PrefillHosts::Lease lease(*context.prefill_hosts, host);
+        StepResult tried = remote_state_route(context, handoff_ids, context.prefill_hosts->url(host), sequence, report);
+        const bool at_fault = tried.reason == "remote_state_refused" || tried.reason == "remote_provider_failed";
+        return HostAttempt{std::move(tried), at_fault, false};
+      },
+      false);
 }
 
 }  // namespace

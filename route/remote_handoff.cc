@@ -22,13 +22,7 @@ double ms_since(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
 }
 
-// One try with one prefill host. `host_at_fault`: the host did not prefill (it did not
-// answer, was busy, refused, or its transfer was refused), so another host may.
-struct Attempt {
-  StepResult result;
-  bool host_at_fault = false;
-  bool host_busy = false;  // it answered 503
-};
+using Attempt = HostAttempt;
 
 Attempt not_the_hosts(StepResult result) { return Attempt{std::move(result), false, false}; }
 
@@ -245,15 +239,15 @@ Attempt RemoteAttempt::run(const std::string& socket_name) {
 
 }  // namespace
 
-StepResult remote_handoff(const HandoffContext& context, std::span<const int32_t> handoff_ids, uint64_t sequence,
-                          HandoffReport& report) {
+StepResult walk_prefill_hosts(const HandoffContext& context, HandoffReport& report,
+                              const std::function<HostAttempt(size_t host, size_t index)>& attempt,
+                              bool last_fault_takes_local_route) {
   PrefillHosts& hosts = *context.prefill_hosts;
   const std::vector<size_t> order = hosts.order(report.slot);
   StepResult last{Step::take_file_route, "remote_no_host", "no prefill host is configured"};
   for (size_t i = 0; i < order.size(); ++i) {
     const size_t host = order[i];
-    RemoteAttempt attempt(context, handoff_ids, report, host);
-    Attempt tried = attempt.run(fmt::format("kvshare-remote-{}-{}.sock", sequence, i));
+    HostAttempt tried = attempt(host, i);
     if (tried.result.step == Step::handed_off) {
       hosts.note_success(host, report.slot);
       context.metrics->count_remote_prefill(hosts.url(host), "ok", report.kv_bytes);
@@ -264,10 +258,8 @@ StepResult remote_handoff(const HandoffContext& context, std::span<const int32_t
     context.metrics->count_remote_prefill(hosts.url(host), tried.host_busy ? "busy" : "failed");
     // A slot that could not be erased must not be shared again.
     if (tried.result.slot_may_be_stale) return tried.result;
-    // The slot is erased and no grant is open: the last host's fault leaves the local
-    // provider's route (if serve has one) as safe as it was before the first share.
     if (i + 1 == order.size()) {
-      tried.result.step = Step::take_file_route;
+      if (last_fault_takes_local_route) tried.result.step = Step::take_file_route;
       return tried.result;
     }
     context.metrics->count_fallback(tried.result.reason);
@@ -276,6 +268,19 @@ StepResult remote_handoff(const HandoffContext& context, std::span<const int32_t
     last = std::move(tried.result);
   }
   return last;
+}
+
+StepResult remote_handoff(const HandoffContext& context, std::span<const int32_t> handoff_ids, uint64_t sequence,
+                          HandoffReport& report) {
+  // The slot is erased and no grant is open after a host's fault: the last host's fault
+  // leaves the local provider's route (if serve has one) as safe as it was before the first share.
+  return walk_prefill_hosts(
+      context, report,
+      [&](size_t host, size_t index) {
+        RemoteAttempt attempt(context, handoff_ids, report, host);
+        return attempt.run(fmt::format("kvshare-remote-{}-{}.sock", sequence, index));
+      },
+      true);
 }
 
 }  // namespace kvshare::route

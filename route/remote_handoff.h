@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 
 #include "route/handoff.h"
@@ -25,5 +26,21 @@ namespace kvshare::route {
 
 StepResult remote_handoff(const HandoffContext& context, std::span<const int32_t> handoff_ids, uint64_t sequence,
                           HandoffReport& report);
+
+// One try with one prefill host.
+struct HostAttempt {
+  StepResult result;
+  bool host_at_fault = false;  // the host did not prefill (no answer, an error, a refused transfer): another may
+  bool host_busy = false;      // it answered 503
+};
+
+// Asks the prefill hosts in PrefillHosts' order, `attempt(host, index)` once each, until one
+// hands off or fails for a reason that is not the host's (then no other host would fare
+// better), or the slot could not be erased. Each host's result goes to PrefillHosts and
+// /metrics, and a host's fault with another host left is said ("trying URL") and counted.
+// With `last_fault_takes_local_route`, the last host's own fault becomes take_file_route.
+StepResult walk_prefill_hosts(const HandoffContext& context, HandoffReport& report,
+                              const std::function<HostAttempt(size_t host, size_t index)>& attempt,
+                              bool last_fault_takes_local_route);
 
 }  // namespace kvshare::route
