@@ -18,6 +18,17 @@ namespace fs = std::filesystem;
 
 ServeUnderTest::~ServeUnderTest() { process.terminate(std::chrono::seconds(10)); }
 
+std::optional<std::string> wait_for_log(const fs::path& log, const std::regex& pattern, ChildProcess& child) {
+  for (int i = 0; i < 2400; ++i) {
+    std::smatch match;
+    const std::string text = read_all(log);
+    if (std::regex_search(text, match, pattern)) return match[1].str();
+    if (child.poll_exit()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return std::nullopt;
+}
+
 std::unique_ptr<ServeUnderTest> start_serve(const ServeLaunch& launch, const fs::path& dir, std::string& why) {
   auto serve = std::make_unique<ServeUnderTest>();
   auto port = route::pick_free_loopback_port();
@@ -45,16 +56,10 @@ std::unique_ptr<ServeUnderTest> start_serve(const ServeLaunch& launch, const fs:
     return nullptr;
   }
   serve->process = std::move(*child);
-  const std::regex decoder_re(R"(decoder \S+ on 127\.0\.0\.1:(\d+))");
-  for (int i = 0; i < 2400; ++i) {
-    std::smatch match;
-    const std::string log = read_all(serve->stderr_path);
-    if (std::regex_search(log, match, decoder_re)) {
-      serve->decoder_port = std::stoi(match[1]);
-      return serve;
-    }
-    if (serve->process.poll_exit()) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  if (auto port =
+          wait_for_log(serve->stderr_path, std::regex(R"(decoder \S+ on 127\.0\.0\.1:(\d+))"), serve->process)) {
+    serve->decoder_port = std::stoi(*port);
+    return serve;
   }
   why = fmt::format("kvshare-serve {} did not report its decoder (log {})", launch.name, serve->stderr_path.string());
   return nullptr;

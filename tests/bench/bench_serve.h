@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <memory>
 #include <optional>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,11 @@ struct ServeLaunch {
   bool kv_share = false;          // ONEBIT_KV_SHARE=1 for serve and its decoder
   std::vector<std::string> env;   // NAME=VALUE added to what serve inherits
 };
+
+// The first group of `pattern`'s first match in the log file `log`, polled every 50 ms for
+// at most two minutes; nullopt when `child` exits first or the time is up.
+std::optional<std::string> wait_for_log(const std::filesystem::path& log, const std::regex& pattern,
+                                        ChildProcess& child);
 
 // nullptr with `why` set when serve did not start or did not report its decoder.
 std::unique_ptr<ServeUnderTest> start_serve(const ServeLaunch& launch, const std::filesystem::path& dir,

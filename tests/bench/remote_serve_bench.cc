@@ -82,16 +82,9 @@ std::unique_ptr<PrefillHost> start_prefill_host(const fs::path& dir, const fs::p
     return nullptr;
   }
   host->process = std::move(*child);
-  const std::regex listening(R"(listening on (http://127\.0\.0\.1:\d+))");
-  for (int i = 0; i < 2400; ++i) {
-    std::smatch match;
-    const std::string log = read_all(host->log);
-    if (std::regex_search(log, match, listening)) {
-      host->url = match[1];
-      return host;
-    }
-    if (host->process.poll_exit()) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  if (auto url = wait_for_log(host->log, std::regex(R"(listening on (http://127\.0\.0\.1:\d+))"), host->process)) {
+    host->url = *url;
+    return host;
   }
   why = fmt::format("kvshare-provider-server did not start: {}", last_log_line(host->log));
   return nullptr;
