@@ -10,6 +10,7 @@
 #include <fstream>
 
 #include "apps/provider/private_kv.h"
+#include "apps/provider/provider_command.h"
 #include "kvshare/mapping.h"
 #include "kvshare/remote/remote_sender.h"
 #include "kvshare/scatter/scatter.h"
@@ -200,32 +201,15 @@ Result<RemotePrefillReport> RemotePrefiller::run_command(std::span<const int32_t
       std::filesystem::remove_all(path, ec);
     }
   } remove_dir{*dir};
-  const std::filesystem::path ids_path = *dir / "prompt.ids", state_path = *dir / "prompt.state";
-  {
-    std::ofstream ids(ids_path);
-    for (int32_t id : tokens) ids << id << '\n';
-    if (!ids) return fail(EIO, "writing the ids file {}", ids_path.string());
-  }
-  const layout::KvParams& p = offer.header.params;
-  const std::vector<std::string> argv = {command,
-                                         "--tokens",
-                                         ids_path.string(),
-                                         "--out",
-                                         state_path.string(),
-                                         "--model",
-                                         impl_->model_path,
-                                         "--ctx-size",
-                                         std::to_string(p.n_ctx),
-                                         "--flash-attn",
-                                         p.flash_attn ? "on" : "off",
-                                         "--cache-type-k",
-                                         std::string(layout::ggml_type_name(p.type_k)),
-                                         "--cache-type-v",
-                                         std::string(layout::ggml_type_name(p.type_v))};
-  const route::ProviderRun run = route::run_provider(argv, {}, timeout);
-  if (!run.err.empty()) std::fprintf(stderr, "%s", run.err.c_str());
-  if (!run.ok()) return fail(EIO, "the provider command {} {}", command, run.describe());
-  const double forward_ms = run.prefill_ms();
+  const std::filesystem::path state_path = *dir / "prompt.state";
+  // One sequence, as before streams: only the rows are read from the file, and they are
+  // placed in the offer's stream here.
+  layout::KvParams params = offer.header.params;
+  params.n_seq_max = 1;
+  params.kv_unified = true;
+  auto ran = run_provider_command(command, *dir, state_path, impl_->model_path, params, 0, tokens, timeout);
+  if (!ran) return fail(ran.error());
+  const double forward_ms = *ran;
   const auto w0 = Clock::now();
   const layout::MemoryShape& memory = offer.header.memory;
   auto file = statefile::read_state_file(state_path, &memory);

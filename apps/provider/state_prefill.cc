@@ -12,6 +12,7 @@
 
 #include "apps/provider/prefill_routes.h"
 #include "apps/provider/private_kv.h"
+#include "apps/provider/provider_command.h"
 #include "kvshare/env.h"
 #include "kvshare/statefile/state_file_reader.h"
 #include "layout/json_depth.h"
@@ -129,35 +130,8 @@ namespace {
 Result<void> run_command_into(const ProviderModel& model, const std::string& command, const std::filesystem::path& dir,
                               const std::filesystem::path& state_path, const layout::KvParams& params, uint32_t version,
                               std::span<const int32_t> ids, std::chrono::milliseconds timeout) {
-  const std::filesystem::path ids_path = dir / "prompt.ids";
-  {
-    std::ofstream out(ids_path);
-    for (int32_t id : ids) out << id << '\n';
-    if (!out) return fail(EIO, "writing the ids file {}", ids_path.string());
-  }
-  std::vector<std::string> argv = {command,
-                                   "--tokens",
-                                   ids_path.string(),
-                                   "--out",
-                                   state_path.string(),
-                                   "--model",
-                                   model.path,
-                                   "--ctx-size",
-                                   std::to_string(params.n_ctx),
-                                   "--flash-attn",
-                                   params.flash_attn ? "on" : "off",
-                                   "--cache-type-k",
-                                   std::string(layout::ggml_type_name(params.type_k)),
-                                   "--cache-type-v",
-                                   std::string(layout::ggml_type_name(params.type_v))};
-  if (params.n_seq_max > 1) {
-    argv.insert(argv.end(), {"--parallel", std::to_string(params.n_seq_max)});
-    if (params.kv_unified) argv.push_back("--kv-unified");
-  }
-  const route::ProviderRun run =
-      route::run_provider(argv, {}, timeout, {fmt::format("{}={}", kStateVersionEnv, version)});
-  if (!run.err.empty()) std::fprintf(stderr, "%s", run.err.c_str());
-  if (!run.ok()) return fail(EIO, "the provider command {} {}", command, run.describe());
+  if (auto ran = run_provider_command(command, dir, state_path, model.path, params, version, ids, timeout); !ran)
+    return fail(ran.error());
   auto written = route::read_state_file_version(state_path);
   if (!written) return fail(EIO, "the provider command's state file: {}", written.error().what());
   if (*written != version)
