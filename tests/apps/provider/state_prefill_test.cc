@@ -129,6 +129,42 @@ TEST_F(StatePrefill, RefusesAnIdOutsideTheVocabulary) {
   EXPECT_NE(answer.body.find("outside the vocabulary"), std::string::npos) << answer.body;
 }
 
+TEST_F(StatePrefill, RefusesSlotsOutsideWhatADecoderHasNamingTheField) {
+  Json body = {{"tokens", kIds}, {"binding", Json::parse(layout::remote_state_binding_json(binding()).dump())}};
+  body["parallel"] = 0;
+  StatePrefillAnswer answer = prefiller_->answer(body.dump(), "", std::chrono::milliseconds(60000));
+  EXPECT_EQ(answer.status, 400);
+  EXPECT_NE(answer.body.find("\\\"parallel\\\" is 0, expected the decoder's slots, 1..256"), std::string::npos)
+      << answer.body;
+  body["parallel"] = 4;
+  body["kv_unified"] = "yes";
+  answer = prefiller_->answer(body.dump(), "", std::chrono::milliseconds(60000));
+  EXPECT_EQ(answer.status, 400);
+  EXPECT_NE(answer.body.find("\\\"kv_unified\\\" is \\\"yes\\\", expected true or false"), std::string::npos)
+      << answer.body;
+}
+
+TEST_F(StatePrefill, WritesOneStreamPerSlotForSeveralSlots) {
+  Json body = {{"tokens", kIds}, {"binding", Json::parse(layout::remote_state_binding_json(binding()).dump())}};
+  body["parallel"] = 4;
+  const StatePrefillAnswer answer = prefiller_->answer(body.dump(), "", std::chrono::milliseconds(60000));
+  ASSERT_EQ(answer.status, 200) << answer.body;
+  auto payload = layout::parse_remote_state(
+      std::span(reinterpret_cast<const std::byte*>(answer.body.data()), answer.body.size()), "answer");
+  ASSERT_TRUE(payload) << payload.error().what();
+  // The same ids' file, as a decoder with -np 4 (one stream per slot) reads it.
+  layout::KvParams params;
+  params.n_ctx = 1024;
+  params.n_seq_max = 4;
+  params.kv_unified = false;
+  auto memory = layout::derive_memory_shape(model_.model->shape(), params);
+  ASSERT_TRUE(memory) << memory.error().what();
+  auto file = statefile::parse_state_bytes(std::vector<std::byte>(payload->state.begin(), payload->state.end()),
+                                           &*memory, "payload state");
+  ASSERT_TRUE(file) << file.error().what();
+  EXPECT_EQ(file->tokens(), kIds);
+}
+
 TEST(StatePrefillBody, RefusesABodyWithoutABinding) {
   auto body = parse_state_prefill_body(R"({"tokens": [1, 2]})");
   ASSERT_FALSE(body);
